@@ -1,0 +1,3 @@
+from mpifl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The algorithm interface: a protocol (declared messages and their order), a server side and a client side.
+
+Both sides hold the same :class:`Protocol` (built from the same context), so they walk the same
+plan. An algorithm never touches MPI. Each round the runtime walks the protocol's plan; for a down
+message it asks the server for the payload and hands each participating client its row, for an
+up message it asks each client for its row and hands the server all rows in client-id order,
+and for :data:`~mpifl.comm.LOCAL` it lets each participating client compute. The runtime counts
+every logical byte, so an algorithm's communication cost is exactly what its plan declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.comm.messages import Message, Step
+from mpifl.config import RunConfig
+from mpifl.data import ClientSplit, FederatedLayout
+from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.runtime.training import GradHook, client_generator, local_sgd
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For algorithms without options of their own."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What both sides know before training: the config, the data layout, the initial model."""
+
+    cfg: RunConfig
+    layout: FederatedLayout
+
+    @property
+    def options(self):  # noqa: ANN201 - the algorithm's own frozen options dataclass
+        return self.cfg.algorithm_options
+
+    def new_model(self) -> FlatModel:
+        """The initial model, identical on every rank (weights drawn from the run's seed alone)."""
+        return FlatModel(build_model(self.cfg.model, self.layout, self.cfg.seed))
+
+    def weights(self, clients: np.ndarray) -> np.ndarray:
+        """Sample-count weights of ``clients`` (known to the server from the data layout), summing to 1."""
+        sizes = self.layout.train_sizes[clients].astype(np.float64)
+        return sizes / sizes.sum()
+
+
+class Protocol:
+    """Message declarations and the order they move in; shared by both sides of an algorithm."""
+
+    eval_kinds: tuple[str, ...] = ("global",)
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        raise NotImplementedError
+
+    def eval_plan(self) -> Sequence[Step]:
+        """Messages that must move before clients can be evaluated (all clients take part)."""
+        return ()
+
+
+class ServerAlgorithm:
+    """Lives on rank 0: global state and the server's step for each message."""
+
+    protocol_type: type[Protocol] = Protocol
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.protocol = self.protocol_type(ctx)
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
+
+    def round_metrics(self) -> dict[str, float]:
+        """Extra per-round scalars an algorithm wants logged (e.g. solver iterations)."""
+        return {}
+
+
+class ClientAlgorithm:
+    """Lives on each worker rank: the clients it hosts, their data and their persistent state."""
+
+    protocol_type: type[Protocol] = Protocol
+
+    def __init__(self, ctx: RunContext, data: Mapping[int, ClientSplit]):
+        self.ctx = ctx
+        self.protocol = self.protocol_type(ctx)
+        self.workspace = ctx.new_model()
+        self.loss_fn = loss_function(ctx.layout)
+        self.data = {cid: _as_tensors(split) for cid, split in data.items()}
+        self.round_losses: dict[int, float] = {}
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
+
+    def compute(self, round_: int, client: int) -> None:
+        """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used
+        before the next call, so it may live in the shared workspace."""
+        raise NotImplementedError
+
+    def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None) -> None:
+        """Run the configured local SGD on the workspace model with ``client``'s training data."""
+        split = self.data[client]
+        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, gen, grad_hook)
+        self.round_losses[client] = stats.mean_loss
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def _as_tensors(split: ClientSplit) -> TensorSplit:
+    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))) for f in TensorSplit.__dataclass_fields__))
+
+
+def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ wᵢ·rowᵢ accumulated in float64 in row (client-id) order: the result never depends on
+    how clients were spread over ranks."""
+    acc = np.zeros(rows.shape[1], dtype=np.float64)
+    for w, row in zip(weights, rows):
+        acc += w * row
+    return acc

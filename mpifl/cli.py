@@ -1,0 +1,77 @@
+"""Command line: ``mpifl run|validate|report|plot``.
+
+``run`` is the only command that uses MPI; launch it with ``mpirun -n P`` (or ``srun``), or alone
+for a single process. Bad input exits with code 2 and one ``mpifl: error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mpifl.schema import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpifl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a federated-learning job (under mpirun/srun, or alone)")
+    run.add_argument("config", help="YAML config file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set client.lr=0.1 (repeatable)")
+    run.add_argument("--out", help="results file (default: the config's output)")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
+    val.add_argument("config")
+    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    val.add_argument("--no-data", action="store_true", help="check the config only, not the data files")
+    rep = sub.add_parser("report", help="summarize a results file")
+    rep.add_argument("results")
+    rep.add_argument("--json", action="store_true", help="machine-readable output")
+    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
+    plot.add_argument("results", nargs="+")
+    plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from mpifl.runtime.launch import run_job
+
+            return run_job(args.config, args.overrides, args.out, args.quiet)
+        if args.command == "validate":
+            return _validate(args)
+        if args.command == "report":
+            from mpifl.report import report
+
+            summary = report(args.results)
+            print(json.dumps(summary, indent=2) if args.json else summary["text"])
+            return 0
+        from mpifl.report import plot
+
+        plot(args.results, args.output)
+        print(f"wrote {args.output}")
+        return 0
+    except ConfigError as exc:
+        sys.stderr.write(f"mpifl: error: {exc}\n")
+        return 2
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from mpifl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    detail = ""
+    if not args.no_data:
+        from mpifl.data import build_federated_dataset
+
+        layout = build_federated_dataset(cfg.data, cfg.seed).layout
+        seen = int((~layout.unseen).sum())
+        if cfg.clients_per_round > seen:
+            raise ConfigError(f"clients_per_round: {cfg.clients_per_round} exceeds the {seen} seen clients of the data")
+        detail = f": {layout.num_clients} clients ({seen} seen), {int(layout.train_sizes.sum())} training samples"
+    print(f"{args.config}: valid{detail}")
+    return 0

@@ -1,0 +1,85 @@
+"""Exact accounting of logical bytes (per round, client, message) and physical MPI traffic."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpifl.comm.messages import Message
+
+STAGES = ("train", "eval", "setup")
+
+
+@dataclass
+class Ledger:
+    """Logical bytes: one row per (round, client, message) a real deployment would transmit."""
+
+    message_names: list[str] = field(default_factory=list)
+    directions: list[str] = field(default_factory=list)
+    _rounds: list[np.ndarray] = field(default_factory=list)
+    _clients: list[np.ndarray] = field(default_factory=list)
+    _messages: list[np.ndarray] = field(default_factory=list)
+    _stages: list[np.ndarray] = field(default_factory=list)
+    _bytes: list[np.ndarray] = field(default_factory=list)
+
+    def _message_id(self, msg: Message) -> int:
+        if msg.name not in self.message_names:
+            self.message_names.append(msg.name)
+            self.directions.append(msg.direction)
+        return self.message_names.index(msg.name)
+
+    def record(self, round_: int, stage: str, msg: Message, clients: np.ndarray) -> None:
+        if not msg.logical or len(clients) == 0:
+            return
+        n = len(clients)
+        self._rounds.append(np.full(n, round_, dtype=np.int64))
+        self._clients.append(np.asarray(clients, dtype=np.int64))
+        self._messages.append(np.full(n, self._message_id(msg), dtype=np.int32))
+        self._stages.append(np.full(n, STAGES.index(stage), dtype=np.int8))
+        self._bytes.append(np.full(n, msg.nbytes, dtype=np.int64))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        return {
+            "round": cat(self._rounds, np.int64),
+            "client": cat(self._clients, np.int64),
+            "message": cat(self._messages, np.int32),
+            "stage": cat(self._stages, np.int8),
+            "bytes": cat(self._bytes, np.int64),
+        }
+
+    def round_totals(self, round_: int, stage: str = "train") -> dict[str, int]:
+        """Logical bytes of one round by direction (cheap: looks only at the newest rows)."""
+        totals = {"up": 0, "down": 0}
+        for r, m, s, b in zip(
+            reversed(self._rounds), reversed(self._messages), reversed(self._stages), reversed(self._bytes)
+        ):
+            if r[0] != round_:
+                break
+            if s[0] == STAGES.index(stage):
+                totals[self.directions[m[0]]] += int(b.sum())
+        return totals
+
+
+@dataclass
+class PhysicalLog:
+    """What MPI really moved from this rank's point of view: bytes and seconds per collective."""
+
+    rows: list[tuple[int, str, str, int, float]] = field(default_factory=list)
+    seconds_by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def record(self, round_: int, message: str, op: str, nbytes: int, seconds: float) -> None:
+        self.rows.append((round_, message, op, nbytes, seconds))
+        self.seconds_by_op[op] += seconds
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r[3] for r in self.rows)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(r[4] for r in self.rows)

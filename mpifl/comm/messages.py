@@ -1,0 +1,55 @@
+"""Message declarations: what an algorithm sends, in which direction, of what size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Direction = Literal["down", "up"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message type of a protocol.
+
+    ``broadcast`` down-messages carry the same payload for every participating client (one
+    ``Bcast``); the others carry one row per client (``Scatterv``/``Gatherv``). ``logical``
+    messages are what a real deployment would send and go into the ledger; the simulator's own
+    bookkeeping (evaluation metrics, compute timings) is marked ``logical=False`` and only shows
+    up as physical MPI traffic.
+    """
+
+    name: str
+    direction: Direction
+    numel: int
+    dtype: str = "float32"
+    broadcast: bool = False
+    logical: bool = True
+
+    def __post_init__(self) -> None:
+        if self.broadcast and self.direction != "down":
+            raise ValueError(f"message {self.name}: only down messages can be broadcast")
+        if self.numel < 0:
+            raise ValueError(f"message {self.name}: negative size")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one client sends or receives for this message: numel × itemsize."""
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class LocalCompute:
+    """A protocol step with no traffic: every participating client runs its local computation."""
+
+    name: str = "local"
+
+
+LOCAL = LocalCompute()
+Step = Message | LocalCompute

@@ -1,0 +1,144 @@
+"""Moving declared messages between the server (rank 0) and the worker ranks.
+
+Every call is a collective on flat contiguous numpy buffers (mpi4py's uppercase API): broadcast
+payloads go by ``Ibcast``, per-client payloads by ``Iscatterv``/``Igatherv`` with counts and
+displacements. Rows for a set of clients are always presented in client-id order, whichever rank
+holds which client, so everything downstream is independent of the rank count.
+
+Waiting is non-blocking with a growing sleep: Open MPI's blocking calls poll a full core, which
+on an oversubscribed node steals cycles from the training ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpifl.comm.ledger import Ledger, PhysicalLog
+from mpifl.comm.messages import Message
+from mpifl.comm.placement import Placement
+
+_MIN_SLEEP_S = 20e-6
+_MAX_SLEEP_S = 2e-3
+
+
+def wait_without_spinning(request) -> None:  # noqa: ANN001 - an MPI.Request
+    """Complete ``request`` while yielding the core: test, then sleep with exponential back-off."""
+    delay = _MIN_SLEEP_S
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(delay * 2.0, _MAX_SLEEP_S)
+
+
+@dataclass
+class Transport:
+    """Collectives for one communicator; rank 0 is the server, and also hosts every client if alone."""
+
+    comm: object  # mpi4py.MPI.Comm, or None when running without MPI in one process
+    placement: Placement
+    ledger: Ledger = field(default_factory=Ledger)
+    physical: PhysicalLog = field(default_factory=PhysicalLog)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return 1 if self.comm is None else self.comm.Get_size()
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == 0
+
+    def local_clients(self, clients: np.ndarray) -> np.ndarray:
+        return self.placement.local(clients, self.rank)
+
+    def down(
+        self, round_: int, stage: str, msg: Message, payload: np.ndarray | None, clients: np.ndarray
+    ) -> np.ndarray:
+        """Server → clients. ``payload`` (server only): shape [numel] if broadcast, else [len(clients), numel].
+
+        Returns this rank's rows, one per local client in ``clients`` (a read-only view for broadcasts).
+        """
+        if self.is_server:
+            self._check_payload(msg, payload, 1 if msg.broadcast else len(clients))
+            self.ledger.record(round_, stage, msg, clients)
+        local = self.local_clients(clients)
+        if self.size == 1:
+            rows = payload.reshape(-1, msg.numel)
+        elif msg.broadcast:
+            rows = self._bcast(round_, msg, payload)
+        else:
+            rows = self._scatter(round_, msg, payload, clients, len(local))
+        if msg.broadcast:
+            rows = np.broadcast_to(rows.reshape(1, msg.numel), (len(local), msg.numel))
+        return rows
+
+    def up(self, round_: int, stage: str, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
+        """Clients → server. ``rows``: this rank's local clients' rows. Returns all rows in ``clients`` order
+        on the server, ``None`` elsewhere."""
+        local = self.local_clients(clients)
+        self._check_payload(msg, rows, len(local))
+        if self.is_server:
+            self.ledger.record(round_, stage, msg, clients)
+        if self.size == 1:
+            return rows
+        return self._gather(round_, msg, rows, clients)
+
+    @staticmethod
+    def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> None:
+        if payload is None or payload.dtype != np.dtype(msg.dtype) or payload.size != rows * msg.numel:
+            got = "None" if payload is None else f"{payload.dtype}{list(payload.shape)}"
+            raise ValueError(f"message {msg.name}: expected {rows}×{msg.numel} {msg.dtype}, got {got}")
+
+    def _timed(self, round_: int, msg: Message, op: str, nbytes: int, request) -> None:  # noqa: ANN001
+        start = time.perf_counter()
+        wait_without_spinning(request)
+        self.physical.record(round_, msg.name, op, nbytes, time.perf_counter() - start)
+
+    def _bcast(self, round_: int, msg: Message, payload: np.ndarray | None) -> np.ndarray:
+        buf = np.ascontiguousarray(payload) if self.is_server else np.empty(msg.numel, dtype=msg.dtype)
+        nbytes = buf.nbytes * (self.size - 1) if self.is_server else buf.nbytes
+        self._timed(round_, msg, "bcast", nbytes, self.comm.Ibcast(buf, root=0))
+        return buf
+
+    def _scatter(
+        self, round_: int, msg: Message, payload: np.ndarray | None, clients: np.ndarray, n_local: int
+    ) -> np.ndarray:
+        recv = np.empty((n_local, msg.numel), dtype=msg.dtype)
+        if self.is_server:
+            perm, per_rank = self.placement.rank_order(clients)
+            send = np.ascontiguousarray(payload.reshape(len(clients), msg.numel)[perm])
+            counts = per_rank * msg.numel
+            displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            request = self.comm.Iscatterv([send, counts, displs, _mpi_type(msg)], recv, root=0)
+            nbytes = send.nbytes
+        else:
+            request = self.comm.Iscatterv(None, recv, root=0)
+            nbytes = recv.nbytes
+        self._timed(round_, msg, "scatterv", nbytes, request)
+        return recv
+
+    def _gather(self, round_: int, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
+        send = np.ascontiguousarray(rows, dtype=msg.dtype).reshape(-1)
+        if not self.is_server:
+            self._timed(round_, msg, "gatherv", send.nbytes, self.comm.Igatherv(send, None, root=0))
+            return None
+        perm, per_rank = self.placement.rank_order(clients)
+        counts = per_rank * msg.numel
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        recv = np.empty((len(clients), msg.numel), dtype=msg.dtype)
+        request = self.comm.Igatherv(send, [recv, counts, displs, _mpi_type(msg)], root=0)
+        self._timed(round_, msg, "gatherv", recv.nbytes, request)
+        out = np.empty_like(recv)
+        out[perm] = recv
+        return out
+
+
+def _mpi_type(msg: Message):  # noqa: ANN202 - an MPI.Datatype
+    from mpi4py.util.dtlib import from_numpy_dtype
+
+    return from_numpy_dtype(np.dtype(msg.dtype))

@@ -1,0 +1,180 @@
+"""The run configuration: YAML → validated, frozen :class:`RunConfig`.
+
+Top-level names (``algorithm``, ``rounds``, ``clients_per_round``, ``seed``, ``eval_every``,
+``checkpoint_every``, ``data``, ``model``, ``client``, ``server``, ``network``) are stable so
+scripts can rely on them. Algorithm-specific options live in a section named after the
+algorithm (e.g. ``fedprox: {mu: 0.01}``), validated by that algorithm's own schema.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mpifl.data.config import DataConfig
+from mpifl.schema import ConfigError, build, limits, to_dict
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: Literal["lenet", "mlp", "cnn", "linear", "logistic", "char_lstm"] = "mlp"
+    hidden: tuple[int, ...] = (64,)
+    channels: tuple[int, ...] = (16, 32)
+    fc_hidden: int = field(default=128, metadata=limits(ge=1))
+    embed_dim: int = field(default=8, metadata=limits(ge=1))
+    lstm_hidden: int = field(default=128, metadata=limits(ge=1))
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Local optimizer of every client (plain SGD with the usual options)."""
+
+    lr: float = field(default=0.05, metadata=limits(gt=0))
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    weight_decay: float = field(default=0.0, metadata=limits(ge=0))
+    epochs: int = field(default=1, metadata=limits(ge=1))
+    steps: int | None = field(default=None, metadata=limits(ge=1))
+    batch_size: int = field(default=32, metadata=limits(ge=1))
+    clip_norm: float | None = field(default=None, metadata=limits(gt=0))
+    drop_last: bool = False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server optimizer applied to the aggregated pseudo-gradient."""
+
+    lr: float = field(default=1.0, metadata=limits(gt=0))
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value."""
+
+    latency_s: float = field(default=0.05, metadata=limits(ge=0))
+    up_mbps: float = field(default=10.0, metadata=limits(gt=0))
+    down_mbps: float = field(default=50.0, metadata=limits(gt=0))
+    distribution: Literal["fixed", "lognormal"] = "fixed"
+    sigma: float = field(default=0.5, metadata=limits(ge=0))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    algorithm: str = "fedavg"
+    rounds: int = field(default=10, metadata=limits(ge=1))
+    clients_per_round: int = field(default=5, metadata=limits(ge=1))
+    seed: int = field(default=0, metadata=limits(ge=0))
+    eval_every: int = field(default=1, metadata=limits(ge=1))
+    checkpoint_every: int = field(default=0, metadata=limits(ge=0))
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    output: str = "results/run.h5"
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = ServerConfig()
+    network: NetworkConfig = NetworkConfig()
+    algorithm_options: Any = None  # the algorithm's own frozen options, built from its section
+
+
+def _parse_scalar(text: str) -> Any:
+    """Interpret a ``--set`` value the way YAML would (``0.1`` → float, ``[1, 2]`` → list)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set value {text!r} is not valid YAML: {exc}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to a raw config mapping (returns a copy)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set key {key!r} is empty or malformed")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(text)
+    return out
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return raw
+
+
+def parse_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a raw mapping into a :class:`RunConfig` (static checks only, no data access)."""
+    from mpifl.algorithms import get_algorithm, known_algorithms
+
+    raw = dict(raw)
+    name = raw.get("algorithm", RunConfig.algorithm)
+    if not isinstance(name, str) or name not in known_algorithms():
+        import difflib
+
+        close = difflib.get_close_matches(str(name), known_algorithms(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"algorithm: unknown algorithm {name!r}{hint}; known: {', '.join(known_algorithms())}")
+    algo = get_algorithm(name)
+    section = raw.pop(name, None) if name not in RunConfig.__dataclass_fields__ else None
+    for other in known_algorithms():
+        if other != name and other in raw:
+            raise ConfigError(f"{other}: options for algorithm {other!r} given, but algorithm is {name!r}")
+    if "algorithm_options" in raw:
+        raise ConfigError(f"config: unknown key 'algorithm_options' (put options under '{name}:')")
+    cfg = build(RunConfig, raw)
+    options = build(algo.options_type, section, name)
+    cfg = RunConfig(**{**cfg.__dict__, "algorithm_options": options})
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def _check_cross_fields(cfg: RunConfig) -> None:
+    d = cfg.data
+    if d.partition != "natural" and cfg.clients_per_round > d.num_clients:
+        raise ConfigError(
+            f"clients_per_round: {cfg.clients_per_round} exceeds data.num_clients ({d.num_clients})"
+        )
+    if d.test_fraction + d.val_fraction >= 1:
+        raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
+    if cfg.eval_every > cfg.rounds:
+        raise ConfigError(f"eval_every: {cfg.eval_every} exceeds rounds ({cfg.rounds}); no round would be evaluated")
+    if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
+        raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    return parse_config(apply_overrides(load_raw(path), overrides or []))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data (what the results file stores)."""
+    out = to_dict(cfg)
+    options = out.pop("algorithm_options")
+    if options:
+        out[cfg.algorithm] = options
+    return out

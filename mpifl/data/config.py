@@ -1,0 +1,57 @@
+"""The ``data:`` section of a run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mpifl.schema import limits
+
+DatasetName = Literal[
+    "digits",
+    "fashion_mnist",
+    "mnist",
+    "cifar10",
+    "cifar100",
+    "femnist",
+    "shakespeare",
+    "gaussian_images",
+    "leaf_synthetic",
+    "karula_ridge",
+]
+PartitionName = Literal["iid", "classes", "dirichlet", "dirichlet_pefll", "shards", "natural"]
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Knobs of the synthetic generators (ignored by file-backed datasets)."""
+
+    samples_per_client: int = field(default=64, metadata=limits(ge=1))
+    num_classes: int = field(default=10, metadata=limits(ge=2))
+    image_shape: tuple[int, ...] = (1, 28, 28)
+    num_features: int = field(default=60, metadata=limits(ge=1))
+    class_separation: float = field(default=1.0, metadata=limits(ge=0))
+    leaf_alpha: float = field(default=1.0, metadata=limits(ge=0))
+    leaf_beta: float = field(default=1.0, metadata=limits(ge=0))
+    ridge_min_samples: int = field(default=10, metadata=limits(ge=1))
+    ridge_max_samples: int = field(default=100, metadata=limits(ge=1))
+    ridge_noise_std: float = field(default=1.0, metadata=limits(ge=0))
+    ridge_feature_groups: Literal["aligned", "crossed"] = "aligned"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: DatasetName = "digits"
+    root: str | None = None
+    num_clients: int = field(default=10, metadata=limits(ge=1))
+    partition: PartitionName = "iid"
+    classes_per_client: int = field(default=2, metadata=limits(ge=1))
+    alpha: float = field(default=0.5, metadata=limits(gt=0))
+    shards_per_client: int = field(default=2, metadata=limits(ge=1))
+    unseen_fraction: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    val_fraction: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    test_fraction: float = field(default=0.2, metadata=limits(gt=0, lt=1))
+    max_clients: int | None = field(default=None, metadata=limits(ge=1))
+    normalize: bool = True
+    pad_to: int | None = field(default=None, metadata=limits(ge=1))
+    synthetic: SyntheticConfig = SyntheticConfig()

@@ -1,0 +1,49 @@
+"""Model registry: builds the configured architecture for a dataset's input shape and task."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpifl.config import ModelConfig
+from mpifl.data import FederatedLayout
+from mpifl.models.flat import FlatModel
+from mpifl.models.zoo import MLP, CharLSTM, ConvNet
+from mpifl.schema import ConfigError
+
+__all__ = ["FlatModel", "build_model", "loss_function"]
+
+
+def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Module:
+    """Construct ``cfg.name`` for ``layout`` with weights drawn from ``seed`` alone (never global RNG state)."""
+    regression = layout.task == "regression"
+    out = 0 if regression else layout.num_classes
+    shape = tuple(layout.input_shape)
+    if (cfg.name == "linear") != regression:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} does not fit a {layout.task} dataset"
+            + (" (use 'linear')" if regression else " ('linear' is for regression; use 'logistic')")
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if cfg.name in ("lenet", "cnn"):
+            if len(shape) != 3:
+                raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
+            channels, hidden = ((16, 32), (120, 84)) if cfg.name == "lenet" else (cfg.channels, (cfg.fc_hidden,))
+            try:
+                return ConvNet(shape, channels, hidden, out)
+            except ValueError as exc:
+                raise ConfigError(f"model: {exc}") from None
+        if cfg.name == "char_lstm":
+            if layout.input_dtype != "int64":
+                raise ConfigError("model.name: 'char_lstm' needs token inputs (shakespeare)")
+            return CharLSTM(layout.num_classes + 1, cfg.embed_dim, cfg.lstm_hidden, out)
+        if layout.input_dtype != "float32":
+            raise ConfigError(f"model.name: {cfg.name!r} needs real-valued inputs; use 'char_lstm' for tokens")
+        hidden = cfg.hidden if cfg.name == "mlp" else ()
+        return MLP(shape, hidden, out)
+
+
+def loss_function(layout: FederatedLayout) -> nn.Module:
+    """Mean squared error for regression, cross-entropy on logits for classification (both mean-reduced)."""
+    return nn.MSELoss() if layout.task == "regression" else nn.CrossEntropyLoss()

@@ -1,0 +1,107 @@
+"""Reading results files back: a summary (text or JSON) and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpifl.results import Results, read_results
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def logical_totals(results: Results) -> dict[str, dict[str, dict[str, int]]]:
+    """Logical bytes by stage → direction → message type."""
+    ledger = results.table("ledger")
+    attrs = results.table_attrs.get("ledger", {})
+    names, directions, stages = attrs.get("message_names", []), attrs.get("directions", []), attrs.get("stages", [])
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    if not ledger:
+        return out
+    for m, name in enumerate(names):
+        for s, stage in enumerate(stages):
+            mask = (ledger["message"] == m) & (ledger["stage"] == s)
+            if mask.any():
+                out.setdefault(stage, {}).setdefault(directions[m], {})[name] = int(ledger["bytes"][mask].sum())
+    return out
+
+
+def report(path: str) -> dict[str, Any]:
+    res = read_results(path)
+    ev, rounds = res.table("eval"), res.table("rounds")
+    final: dict[str, float] = {}
+    if ev:
+        final = {k: float(v[-1]) for k, v in ev.items() if k not in ("round",) and np.isfinite(v[-1])}
+    totals = logical_totals(res)
+    ranks = res.table("ranks")
+    summary: dict[str, Any] = {
+        "file": str(path),
+        "algorithm": res.attrs.get("algorithm"),
+        "status": res.attrs.get("status"),
+        "world_size": res.attrs.get("world_size"),
+        "rounds_completed": res.attrs.get("rounds_completed"),
+        "last_eval_round": int(ev["round"][-1]) if ev else None,
+        "final": final,
+        "logical_bytes": totals,
+        "physical_mpi_bytes": int(ranks["mpi_bytes"].sum()) if ranks else int(res.table("physical").get("bytes", np.zeros(0)).sum()),
+        "mpi_seconds_by_rank": [float(s) for s in ranks["mpi_seconds"]] if ranks else None,
+        "wall_time_s": res.attrs.get("wall_time_s"),
+        "simulated_time_s": float(np.sum(rounds["sim_time_s"])) if rounds else 0.0,
+    }
+    lines = [
+        f"{path}: {summary['algorithm']}, {summary['status']}, {summary['rounds_completed']} rounds on "
+        f"{summary['world_size']} rank(s), wall {summary['wall_time_s']:.1f} s, simulated {summary['simulated_time_s']:.1f} s",
+    ]
+    if final:
+        lines.append(f"final evaluation (round {summary['last_eval_round']}):")
+        for key in sorted(final):
+            if key != "cum_logical_bytes":
+                lines.append(f"  {key:<32} {final[key]:.4f}")
+    for stage, by_dir in totals.items():
+        for direction, by_msg in by_dir.items():
+            detail = ", ".join(f"{name} {_bytes(b)}" for name, b in by_msg.items())
+            lines.append(f"logical {stage} {direction:<4} {_bytes(sum(by_msg.values())):>10}  ({detail})")
+    lines.append(f"physical MPI traffic       {_bytes(summary['physical_mpi_bytes']):>10}")
+    summary["text"] = "\n".join(lines)
+    return summary
+
+
+def plot(paths: list[str], output: str) -> None:
+    """Accuracy vs rounds and vs cumulative logical bytes, one line per run and client group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for path in paths:
+        res = read_results(path)
+        ev = res.table("eval")
+        if not ev:
+            continue
+        label = f"{Path(path).stem} ({res.attrs.get('algorithm')})"
+        for key in sorted(k for k in ev if k.endswith(".acc_pooled") and np.isfinite(ev[k]).any()):
+            kind, group = key.split(".")[:2]
+            style = "-" if group == "seen" else "--"
+            name = f"{label} {kind} {group}"
+            ax_r.plot(ev["round"], ev[key], style, label=name)
+            ax_b.plot(ev["cum_logical_bytes"] / 1e6, ev[key], style, label=name)
+    score = "R²" if read_results(paths[0]).attrs.get("task") == "regression" else "accuracy"
+    ax_r.set(xlabel="round", ylabel=f"test {score} (pooled)", title=f"{score} vs rounds")
+    ax_b.set(xlabel="cumulative logical bytes, training (MB)", ylabel=f"test {score} (pooled)",
+             title=f"{score} vs communication")
+    for ax in (ax_r, ax_b):
+        ax.grid(alpha=0.3)
+    ax_r.legend(fontsize=7)
+    fig.tight_layout()
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)

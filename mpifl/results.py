@@ -1,0 +1,120 @@
+"""The results file: one HDF5 file per run, written by rank 0 only, replaced atomically.
+
+Layout (every table is a group of equal-length 1-D columns):
+
+    /                 attrs: config (YAML), status (running|completed), mpifl/torch/mpi versions,
+                      world_size, mpi_library, wall_time_s, rounds_completed
+    /rounds           one row per training round: round, sim_time_s, wall_time_s, server_time_s,
+                      train_loss, logical_up_bytes, logical_down_bytes, + algorithm scalars
+    /eval             one row per evaluation: round, cum_logical_bytes, and for each model kind
+                      K (global, local, personal, ...) and group G (seen, unseen):
+                      K/G/acc_pooled, K/G/acc_mean, K/G/loss (flattened as "K.G.acc_pooled")
+    /ledger           logical bytes: round, client, message, stage, bytes; attrs message_names,
+                      directions, stages
+    /physical         rank 0's collectives: round, message, op, bytes, seconds
+    /ranks            per rank: rank, clients, mpi_bytes, mpi_seconds, compute_seconds
+    /clients          final per-client metrics: client, unseen, train_size, owner, and per kind K:
+                      K.acc, K.loss, K.n_test
+
+The file is rewritten to a temporary name and renamed over the old one at every evaluation, so a
+run killed at any moment leaves either the previous complete file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+
+@dataclass
+class Table:
+    """Append-only columns of numbers; a row may add a column that earlier rows lack (NaN-filled)."""
+
+    columns: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    length: int = 0
+
+    def append(self, row: dict[str, float]) -> None:
+        for key in row:
+            if key not in self.columns:
+                self.columns[key] = [np.nan] * self.length
+        for key, values in self.columns.items():
+            values.append(row.get(key, np.nan))
+        self.length += 1
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.columns.items()}
+
+
+def _write_table(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
+    for name, values in columns.items():
+        group.create_dataset(name, data=values, compression="gzip" if values.size > 4096 else None)
+
+
+def _write_attrs(node: h5py.Group, attrs: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            value = np.array(value, dtype=h5py.string_dtype())
+        node.attrs[key] = value
+
+
+def write_atomically(path: str | Path, attrs: dict[str, Any], tables: dict[str, dict[str, np.ndarray]],
+                     table_attrs: dict[str, dict[str, Any]] | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            _write_attrs(f, attrs)
+            for name, columns in tables.items():
+                group = f.create_group(name)
+                _write_table(group, columns)
+                _write_attrs(group, (table_attrs or {}).get(name, {}))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@dataclass(frozen=True)
+class Results:
+    """A results file read back into memory."""
+
+    attrs: dict[str, Any]
+    tables: dict[str, dict[str, np.ndarray]]
+    table_attrs: dict[str, dict[str, Any]]
+
+    def table(self, name: str) -> dict[str, np.ndarray]:
+        return self.tables.get(name, {})
+
+
+def read_results(path: str | Path) -> Results:
+    from mpifl.schema import ConfigError
+
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            tables = {name: {col: group[col][()] for col in group} for name, group in f.items()}
+            table_attrs = {name: {k: _plain(v) for k, v in group.attrs.items()} for name, group in f.items()}
+    except FileNotFoundError:
+        raise ConfigError(f"results file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{path} is not a readable mpifl results file (HDF5): {exc}") from None
+    if "config" not in attrs:
+        raise ConfigError(f"{path} is an HDF5 file but not an mpifl results file (no config attribute)")
+    return Results(attrs, tables, table_attrs)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

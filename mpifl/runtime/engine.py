@@ -1,0 +1,280 @@
+"""The round loop every rank runs: walk the algorithm's plan, move its messages, account, evaluate, record."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mpifl import __version__
+from mpifl.algorithms import get_algorithm
+from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
+from mpifl.comm import LocalCompute, Message, Placement, Step, Transport
+from mpifl.comm.network import NetworkModel
+from mpifl.config import RunConfig, config_to_dict
+from mpifl.data import build_federated_dataset
+from mpifl.results import Table, write_atomically
+from mpifl.runtime.metrics import summarize
+from mpifl.runtime.sampling import sample_clients
+from mpifl.runtime.training import EVAL_FIELDS, evaluate
+from mpifl.schema import ConfigError
+
+TELEMETRY_FIELDS = ("compute_s", "train_loss")
+
+
+@dataclass
+class RankClock:
+    """Where this rank's time went (seconds)."""
+
+    compute: float = 0.0
+    server: float = 0.0
+    evaluation: float = 0.0
+    io: float = 0.0
+    per_client: dict[int, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, cfg: RunConfig, comm, output: str | Path):  # noqa: ANN001 - an mpi4py communicator
+        self.cfg = cfg
+        self.comm = comm
+        self.output = Path(output)
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.clock = RankClock()
+
+    # ----------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        """Everything that can fail on bad input happens here, before the first collective of training."""
+        torch.set_num_threads(1)  # a client's arithmetic must not depend on its rank's thread count
+        cfg = self.cfg
+        dataset = build_federated_dataset(cfg.data, cfg.seed)
+        self.layout = layout = dataset.layout
+        self.seen = np.flatnonzero(~layout.unseen)
+        if cfg.clients_per_round > len(self.seen):
+            raise ConfigError(
+                f"clients_per_round: {cfg.clients_per_round} exceeds the {len(self.seen)} seen clients of the data"
+            )
+        self.placement = Placement.balanced(layout.train_sizes, self.size)
+        self.transport = Transport(self.comm, self.placement)
+        ctx = RunContext(cfg, layout)
+        entry = get_algorithm(cfg.algorithm)
+        self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
+        self.client: ClientAlgorithm | None = None
+        if self.size == 1 or self.rank > 0:
+            self.client = entry.client(ctx, dataset.load_clients(self.placement.clients_of(self.rank)))
+        self.protocol = (self.server or self.client).protocol
+        self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
+        kinds = len(self.protocol.eval_kinds)
+        self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
+        self.eval_msg = Message("eval_metrics", "up", kinds * len(EVAL_FIELDS), "float64", logical=False)
+        self.rounds_table, self.eval_table = Table(), Table()
+        self.final_rows: np.ndarray | None = None
+        self.started = time.time()
+
+    # ----------------------------------------------------------------- rounds
+    def run(self, progress: bool = True) -> None:
+        for round_ in range(1, self.cfg.rounds + 1):
+            self.train_round(round_)
+            if round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds:
+                self.evaluate(round_)
+                if self.server is not None:
+                    if progress:
+                        self._print_progress(round_)
+                    self.write_results(status="running")
+        self._finish()
+
+    def train_round(self, round_: int) -> None:
+        start = time.perf_counter()
+        server_before = self.clock.server
+        clients = sample_clients(self.cfg.seed, round_, self.seen, self.cfg.clients_per_round)
+        plan = self.protocol.train_plan(round_)
+        compute_s, local = self.run_plan(round_, "train", plan, clients)
+        rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
+        rows[:, 0] = compute_s
+        rows[:, 1] = [self.client.round_losses.pop(int(c), np.nan) for c in local]
+        telemetry = self.transport.up(round_, "train", self.telemetry_msg, rows, clients)
+        if self.server is None:
+            return
+        server_s = self.clock.server - server_before
+        logical = [m for m in plan if isinstance(m, Message) and m.logical]
+        down = [m for m in logical if m.direction == "down"]
+        up = [m for m in logical if m.direction == "up"]
+        per_client_s = self.network.client_seconds(
+            clients,
+            np.full(len(clients), sum(m.nbytes for m in down)),
+            len(down),
+            np.full(len(clients), sum(m.nbytes for m in up)),
+            len(up),
+            telemetry[:, 0],
+        )
+        totals = self.transport.ledger.round_totals(round_)
+        self.rounds_table.append({
+            "round": round_,
+            "sim_time_s": server_s + float(per_client_s.max()),
+            "wall_time_s": time.perf_counter() - start,
+            "server_time_s": server_s,
+            "train_loss": float(np.nanmean(telemetry[:, 1])) if np.isfinite(telemetry[:, 1]).any() else np.nan,
+            "logical_up_bytes": totals["up"],
+            "logical_down_bytes": totals["down"],
+            **self.server.round_metrics(),
+        })
+
+    def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Move every step of ``plan`` among ``clients``; returns this rank's per-client compute seconds."""
+        local = self.transport.local_clients(clients) if self.client else clients[:0]
+        seconds = np.zeros(len(local))
+        for step in plan:
+            if isinstance(step, LocalCompute):
+                self._per_client(local, seconds, lambda c, i: self.client.compute(round_, c))
+            elif step.direction == "down":
+                payload = self._on_server(lambda: self.server.payload(step, round_, clients))
+                rows = self.transport.down(round_, stage, step, payload, clients)
+                self._per_client(local, seconds, lambda c, i: self.client.receive(step, round_, c, rows[i]))
+            else:
+                rows = np.empty((len(local), step.numel), dtype=step.dtype)
+                self._per_client(local, seconds, lambda c, i: rows.__setitem__(i, self.client.send(step, round_, c)))
+                gathered = self.transport.up(round_, stage, step, rows, clients)
+                self._on_server(lambda: self.server.consume(step, round_, clients, gathered))
+        return seconds, local
+
+    def _per_client(self, local: np.ndarray, seconds: np.ndarray, fn) -> None:  # noqa: ANN001
+        """Call ``fn(client, position)`` for each local client, charging its time to that client."""
+        for i, client in enumerate(local):
+            start = time.perf_counter()
+            fn(int(client), i)
+            elapsed = time.perf_counter() - start
+            seconds[i] += elapsed
+            self.clock.compute += elapsed
+
+    def _on_server(self, fn):  # noqa: ANN001, ANN202
+        if self.server is None:
+            return None
+        start = time.perf_counter()
+        result = fn()
+        self.clock.server += time.perf_counter() - start
+        return result
+
+    # ------------------------------------------------------------- evaluation
+    def evaluate(self, round_: int) -> None:
+        start = time.perf_counter()
+        everyone = np.arange(self.layout.num_clients)
+        self.run_plan(round_, "eval", self.protocol.eval_plan(), everyone)
+        local = self.transport.local_clients(everyone) if self.client else everyone[:0]
+        kinds = self.protocol.eval_kinds
+        rows = np.zeros((len(local), self.eval_msg.numel))
+        for i, client in enumerate(local):
+            split = self.client.data[int(client)]
+            for j, kind in enumerate(kinds):
+                model = self.client.eval_model(int(client), kind)
+                rows[i, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)] = evaluate(
+                    model, split.x_test, split.y_test, self.client.loss_fn
+                )
+        gathered = self.transport.up(round_, "eval", self.eval_msg, rows, everyone)
+        self.clock.evaluation += time.perf_counter() - start
+        if self.server is None:
+            return
+        self.final_rows = gathered
+        ledger = self.transport.ledger.columns()
+        row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(ledger["bytes"][ledger["stage"] == 0].sum())}
+        regression = self.layout.task == "regression"
+        for j, kind in enumerate(kinds):
+            block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
+            for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
+                for name, value in summarize(block[mask], regression).items():
+                    row[f"{kind}.{group}.{name}"] = value
+        self.eval_table.append(row)
+
+    def _print_progress(self, round_: int) -> None:
+        last = self.eval_table.arrays()
+        kind = self.protocol.eval_kinds[0]
+        rounds = self.rounds_table.arrays()
+        parts = [f"round {round_:>{len(str(self.cfg.rounds))}}/{self.cfg.rounds}"]
+        for group in ("seen", "unseen"):
+            key = f"{kind}.{group}.acc_pooled"
+            if key in last:
+                parts.append(f"{group} acc {last[key][-1]:.4f} (mean {last[f'{kind}.{group}.acc_mean'][-1]:.4f})")
+        parts.append(f"loss {rounds['train_loss'][-1]:.4f}")
+        parts.append(f"logical {last['cum_logical_bytes'][-1] / 1e6:.2f} MB")
+        parts.append(f"{np.median(rounds['wall_time_s']):.3f} s/round")
+        print(" | ".join(parts), flush=True)
+
+    # ---------------------------------------------------------------- results
+    def _finish(self) -> None:
+        """Collect every rank's MPI and compute totals (once, at the end: small pickled objects are fine)."""
+        mine = (self.rank, len(self.placement.clients_of(self.rank)), self.transport.physical.total_bytes,
+                self.transport.physical.total_seconds, self.clock.compute, self.clock.evaluation)
+        per_rank = self.comm.gather(mine, root=0) if self.size > 1 else [mine]
+        if self.server is not None:
+            self.write_results(status="completed", per_rank=per_rank)
+
+    def write_results(self, status: str, per_rank: list[tuple] | None = None) -> None:
+        start = time.perf_counter()
+        import mpi4py
+        from mpi4py import MPI
+
+        ledger = self.transport.ledger
+        physical = self.transport.physical.rows
+        tables = {
+            "rounds": self.rounds_table.arrays(),
+            "eval": self.eval_table.arrays(),
+            "ledger": ledger.columns(),
+            "physical": {
+                "round": np.array([r[0] for r in physical], dtype=np.int64),
+                "message": np.array([r[1] for r in physical], dtype="S"),
+                "op": np.array([r[2] for r in physical], dtype="S"),
+                "bytes": np.array([r[3] for r in physical], dtype=np.int64),
+                "seconds": np.array([r[4] for r in physical], dtype=np.float64),
+            },
+            "clients": self._client_table(),
+        }
+        if per_rank is not None:
+            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "eval_seconds")
+            tables["ranks"] = {n: np.array([r[i] for r in per_rank]) for i, n in enumerate(names)}
+        import yaml
+
+        attrs = {
+            "config": yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False),
+            "status": status,
+            "algorithm": self.cfg.algorithm,
+            "rounds_completed": int(self.rounds_table.length),
+            "world_size": self.size,
+            "wall_time_s": time.time() - self.started,
+            "eval_kinds": list(self.protocol.eval_kinds),
+            "task": self.layout.task,
+            "mpifl_version": __version__,
+            "python_version": sys.version.split()[0],
+            "torch_version": str(torch.__version__),
+            "numpy_version": np.__version__,
+            "mpi4py_version": mpi4py.__version__,
+            "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
+            "hostname": platform.node(),
+        }
+        table_attrs = {"ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
+                                  "stages": ["train", "eval", "setup"]}}
+        write_atomically(self.output, attrs, tables, table_attrs)
+        self.clock.io += time.perf_counter() - start
+
+    def _client_table(self) -> dict[str, np.ndarray]:
+        layout = self.layout
+        table = {
+            "client": np.arange(layout.num_clients),
+            "unseen": layout.unseen.astype(np.int8),
+            "train_size": layout.train_sizes,
+            "owner": self.placement.owner,
+        }
+        if self.final_rows is not None:
+            width = len(EVAL_FIELDS)
+            for j, kind in enumerate(self.protocol.eval_kinds):
+                block = self.final_rows[:, j * width : (j + 1) * width]
+                n = np.maximum(block[:, 0], 1)
+                table[f"{kind}.n_test"] = block[:, 0]
+                table[f"{kind}.loss"] = block[:, 2] / n
+                if layout.task != "regression":
+                    table[f"{kind}.acc"] = block[:, 1] / n
+        return table

@@ -1,0 +1,111 @@
+"""Client-side arithmetic shared by algorithms: local SGD on a flat model, and evaluation.
+
+A client's randomness comes only from (seed, round, client id), and every rank computes with one
+thread, so a client's update is bitwise the same whichever rank hosts it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.config import ClientConfig
+from mpifl.models.flat import FlatModel
+
+GradHook = Callable[[torch.Tensor, torch.Tensor], None]
+"""Called as ``hook(params, grads)`` after each backward pass; may modify ``grads`` in place
+(FedProx's proximal term, SCAFFOLD's control variates, ...)."""
+
+EVAL_FIELDS = ("n", "correct", "loss_sum", "y_sum", "y_sq_sum")
+
+
+def client_generator(seed: int, round_: int, client: int, purpose: int = 0) -> torch.Generator:
+    """A torch generator keyed by (seed, round, client, purpose) and nothing else."""
+    state = np.random.SeedSequence([seed, round_, client, purpose]).generate_state(2, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    steps: int
+    mean_loss: float
+
+
+def local_sgd(
+    model: FlatModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: nn.Module,
+    cfg: ClientConfig,
+    generator: torch.Generator,
+    grad_hook: GradHook | None = None,
+    lr: float | None = None,
+    steps: int | None = None,
+) -> TrainStats:
+    """Mini-batch SGD (momentum, weight decay, clipping as torch.optim.SGD) on ``model`` in place.
+
+    Runs ``steps`` (or ``cfg.steps``) batches if given, else ``cfg.epochs`` passes; each pass draws a
+    fresh permutation from ``generator``.
+    """
+    n = len(x)
+    lr = cfg.lr if lr is None else lr
+    batch = min(cfg.batch_size, n)
+    per_epoch = n // batch if cfg.drop_last else math.ceil(n / batch)
+    total = steps or cfg.steps or cfg.epochs * per_epoch
+    params, grads = model.params, model.grads
+    momentum = torch.zeros_like(params) if cfg.momentum > 0 else None
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    done = 0
+    while done < total:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, per_epoch * batch, batch):
+            if done == total:
+                break
+            idx = order[start : start + batch]
+            loss = loss_fn(model.module(x[idx]), y[idx])
+            model.compute_gradient(loss)
+            loss_sum += loss.detach()
+            if grad_hook is not None:
+                grad_hook(params, grads)
+            sgd_step(params, grads, momentum, lr, cfg)
+            done += 1
+    return TrainStats(done, float(loss_sum) / max(done, 1))
+
+
+@torch.no_grad()
+def sgd_step(
+    params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float, cfg: ClientConfig
+) -> None:
+    if cfg.clip_norm is not None:
+        norm = torch.linalg.vector_norm(grads)
+        if norm > cfg.clip_norm:
+            grads.mul_(cfg.clip_norm / (norm + 1e-6))
+    if cfg.weight_decay:
+        grads.add_(params, alpha=cfg.weight_decay)
+    if momentum is not None:
+        momentum.mul_(cfg.momentum).add_(grads)
+        grads = momentum
+    params.add_(grads, alpha=-lr)
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, batch: int = 1024) -> np.ndarray:
+    """One row of :data:`EVAL_FIELDS` sums (so clients can be pooled exactly on the server)."""
+    row = np.zeros(len(EVAL_FIELDS))
+    row[0] = len(x)
+    for start in range(0, len(x), batch):
+        xb, yb = x[start : start + batch], y[start : start + batch]
+        out = module(xb)
+        if yb.is_floating_point():
+            row[2] += float(((out - yb) ** 2).sum())
+            row[3] += float(yb.sum())
+            row[4] += float((yb.double() ** 2).sum())
+        else:
+            row[1] += float((out.argmax(1) == yb).sum())
+            row[2] += float(loss_fn(out, yb)) * len(xb)
+    return row

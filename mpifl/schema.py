@@ -1,0 +1,143 @@
+"""Typed, frozen config sections built from plain mappings.
+
+Each config section is a frozen dataclass. ``build`` turns a YAML mapping into
+it, rejecting unknown keys (with a did-you-mean), wrong types and values out of
+range with one :class:`ConfigError` that names the dotted path. Range limits
+live next to the field as ``field(metadata=limits(...))`` so the schema and its
+checks cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the CLI exits with code 2."""
+
+
+def limits(
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> dict[str, float | None]:
+    """Field metadata for numeric bounds (``field(default=..., metadata=limits(ge=0))``)."""
+    return {"ge": ge, "gt": gt, "le": le, "lt": lt}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return tuple(_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")
+
+
+def _check_limits(value: Any, meta: typing.Mapping[str, Any], path: str) -> None:
+    if value is None:
+        return
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if not isinstance(v, (int, float)):
+            continue
+        if meta.get("ge") is not None and not v >= meta["ge"]:
+            raise ConfigError(f"{path}: must be >= {meta['ge']}, got {v!r}")
+        if meta.get("gt") is not None and not v > meta["gt"]:
+            raise ConfigError(f"{path}: must be > {meta['gt']}, got {v!r}")
+        if meta.get("le") is not None and not v <= meta["le"]:
+            raise ConfigError(f"{path}: must be <= {meta['le']}, got {v!r}")
+        if meta.get("lt") is not None and not v < meta["lt"]:
+            raise ConfigError(f"{path}: must be < {meta['lt']}, got {v!r}")
+
+
+def build(cls: type, mapping: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``mapping``, validating every key under ``path``."""
+    where = path or "config"
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {mapping!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in mapping:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if name in mapping:
+            value = _convert(mapping[name], hints[name], sub)
+            _check_limits(value, f.metadata, sub)
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-Python (YAML-ready) view of a built config."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
