@@ -51,14 +51,15 @@ def report(path: str) -> dict[str, Any]:
         "last_eval_round": int(ev["round"][-1]) if ev else None,
         "final": final,
         "logical_bytes": totals,
-        "physical_mpi_bytes": int(ranks["mpi_bytes"].sum()) if ranks else int(res.table("physical").get("bytes", np.zeros(0)).sum()),
+        "physical_mpi_bytes": int(ranks["mpi_bytes"].sum() if ranks else res.table("physical").get("bytes", [0]).sum()),
         "mpi_seconds_by_rank": [float(s) for s in ranks["mpi_seconds"]] if ranks else None,
         "wall_time_s": res.attrs.get("wall_time_s"),
         "simulated_time_s": float(np.sum(rounds["sim_time_s"])) if rounds else 0.0,
     }
     lines = [
         f"{path}: {summary['algorithm']}, {summary['status']}, {summary['rounds_completed']} rounds on "
-        f"{summary['world_size']} rank(s), wall {summary['wall_time_s']:.1f} s, simulated {summary['simulated_time_s']:.1f} s",
+        f"{summary['world_size']} rank(s), wall {summary['wall_time_s']:.1f} s, "
+        f"simulated {summary['simulated_time_s']:.1f} s",
     ]
     if final:
         lines.append(f"final evaluation (round {summary['last_eval_round']}):")

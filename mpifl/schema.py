@@ -50,7 +50,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+        expected = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {expected}, got {value!r}")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -65,6 +65,11 @@ class Protocol:
         """Messages that must move before clients can be evaluated (all clients take part)."""
         return ()
 
+    def setup_plan(self) -> Sequence[Step]:
+        """Messages that move once, before round 1, among all seen clients (e.g. Karula's reference set
+        and embeddings). The runtime walks it as round 0 and records it under ledger stage "setup"."""
+        return ()
+
 
 class ServerAlgorithm:
     """Lives on rank 0: global state and the server's step for each message."""
@@ -83,6 +88,10 @@ class ServerAlgorithm:
 
     def round_metrics(self) -> dict[str, float]:
         """Extra per-round scalars an algorithm wants logged (e.g. solver iterations)."""
+        return {}
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        """Server arrays stored in the results file at the end (e.g. the global model)."""
         return {}
 
 
@@ -113,12 +122,30 @@ class ClientAlgorithm:
         before the next call, so it may live in the shared workspace."""
         raise NotImplementedError
 
-    def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None) -> None:
-        """Run the configured local SGD on the workspace model with ``client``'s training data."""
+    def gradient_at(self, client: int, params: np.ndarray, rows: torch.Tensor | None = None) -> np.ndarray:
+        """∇ at ``params`` of ``client``'s mean loss over ``rows`` of its training split, plus the configured
+        weight decay; all rows (the default) give the full-batch gradient ("clients return full gradients")."""
+        split = self.data[client]
+        x, y = (split.x_train, split.y_train) if rows is None else (split.x_train[rows], split.y_train[rows])
+        self.workspace.load(params)
+        loss = self.loss_fn(self.workspace.module(x), y)
+        self.workspace.compute_gradient(loss)
+        self.round_losses[client] = float(loss.detach())
+        grads = self.workspace.grads.numpy().copy()
+        if self.ctx.cfg.client.weight_decay:
+            grads += self.ctx.cfg.client.weight_decay * self.workspace.numpy()
+        return grads
+
+    def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None,
+                        steps: int | None = None, momentum: torch.Tensor | None = None) -> int:
+        """Run the configured local SGD on the workspace model with ``client``'s training data
+        (``steps`` and ``momentum`` as in :func:`local_sgd`); returns the number of steps taken."""
         split = self.data[client]
         gen = client_generator(self.ctx.cfg.seed, round_, client)
-        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, gen, grad_hook)
+        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, gen,
+                          grad_hook, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
+        return stats.steps
 
 
 @dataclass(frozen=True)
@@ -132,7 +159,8 @@ class TensorSplit:
 
 
 def _as_tensors(split: ClientSplit) -> TensorSplit:
-    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))) for f in TensorSplit.__dataclass_fields__))
+    fields = TensorSplit.__dataclass_fields__
+    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))) for f in fields))
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
 from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.runtime.training import GradHook
 
 
 class FedAvgProtocol(Protocol):
@@ -43,11 +44,17 @@ class FedAvgServer(ServerAlgorithm):
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
         self.apply_update(weighted_sum(rows, self.ctx.weights(clients)))
 
-    def apply_update(self, mean_delta: np.ndarray) -> None:
-        """Server optimizer on the averaged pseudo-gradient (shared by FedAvg-style algorithms)."""
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {"global_model": self.params}
+
+    def apply_update(self, mean_delta: np.ndarray, part: slice = slice(None)) -> None:
+        """Server optimizer on the averaged pseudo-gradient (shared by FedAvg-style algorithms); ``part``
+        updates a slice of the model only (FedALS), element for element as a whole-model update would."""
         server = self.ctx.cfg.server
-        self.velocity = server.momentum * self.velocity + mean_delta
-        self.params = (self.params + server.lr * self.velocity).astype(np.float32)
+        self.velocity[part] = server.momentum * self.velocity[part] + mean_delta
+        params = self.params.copy()  # a new array: clients on this rank may still hold views of the old one
+        params[part] = (params[part] + server.lr * self.velocity[part]).astype(np.float32)
+        self.params = params
 
 
 class FedAvgClient(ClientAlgorithm):
@@ -68,8 +75,12 @@ class FedAvgClient(ClientAlgorithm):
     def compute(self, round_: int, client: int) -> None:
         start = self.start.pop(client)
         self.workspace.load(start)
-        self.train_workspace(round_, client)
+        self.train_workspace(round_, client, self.grad_hook(client, start))
         self.deltas[client] = self.workspace.numpy() - start
+
+    def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
+        """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""
+        return None
 
     def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
         return self.deltas.pop(client)

@@ -19,6 +19,8 @@ DatasetName = Literal[
     "leaf_synthetic",
     "karula_ridge",
 ]
+NATURAL_DATASETS = ("femnist", "shakespeare", "leaf_synthetic", "karula_ridge")
+"""Datasets whose clients are defined by the data itself (writers, users, generated client distributions)."""
 PartitionName = Literal["iid", "classes", "dirichlet", "dirichlet_pefll", "shards", "natural"]
 
 
@@ -44,7 +46,7 @@ class DataConfig:
     dataset: DatasetName = "digits"
     root: str | None = None
     num_clients: int = field(default=10, metadata=limits(ge=1))
-    partition: PartitionName = "iid"
+    partition: PartitionName | None = None  # None: 'natural' where the data defines clients, else 'iid'
     classes_per_client: int = field(default=2, metadata=limits(ge=1))
     alpha: float = field(default=0.5, metadata=limits(gt=0))
     shards_per_client: int = field(default=2, metadata=limits(ge=1))
@@ -55,3 +57,8 @@ class DataConfig:
     normalize: bool = True
     pad_to: int | None = field(default=None, metadata=limits(ge=1))
     synthetic: SyntheticConfig = SyntheticConfig()
+
+    def __post_init__(self) -> None:
+        if self.partition is None:
+            natural = self.dataset in NATURAL_DATASETS
+            object.__setattr__(self, "partition", "natural" if natural else "iid")

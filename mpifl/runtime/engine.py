@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -35,6 +36,8 @@ class RankClock:
     server: float = 0.0
     evaluation: float = 0.0
     io: float = 0.0
+    loop_wall: float = 0.0
+    loop_cpu: float = 0.0
     per_client: dict[int, float] = field(default_factory=dict)
 
 
@@ -76,9 +79,18 @@ class Engine:
         self.final_rows: np.ndarray | None = None
         self.started = time.time()
 
+    def _fault_injection(self, round_: int) -> None:
+        """Resilience drills: ``MPIFL_INJECT_FAULT=RANK:ROUND`` makes that rank raise at that round."""
+        spec = os.environ.get("MPIFL_INJECT_FAULT")
+        if spec and spec == f"{self.rank}:{round_}":
+            raise RuntimeError(f"fault injected by MPIFL_INJECT_FAULT={spec}")
+
     # ----------------------------------------------------------------- rounds
     def run(self, progress: bool = True) -> None:
+        self.run_setup()
+        wall, cpu = time.perf_counter(), time.process_time()
         for round_ in range(1, self.cfg.rounds + 1):
+            self._fault_injection(round_)
             self.train_round(round_)
             if round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds:
                 self.evaluate(round_)
@@ -86,7 +98,15 @@ class Engine:
                     if progress:
                         self._print_progress(round_)
                     self.write_results(status="running")
+        self.clock.loop_wall = time.perf_counter() - wall
+        self.clock.loop_cpu = time.process_time() - cpu
         self._finish()
+
+    def run_setup(self) -> None:
+        """The protocol's one-time set-up plan, as round 0 with every seen client (ledger stage "setup")."""
+        plan = self.protocol.setup_plan()
+        if plan:
+            self.run_plan(0, "setup", plan, self.seen)
 
     def train_round(self, round_: int) -> None:
         start = time.perf_counter()
@@ -131,32 +151,37 @@ class Engine:
         seconds = np.zeros(len(local))
         for step in plan:
             if isinstance(step, LocalCompute):
-                self._per_client(local, seconds, lambda c, i: self.client.compute(round_, c))
+                for i, client in enumerate(local):
+                    seconds[i] += self._timed_client(self.client.compute, round_, int(client))
             elif step.direction == "down":
-                payload = self._on_server(lambda: self.server.payload(step, round_, clients))
+                payload = self._timed_server(self.server.payload, step, round_, clients) if self.server else None
                 rows = self.transport.down(round_, stage, step, payload, clients)
-                self._per_client(local, seconds, lambda c, i: self.client.receive(step, round_, c, rows[i]))
+                for i, client in enumerate(local):
+                    seconds[i] += self._timed_client(self.client.receive, step, round_, int(client), rows[i])
             else:
                 rows = np.empty((len(local), step.numel), dtype=step.dtype)
-                self._per_client(local, seconds, lambda c, i: rows.__setitem__(i, self.client.send(step, round_, c)))
+                for i, client in enumerate(local):
+                    start = time.perf_counter()
+                    rows[i] = self.client.send(step, round_, int(client))
+                    seconds[i] += self._charge_compute(start)
                 gathered = self.transport.up(round_, stage, step, rows, clients)
-                self._on_server(lambda: self.server.consume(step, round_, clients, gathered))
+                if self.server:
+                    self._timed_server(self.server.consume, step, round_, clients, gathered)
         return seconds, local
 
-    def _per_client(self, local: np.ndarray, seconds: np.ndarray, fn) -> None:  # noqa: ANN001
-        """Call ``fn(client, position)`` for each local client, charging its time to that client."""
-        for i, client in enumerate(local):
-            start = time.perf_counter()
-            fn(int(client), i)
-            elapsed = time.perf_counter() - start
-            seconds[i] += elapsed
-            self.clock.compute += elapsed
+    def _charge_compute(self, start: float) -> float:
+        elapsed = time.perf_counter() - start
+        self.clock.compute += elapsed
+        return elapsed
 
-    def _on_server(self, fn):  # noqa: ANN001, ANN202
-        if self.server is None:
-            return None
+    def _timed_client(self, fn, *args) -> float:  # noqa: ANN001
         start = time.perf_counter()
-        result = fn()
+        fn(*args)
+        return self._charge_compute(start)
+
+    def _timed_server(self, fn, *args):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        result = fn(*args)
         self.clock.server += time.perf_counter() - start
         return result
 
@@ -181,7 +206,8 @@ class Engine:
             return
         self.final_rows = gathered
         ledger = self.transport.ledger.columns()
-        row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(ledger["bytes"][ledger["stage"] == 0].sum())}
+        train_bytes = float(ledger["bytes"][ledger["stage"] == 0].sum())
+        row: dict[str, float] = {"round": round_, "cum_logical_bytes": train_bytes}
         regression = self.layout.task == "regression"
         for j, kind in enumerate(kinds):
             block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
@@ -207,8 +233,9 @@ class Engine:
     # ---------------------------------------------------------------- results
     def _finish(self) -> None:
         """Collect every rank's MPI and compute totals (once, at the end: small pickled objects are fine)."""
+        c = self.clock
         mine = (self.rank, len(self.placement.clients_of(self.rank)), self.transport.physical.total_bytes,
-                self.transport.physical.total_seconds, self.clock.compute, self.clock.evaluation)
+                self.transport.physical.total_seconds, c.compute, c.evaluation, c.server, c.io, c.loop_wall, c.loop_cpu)
         per_rank = self.comm.gather(mine, root=0) if self.size > 1 else [mine]
         if self.server is not None:
             self.write_results(status="completed", per_rank=per_rank)
@@ -234,8 +261,10 @@ class Engine:
             "clients": self._client_table(),
         }
         if per_rank is not None:
-            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "eval_seconds")
+            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "eval_seconds",
+                     "server_seconds", "io_seconds", "loop_wall_seconds", "loop_cpu_seconds")
             tables["ranks"] = {n: np.array([r[i] for r in per_rank]) for i, n in enumerate(names)}
+            tables["model"] = self.server.final_state()
         import yaml
 
         attrs = {

@@ -7,7 +7,7 @@ thread, so a client's update is bitwise the same whichever rank hosts it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,35 +46,54 @@ def local_sgd(
     grad_hook: GradHook | None = None,
     lr: float | None = None,
     steps: int | None = None,
+    momentum: torch.Tensor | None = None,
 ) -> TrainStats:
     """Mini-batch SGD (momentum, weight decay, clipping as torch.optim.SGD) on ``model`` in place.
 
     Runs ``steps`` (or ``cfg.steps``) batches if given, else ``cfg.epochs`` passes; each pass draws a
-    fresh permutation from ``generator``.
+    fresh permutation from ``generator``. The momentum buffer starts at zero unless the caller passes
+    its own ``momentum`` (updated in place, for algorithms whose optimizer state outlives a round).
     """
-    n = len(x)
     lr = cfg.lr if lr is None else lr
+    params, grads = model.params, model.grads
+    if cfg.momentum == 0:
+        momentum = None
+    elif momentum is None:
+        momentum = torch.zeros_like(params)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    done = 0
+    for idx in batch_schedule(len(x), cfg, generator, steps):
+        loss = loss_fn(model.module(x[idx]), y[idx])
+        model.compute_gradient(loss)
+        loss_sum += loss.detach()
+        if grad_hook is not None:
+            grad_hook(params, grads)
+        sgd_step(params, grads, momentum, lr, cfg)
+        done += 1
+    return TrainStats(done, float(loss_sum) / max(done, 1))
+
+
+def batch_schedule(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None
+                   ) -> Iterator[torch.Tensor]:
+    """The sample indices of each local step: ``steps`` (or ``cfg.steps``) batches, else ``cfg.epochs``
+    passes, each pass a fresh permutation from ``generator`` (shared by algorithms with their own loop)."""
     batch = min(cfg.batch_size, n)
     per_epoch = n // batch if cfg.drop_last else math.ceil(n / batch)
-    total = steps or cfg.steps or cfg.epochs * per_epoch
-    params, grads = model.params, model.grads
-    momentum = torch.zeros_like(params) if cfg.momentum > 0 else None
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    total = planned_steps(n, cfg, steps)
     done = 0
     while done < total:
         order = torch.randperm(n, generator=generator)
         for start in range(0, per_epoch * batch, batch):
             if done == total:
-                break
-            idx = order[start : start + batch]
-            loss = loss_fn(model.module(x[idx]), y[idx])
-            model.compute_gradient(loss)
-            loss_sum += loss.detach()
-            if grad_hook is not None:
-                grad_hook(params, grads)
-            sgd_step(params, grads, momentum, lr, cfg)
+                return
+            yield order[start : start + batch]
             done += 1
-    return TrainStats(done, float(loss_sum) / max(done, 1))
+
+
+def planned_steps(n: int, cfg: ClientConfig, steps: int | None = None) -> int:
+    """How many local steps :func:`batch_schedule` yields for ``n`` training samples."""
+    batch = min(cfg.batch_size, n)
+    return steps or cfg.steps or cfg.epochs * (n // batch if cfg.drop_last else math.ceil(n / batch))
 
 
 @torch.no_grad()

@@ -1,0 +1,188 @@
+"""Pooled image datasets (digits, MNIST, Fashion-MNIST, CIFAR-10/100): one labelled pool, split by a partitioner.
+
+The official train and test sets are pooled so that each client's test split is drawn from its own
+class mix. Building reads labels only; pixels are read in ``load_clients``, for the requested rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.data.base import (
+    ClientSplit,
+    FederatedDataset,
+    FederatedLayout,
+    Tag,
+    dataset_root,
+    image_transform,
+    make_rng,
+    padded_shape,
+    require_training_samples,
+    unseen_mask,
+)
+from mpifl.data.config import DataConfig
+from mpifl.data.formats import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, IdxFile, check_labels, find_file, read_cifar_batch
+from mpifl.data.partition import partition_counts, split_counts
+from mpifl.schema import ConfigError
+
+FASHION_MNIST_DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"  # Debian package dataset-fashion-mnist
+
+_NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),  # PeFLL's constants
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+@dataclass(frozen=True)
+class Part:
+    """A contiguous run of pool indices backed by one file (or array)."""
+
+    size: int
+    read: Callable[[np.ndarray], np.ndarray]  # local rows -> float32 [k, *sample_shape] in [0, 1]
+
+
+@dataclass(frozen=True)
+class Pool:
+    labels: np.ndarray  # int64 [N]
+    num_classes: int
+    sample_shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """Raw [0,1] images of pool ``indices``, touching only the parts that hold them."""
+        out = np.empty((len(indices), *self.sample_shape), dtype=np.float32)
+        lo = 0
+        for part in self.parts:
+            mask = (indices >= lo) & (indices < lo + part.size)
+            if mask.any():
+                out[mask] = part.read(indices[mask] - lo)
+            lo += part.size
+        return out
+
+
+# --------------------------------------------------------------------------------- sources
+
+
+def digits_pool(cfg: DataConfig) -> Pool:
+    """scikit-learn's bundled 8x8 digits (offline); normalized with its own global mean/std."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images / 16.0).astype(np.float32)[:, None]
+    stats = ((float(images.mean()),), (float(images.std()),)) if cfg.normalize else (None, None)
+    part = Part(len(images), lambda rows: images[rows])
+    return Pool(bunch.target.astype(np.int64), 10, (1, 8, 8), (part,), *stats)
+
+
+def idx_pool(cfg: DataConfig) -> Pool:
+    """MNIST / Fashion-MNIST IDX files (optionally gzipped): train pooled with t10k."""
+    default = FASHION_MNIST_DEFAULT_ROOT if cfg.dataset == "fashion_mnist" else None
+    root = dataset_root(cfg, "the IDX files", default, "install Debian's dataset-fashion-mnist")
+    labels, parts, shapes = [], [], set()
+    for split in ("train", "t10k"):
+        label_file = IdxFile(find_file(root, [f"{split}-labels-idx1-ubyte"], f"{split} labels"), IDX_LABELS_MAGIC)
+        image_file = IdxFile(find_file(root, [f"{split}-images-idx3-ubyte"], f"{split} images"), IDX_IMAGES_MAGIC)
+        y = label_file.read_all().astype(np.int64)
+        if image_file.shape[0] != len(y):
+            raise ConfigError(
+                f"data.root: {image_file.path} holds {image_file.shape[0]} images but {label_file.path} {len(y)} labels"
+            )
+        check_labels(y, 10, label_file.path)
+        labels.append(y)
+        shapes.add(image_file.shape[1:])
+        parts.append(Part(len(y), lambda rows, f=image_file: (f.read_rows(rows)[:, None] / 255.0).astype(np.float32)))
+    if len(shapes) != 1:
+        raise ConfigError(f"data.root: {root}: train and t10k images differ in size {sorted(shapes)}")
+    stats = _NORMALIZATION[cfg.dataset] if cfg.normalize else (None, None)
+    return Pool(np.concatenate(labels), 10, (1, *shapes.pop()), tuple(parts), *stats)
+
+
+def cifar_pool(cfg: DataConfig) -> Pool:
+    """CIFAR python-pickle batches, train pooled with test; ``root`` is the batch directory or its parent."""
+    if cfg.dataset == "cifar10":
+        folder, files, key, num_classes = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], b"labels", 10
+        files.append("test_batch")
+    else:
+        folder, files, key, num_classes = "cifar-100-python", ["train", "test"], b"fine_labels", 100
+    root = dataset_root(cfg, f"{folder}/ or its parent")
+    if not (root / files[0]).exists():
+        if not (root / folder).is_dir():
+            raise ConfigError(f"data.root: {root}: neither a {folder} directory (no {files[0]}) nor its parent")
+        root = root / folder
+    labels, parts = [], []
+    for name in files:
+        path = root / name
+        y = read_cifar_batch(path, key, num_classes)[1]
+        labels.append(y)
+        parts.append(Part(len(y), lambda rows, p=path: _cifar_rows(p, key, num_classes, rows)))
+    stats = _NORMALIZATION[cfg.dataset] if cfg.normalize else (None, None)
+    return Pool(np.concatenate(labels), num_classes, (3, 32, 32), tuple(parts), *stats)
+
+
+def _cifar_rows(path: Path, key: bytes, num_classes: int, rows: np.ndarray) -> np.ndarray:
+    return (read_cifar_batch(path, key, num_classes)[0][rows] / 255.0).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------- dataset
+
+
+class PooledDataset(FederatedDataset):
+    """Clients' class counts come from the partitioner; client i's samples of class c are the
+    ``counts[i, c]`` consecutive entries of a shuffled copy of class c, cut in client order, so no
+    sample goes to two clients. Each client's samples of a class are then dealt test, val, train."""
+
+    def __init__(self, cfg: DataConfig, seed: int, pool: Pool):
+        self.pool, self.seed, self.pad_to = pool, seed, cfg.pad_to
+        shape = padded_shape(pool.sample_shape, cfg.pad_to, cfg.dataset)
+        totals = np.bincount(pool.labels, minlength=pool.num_classes)
+        counts = partition_counts(cfg, totals, make_rng(seed, Tag.PARTITION))
+        self.splits = split_counts(counts, cfg.test_fraction, cfg.val_fraction)  # (train, val, test)
+        require_training_samples(self.splits[0].sum(1), f"partition {cfg.partition!r} of {len(pool.labels)} samples")
+        keys = make_rng(seed, Tag.POOL_ORDER).random(len(pool.labels))
+        self.order = np.lexsort((keys, pool.labels))  # sorted by class, random within class
+        self.start = np.concatenate([[0], np.cumsum(totals)[:-1]]) + np.cumsum(counts, axis=0) - counts
+        self.layout = FederatedLayout(
+            num_clients=cfg.num_clients,
+            train_sizes=self.splits[0].sum(1),
+            unseen=unseen_mask(cfg.num_clients, cfg.unseen_fraction),
+            input_shape=shape,
+            num_classes=pool.num_classes,
+            task="classification",
+            input_dtype="float32",
+            class_counts=self.splits[0],
+        )
+
+    def indices(self, client: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pool indices of ``client``'s (train, val, test), each in a fixed per-client shuffled order."""
+        rng = make_rng(self.seed, Tag.SPLIT_ORDER, client)
+        train, val, test = (s[client] for s in self.splits)
+        cuts = self.start[client] + np.cumsum([test, val, train], axis=0)  # [3, C] ends of each split per class
+        begins = np.vstack([self.start[client], cuts[:-1]])
+        out = [
+            self.order[np.concatenate([np.arange(b, e) for b, e in zip(bs, es, strict=True)])]
+            for bs, es in zip(begins, cuts, strict=True)
+        ]
+        test_idx, val_idx, train_idx = (rng.permutation(ix) for ix in out)
+        return train_idx, val_idx, test_idx
+
+    def _load(self, client_ids: list[int]) -> dict[int, ClientSplit]:
+        per_client = [self.indices(c) for c in client_ids]
+        flat = np.concatenate([ix for split in per_client for ix in split]).astype(np.int64)
+        x = image_transform(self.pool.read(flat), self.pool.mean, self.pool.std, self.pad_to)
+        y = self.pool.labels[flat]
+        out, pos = {}, 0
+        for client, split in zip(client_ids, per_client, strict=True):
+            arrays = []
+            for ix in split:
+                arrays += [x[pos : pos + len(ix)], y[pos : pos + len(ix)]]
+                pos += len(ix)
+            out[client] = ClientSplit(*arrays)
+        return out

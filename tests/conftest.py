@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny digits config and helpers to run mpifl in-process or under mpirun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "algorithm": "fedavg",
+    "rounds": 3,
+    "clients_per_round": 4,
+    "seed": 7,
+    "eval_every": 1,
+    "data": {"dataset": "digits", "num_clients": 10, "partition": "iid", "unseen_fraction": 0.2},
+    "model": {"name": "cnn", "channels": [4], "fc_hidden": 16},
+    "client": {"lr": 0.1, "epochs": 1, "batch_size": 16},
+}
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(REPO))
+    # Keep Open MPI on shared memory and TCP loopback so tests do not depend on the host's network.
+    env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
+    env.setdefault("OMPI_MCA_btl_tcp_if_include", "lo")
+    env.setdefault("OMPI_MCA_oob_tcp_if_include", "lo")
+    return env
+
+
+def mpirun_cmd(n: int) -> list[str]:
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if mpirun is None:
+        pytest.skip("mpirun not found (run scripts/setup.sh)")
+    return [mpirun, "-n", str(n), "--oversubscribe"]
+
+
+def run_mpifl(args: list[str], ranks: int = 0, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``python -m mpifl ARGS`` (under ``mpirun -n ranks`` when ranks > 0)."""
+    cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
+
+
+@pytest.fixture
+def write_config(tmp_path: Path):
+    def write(overrides: dict | None = None, name: str = "cfg.yaml") -> Path:
+        cfg = _merge(TINY, overrides or {})
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    return write
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

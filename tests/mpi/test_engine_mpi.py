@@ -1,0 +1,31 @@
+"""A whole FedAvg run on the world communicator equals the same run in one process, bit for bit."""
+
+import numpy as np
+import pytest
+
+from mpifl.config import parse_config
+from mpifl.runtime.engine import Engine
+from tests.conftest import TINY
+
+
+@pytest.mark.mpi(min_size=2)
+def test_world_run_equals_single_process_run(tmp_path_factory):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    cfg = parse_config({**TINY, "rounds": 2, "client": {"lr": 0.1, "momentum": 0.5, "batch_size": 8}})
+    out = tmp_path_factory.mktemp("world") / "r.h5"
+    engine = Engine(cfg, world, out)
+    engine.setup()
+    engine.run(progress=False)
+    if world.Get_rank() == 0:
+        alone = Engine(cfg, MPI.COMM_SELF, out.with_name("alone.h5"))
+        alone.setup()
+        alone.run(progress=False)
+        assert np.array_equal(engine.server.params, alone.server.params)
+        assert engine.eval_table.columns == alone.eval_table.columns
+        ledger, ledger1 = engine.transport.ledger.columns(), alone.transport.ledger.columns()
+        for key in ledger:
+            assert np.array_equal(ledger[key], ledger1[key]), key
+    else:
+        assert engine.server is None and len(engine.client.data) > 0

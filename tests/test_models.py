@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+import torch
+
+from mpifl.config import ModelConfig
+from mpifl.data import FederatedLayout
+from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.schema import ConfigError
+
+
+def layout(shape, classes=10, task="classification", dtype="float32"):
+    n = 2
+    return FederatedLayout(n, np.ones(n, dtype=np.int64), np.zeros(n, dtype=bool), shape, classes, task, dtype,
+                           np.zeros((n, classes), dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    ("shape", "classes", "expected"),
+    [((3, 32, 32), 10, 121_182), ((3, 32, 32), 100, 128_832), ((1, 32, 32), 62, 124_802)],
+)
+def test_lenet_parameter_counts_match_pefll_spec(shape, classes, expected):
+    model = build_model(ModelConfig(name="lenet"), layout(shape, classes), seed=0)
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_b1_cnn_shape():
+    model = build_model(ModelConfig(name="cnn", channels=(16, 32), fc_hidden=128), layout((1, 28, 28)), seed=0)
+    assert model.head[0].in_features == 512
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_init_depends_only_on_seed():
+    cfg = ModelConfig(name="mlp", hidden=(8,))
+    a = FlatModel(build_model(cfg, layout((4,)), seed=3)).numpy()
+    torch.manual_seed(123)  # global RNG state must not matter
+    b = FlatModel(build_model(cfg, layout((4,)), seed=3)).numpy()
+    c = FlatModel(build_model(cfg, layout((4,)), seed=4)).numpy()
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_flat_gradient_equals_autograd():
+    lay = layout((1, 12, 12))
+    cfg = ModelConfig(name="cnn", channels=(3,), fc_hidden=5)
+    flat = FlatModel(build_model(cfg, lay, seed=1))
+    ref = build_model(cfg, lay, seed=1)
+    x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 10, (6,))
+    loss_fn = loss_function(lay)
+    for _ in range(2):  # the second pass checks the buffer is overwritten, not accumulated
+        flat.compute_gradient(loss_fn(flat.module(x), y))
+    ref.zero_grad()
+    loss_fn(ref(x), y).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    assert torch.equal(flat.grads, expected)
+
+
+def test_regression_model_outputs_one_value_per_sample():
+    model = build_model(ModelConfig(name="linear"), layout((5,), 0, "regression"), seed=0)
+    assert model(torch.zeros(3, 5)).shape == (3,)
+
+
+def test_model_task_mismatch_is_a_config_error():
+    with pytest.raises(ConfigError, match="linear"):
+        build_model(ModelConfig(name="mlp"), layout((5,), 0, "regression"), seed=0)
+    with pytest.raises(ConfigError, match="image"):
+        build_model(ModelConfig(name="lenet"), layout((64,)), seed=0)

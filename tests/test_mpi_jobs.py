@@ -1,0 +1,101 @@
+"""Whole jobs under a real ``mpirun``: rank-count invariance, one-line errors, aborts, idle server."""
+
+import os
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import run_mpifl
+
+
+def mpifl_lines(stderr: str) -> list[str]:
+    """Our own stderr lines (mpirun may add its own notice about a non-zero exit status)."""
+    assert "Traceback" not in stderr
+    return [line for line in stderr.splitlines() if line.startswith("mpifl")]
+
+
+def final_state(path):
+    with h5py.File(path) as f:
+        return f["model/global_model"][()], {k: f["eval"][k][()] for k in f["eval"]}
+
+
+def test_global_model_is_bitwise_identical_for_1_to_4_ranks(write_config, tmp_path):
+    config = write_config({"rounds": 3, "clients_per_round": 5, "client": {"momentum": 0.9, "weight_decay": 1e-4}})
+    results = {}
+    for ranks in (1, 2, 3, 4):
+        out = tmp_path / f"p{ranks}.h5"
+        proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=ranks)
+        assert proc.returncode == 0, proc.stderr
+        results[ranks] = final_state(out)
+    model, metrics = results[1]
+    for ranks in (2, 3, 4):
+        assert np.array_equal(results[ranks][0], model), f"P={ranks} differs from P=1"
+        for key, values in metrics.items():
+            assert np.array_equal(results[ranks][1][key], values, equal_nan=True), key
+    with h5py.File(tmp_path / "p3.h5") as f:
+        assert sorted(f["ranks/clients"][()]) == [0, 5, 5]
+
+
+@pytest.mark.parametrize("ranks", [0, 3])
+def test_bad_config_is_one_line_and_exit_code_2(write_config, tmp_path, ranks):
+    out = tmp_path / "never.h5"
+    proc = run_mpifl(["run", str(write_config({"client": {"lr": -1}})), "--out", str(out)], ranks=ranks)
+    assert proc.returncode == 2
+    assert mpifl_lines(proc.stderr) == ["mpifl: error: client.lr: must be > 0, got -1.0"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("ranks", [0, 3])
+def test_missing_data_is_one_line_and_exit_code_2(write_config, tmp_path, ranks):
+    config = write_config({"data": {"dataset": "mnist", "root": str(tmp_path / "nowhere")}})
+    proc = run_mpifl(["run", str(config), "--out", str(tmp_path / "x.h5")], ranks=ranks)
+    assert proc.returncode == 2
+    errors = mpifl_lines(proc.stderr)
+    assert len(errors) == 1 and errors[0].startswith("mpifl: error:") and "nowhere" in errors[0]
+
+
+def test_validate_command(write_config, tmp_path):
+    ok = run_mpifl(["validate", str(write_config())])
+    assert ok.returncode == 0 and "valid: 10 clients (8 seen)" in ok.stdout
+    bad = run_mpifl(["validate", str(write_config({"clients_per_round": 9})), "--set", "data.unseen_fraction=0.5"])
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "mpifl: error: clients_per_round: 9 exceeds the 5 seen clients of the data"
+    cli = run_mpifl(["run"])
+    assert cli.returncode == 2
+
+
+def test_exception_on_a_worker_aborts_the_job_with_one_message(write_config, tmp_path):
+    out = tmp_path / "r.h5"
+    env_fault = {"MPIFL_INJECT_FAULT": "2:3"}
+    os.environ.update(env_fault)
+    try:
+        start = time.monotonic()
+        proc = run_mpifl(["run", str(write_config({"rounds": 50})), "--out", str(out)], ranks=3, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        del os.environ["MPIFL_INJECT_FAULT"]
+    assert proc.returncode != 0 and elapsed < 40
+    assert mpifl_lines(proc.stderr) == [
+        "mpifl: error: rank 2 of 3 failed: RuntimeError: fault injected by MPIFL_INJECT_FAULT=2:3"
+    ]
+    with h5py.File(out) as f:  # the last completed evaluation is still readable
+        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] == 2
+
+
+def test_idle_server_does_not_spin(write_config, tmp_path):
+    """Oversubscribed (3 ranks on this machine's cores): rank 0 waits while workers train."""
+    config = write_config({
+        "rounds": 4, "eval_every": 4, "clients_per_round": 8,
+        "model": {"name": "mlp", "hidden": [256, 256]}, "client": {"epochs": 20},
+    })
+    out = tmp_path / "r.h5"
+    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out) as f:
+        r = {k: f["ranks"][k][()] for k in f["ranks"]}
+    busy = r["server_seconds"][0] + r["eval_seconds"][0] + r["io_seconds"][0]
+    idle_cpu_share = (r["loop_cpu_seconds"][0] - busy) / r["loop_wall_seconds"][0]
+    assert r["loop_wall_seconds"][0] > 1.0, "workload too small to measure"
+    assert idle_cpu_share < 0.05, f"rank 0 used {idle_cpu_share:.1%} of a core while waiting"
