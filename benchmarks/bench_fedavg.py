@@ -1,0 +1,119 @@
+"""FedAvg throughput on reference workload B1: mpifl vs a bare single-process PyTorch loop, same run.
+
+    python benchmarks/bench_fedavg.py [--rounds 30] [--ranks 1 3] [--write]
+
+B1 (configs/b1.yaml): class-conditional Gaussian images 1×28×28, 10 classes, 200 clients × 64
+training samples (2 classes each), 20 clients per round, 2 local epochs of batch 16 (8 SGD steps),
+plain SGD lr 0.05, Conv(1→16,5)-Pool-Conv(16→32,5)-Pool-FC(512→128)-FC(128→10). The bare loop
+trains the same clients on the same data with one thread and averages the models the usual way
+(state_dict copies, torch.optim.SGD). Reported: median seconds per round over rounds 2..R, and
+each mpifl setting's ratio to the bare loop measured in this same run. With --write the table is
+appended to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mpifl.config import load_config  # noqa: E402
+from mpifl.data import build_federated_dataset  # noqa: E402
+from mpifl.models import build_model  # noqa: E402
+from mpifl.results import read_results  # noqa: E402
+from mpifl.runtime.sampling import sample_clients  # noqa: E402
+
+CONFIG = REPO / "configs" / "b1.yaml"
+
+
+def bare_loop(rounds: int) -> list[float]:
+    """The textbook single-process FedAvg loop of B1, one thread."""
+    torch.set_num_threads(1)
+    cfg = load_config(CONFIG)
+    data = build_federated_dataset(cfg.data, cfg.seed)
+    clients = data.load_clients(range(data.layout.num_clients))
+    xs = {c: torch.from_numpy(s.x_train) for c, s in clients.items()}
+    ys = {c: torch.from_numpy(s.y_train) for c, s in clients.items()}
+    model = build_model(cfg.model, data.layout, cfg.seed)
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for round_ in range(1, rounds + 1):
+        start = time.perf_counter()
+        sampled = sample_clients(cfg.seed, round_, np.arange(data.layout.num_clients), cfg.clients_per_round)
+        weights = data.layout.train_sizes[sampled] / data.layout.train_sizes[sampled].sum()
+        new_state = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        for client, w in zip(sampled, weights):
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(model.parameters(), lr=cfg.client.lr)
+            x, y = xs[client], ys[client]
+            for _ in range(cfg.client.epochs):
+                order = torch.randperm(len(x), generator=gen)
+                for i in range(0, len(x), cfg.client.batch_size):
+                    idx = order[i : i + cfg.client.batch_size]
+                    opt.zero_grad()
+                    loss_fn(model(x[idx]), y[idx]).backward()
+                    opt.step()
+            for k, v in model.state_dict().items():
+                new_state[k] += float(w) * v
+        global_state = new_state
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def mpifl_rounds(ranks: int, rounds: int, workdir: Path) -> list[float]:
+    out = workdir / f"b1_p{ranks}.h5"
+    cmd = [sys.executable, "-m", "mpifl", "run", str(CONFIG), "--out", str(out), "--quiet",
+           "--set", f"rounds={rounds}", "--set", f"eval_every={rounds}"]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if ranks > 1:
+        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *cmd]
+    subprocess.run(cmd, check=True, env=env, cwd=REPO)
+    return list(read_results(out).table("rounds")["wall_time_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    median = {"bare PyTorch loop, 1 process, 1 thread": float(np.median(bare_loop(args.rounds)[1:]))}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            label = "mpifl, P=1" if ranks == 1 else f"mpifl, P={ranks} (1 server + {ranks - 1} workers)"
+            median[label] = float(np.median(mpifl_rounds(ranks, args.rounds, Path(tmp))[1:]))
+    bare = next(iter(median.values()))
+    lines = [
+        f"### FedAvg B1 throughput — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}",
+        "",
+        f"`python benchmarks/bench_fedavg.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))}`",
+        "",
+        "| setting | median s/round (rounds 2..R) | ratio to bare loop |",
+        "|---|---|---|",
+        *(f"| {k} | {v:.3f} | {v / bare:.2f}× |" for k, v in median.items()),
+        "",
+    ]
+    print("\n".join(lines))
+    if args.write:
+        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
