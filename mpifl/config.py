@@ -21,9 +21,11 @@ from mpifl.schema import ConfigError, build, limits, to_dict
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: Literal["lenet", "mlp", "cnn", "linear", "logistic", "char_lstm"] = "mlp"
+    name: Literal["lenet", "mlp", "cnn", "convnet", "resnet20", "linear", "logistic", "char_lstm"] = "mlp"
     hidden: tuple[int, ...] = (64,)
     channels: tuple[int, ...] = (16, 32)
+    kernel_size: int = field(default=5, metadata=limits(ge=1))  # convnet
+    batch_norm: bool = False  # resnet20
     fc_hidden: int = field(default=128, metadata=limits(ge=1))
     embed_dim: int = field(default=8, metadata=limits(ge=1))
     lstm_hidden: int = field(default=128, metadata=limits(ge=1))
@@ -154,6 +156,10 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def _check_cross_fields(cfg: RunConfig) -> None:
+    if cfg.checkpoint_every:
+        raise ConfigError("checkpoint_every: checkpoint/resume is not implemented yet; leave it at 0")
+    if cfg.device == "cuda":
+        raise ConfigError("device: 'cuda' is not supported yet (ranks compute on the CPU); use 'auto' or 'cpu'")
     d = cfg.data
     if d.partition != "natural" and cfg.clients_per_round > d.num_clients:
         raise ConfigError(
