@@ -1,4 +1,4 @@
-"""Command line: ``mpifl run|validate|report|plot``.
+"""Command line: ``mpifl run|validate|report|plot|sweep``.
 
 ``run`` is the only command that uses MPI; launch it with ``mpirun -n P`` (or ``srun``), or alone
 for a single process. Bad input exits with code 2 and one ``mpifl: error:`` line.
@@ -26,12 +26,16 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("config")
     val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     val.add_argument("--no-data", action="store_true", help="check the config only, not the data files")
-    rep = sub.add_parser("report", help="summarize a results file")
-    rep.add_argument("results")
+    rep = sub.add_parser("report", help="summarize a results file, or aggregate a directory of runs over seeds")
+    rep.add_argument("results", help="results file, or a directory of them (writes summary.md and summary.csv)")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
     plot.add_argument("results", nargs="+")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
+    sweep = sub.add_parser("sweep", help="run a grid of configs × seeds (locally, or as a SLURM array)")
+    sweep.add_argument("sweep_file")
+    sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
+    sweep.add_argument("--dry-run", action="store_true", help="print the commands only")
     return p
 
 
@@ -45,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args)
         if args.command == "report":
-            from mpifl.report import report
+            from pathlib import Path
 
-            summary = report(args.results)
+            from mpifl.report import aggregate, report
+
+            summary = aggregate(args.results) if Path(args.results).is_dir() else report(args.results)
             print(json.dumps(summary, indent=2) if args.json else summary["text"])
             return 0
+        if args.command == "sweep":
+            from mpifl.sweep import run_sweep
+
+            return run_sweep(args.sweep_file, slurm=args.slurm, dry_run=args.dry_run)
         from mpifl.report import plot
 
         plot(args.results, args.output)

@@ -106,3 +106,63 @@ def plot(paths: list[str], output: str) -> None:
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)
     plt.close(fig)
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def aggregate(directory: str) -> dict[str, Any]:
+    """Mean ± std over seeds of every run in ``directory``: runs whose configs differ only in
+    ``seed`` (and output path) form one row; the columns that name a row are the config keys
+    that differ between rows. Writes ``summary.md`` and ``summary.csv`` into the directory."""
+    import csv
+
+    import yaml
+
+    from mpifl.schema import ConfigError
+
+    files = sorted(Path(directory).glob("*.h5"))
+    if not files:
+        raise ConfigError(f"{directory}: no .h5 results files to aggregate")
+    groups: dict[str, list[tuple[dict[str, Any], dict[str, float]]]] = {}
+    for path in files:
+        res = read_results(path)
+        config = _flatten(yaml.safe_load(res.attrs["config"]))
+        key_config = {k: v for k, v in config.items() if k not in ("seed", "output")}
+        ev = res.table("eval")
+        metrics = {k: float(v[-1]) for k, v in ev.items() if k.endswith((".acc_pooled", ".acc_mean"))}
+        metrics["train_MB"] = float(ev["cum_logical_bytes"][-1]) / 1e6 if ev else float("nan")
+        groups.setdefault(yaml.safe_dump(key_config, sort_keys=True), []).append((key_config, metrics))
+    configs = [runs[0][0] for runs in groups.values()]
+    varying = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
+    metric_names = sorted(set().union(*(m for runs in groups.values() for _, m in runs)))
+    rows = []
+    for runs in groups.values():
+        row: dict[str, Any] = {k: runs[0][0].get(k) for k in varying}
+        row["seeds"] = len(runs)
+        for name in metric_names:
+            values = np.array([m[name] for _, m in runs if name in m])
+            row[name] = (float(values.mean()), float(values.std())) if len(values) else (np.nan, np.nan)
+        rows.append(row)
+    header = [*varying, "seeds", *metric_names]
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [str(row[k]) for k in (*varying, "seeds")]
+        cells += [f"{row[m][0]:.4f} ± {row[m][1]:.4f}" if np.isfinite(row[m][0]) else "–" for m in metric_names]
+        md.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(md)
+    (Path(directory) / "summary.md").write_text(text + "\n")
+    with open(Path(directory) / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*varying, "seeds", *(f"{m}_{s}" for m in metric_names for s in ("mean", "std"))])
+        for row in rows:
+            writer.writerow([row[k] for k in (*varying, "seeds")] + [v for m in metric_names for v in row[m]])
+    return {"rows": rows, "text": text, "varying": varying}
