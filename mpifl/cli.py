@@ -1,4 +1,4 @@
-"""Command line: ``mpifl run|validate|report|plot|sweep``.
+"""Command line: ``mpifl run|validate|report|plot|export|sweep``.
 
 ``run`` is the only command that uses MPI; launch it with ``mpirun -n P`` (or ``srun``), or alone
 for a single process. Bad input exits with code 2 and one ``mpifl: error:`` line.
@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
     plot.add_argument("results", nargs="+")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
+    exp = sub.add_parser("export", help="write a results file's metrics as CSV and/or TensorBoard events")
+    exp.add_argument("results")
+    exp.add_argument("--csv", metavar="DIR", help="write rounds.csv, eval.csv, clients.csv here")
+    exp.add_argument("--tensorboard", metavar="DIR", help="write a TensorBoard event file here")
     sweep = sub.add_parser("sweep", help="run a grid of configs × seeds (locally, or as a SLURM array)")
     sweep.add_argument("sweep_file")
     sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
@@ -55,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = aggregate(args.results) if Path(args.results).is_dir() else report(args.results)
             print(json.dumps(summary, indent=2) if args.json else summary["text"])
+            return 0
+        if args.command == "export":
+            from mpifl.export import export
+
+            if not (args.csv or args.tensorboard):
+                raise ConfigError("export: give --csv DIR and/or --tensorboard DIR")
+            for path in export(args.results, args.csv, args.tensorboard):
+                print(f"wrote {path}")
             return 0
         if args.command == "sweep":
             from mpifl.sweep import run_sweep

@@ -76,35 +76,36 @@ def report(path: str) -> dict[str, Any]:
 
 
 def plot(paths: list[str], output: str) -> None:
-    """Accuracy vs rounds and vs cumulative logical bytes, one line per run and client group."""
+    """Accuracy vs rounds, vs cumulative logical bytes and vs simulated time; one line per run,
+    model kind and client group (solid: seen clients, dashed: unseen)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for path in paths:
         res = read_results(path)
-        ev = res.table("eval")
+        ev, rounds = res.table("eval"), res.table("rounds")
         if not ev:
             continue
+        sim_time = np.cumsum(rounds["sim_time_s"])[ev["round"].astype(int) - 1]
+        xs = (ev["round"], ev["cum_logical_bytes"] / 1e6, sim_time)
         label = f"{Path(path).stem} ({res.attrs.get('algorithm')})"
         for key in sorted(k for k in ev if k.endswith(".acc_pooled") and np.isfinite(ev[k]).any()):
             kind, group = key.split(".")[:2]
-            style = "-" if group == "seen" else "--"
-            name = f"{label} {kind} {group}"
-            ax_r.plot(ev["round"], ev[key], style, label=name)
-            ax_b.plot(ev["cum_logical_bytes"] / 1e6, ev[key], style, label=name)
+            for ax, x in zip(axes, xs):
+                ax.plot(x, ev[key], "o-" if group == "seen" else "s--", markersize=3, label=f"{label} {kind} {group}")
     score = "R²" if read_results(paths[0]).attrs.get("task") == "regression" else "accuracy"
-    ax_r.set(xlabel="round", ylabel=f"test {score} (pooled)", title=f"{score} vs rounds")
-    ax_b.set(xlabel="cumulative logical bytes, training (MB)", ylabel=f"test {score} (pooled)",
-             title=f"{score} vs communication")
-    for ax in (ax_r, ax_b):
+    labels = (("round", "rounds"), ("cumulative logical bytes, training (MB)", "communication"),
+              ("simulated time (s)", "simulated time"))
+    for ax, (xlabel, what) in zip(axes, labels):
+        ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what}")
         ax.grid(alpha=0.3)
-    ax_r.legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
+    fig.savefig(output, dpi=110)
     plt.close(fig)
 
 

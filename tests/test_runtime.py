@@ -117,3 +117,23 @@ def test_placement_balances_sample_counts():
     assert np.all(Placement.balanced(sizes, 1).owner == 0)
     perm, counts = placement.rank_order(np.arange(20))
     assert np.all(np.diff(placement.owner[np.arange(20)][perm]) >= 0) and counts.sum() == 20
+
+
+def test_export_csv_and_tensorboard_events(write_config, tmp_path):
+    out = tmp_path / "r.h5"
+    res = run(write_config(), out)
+    assert main(["export", str(out), "--csv", str(tmp_path / "csv"), "--tensorboard", str(tmp_path / "tb")]) == 0
+    lines = (tmp_path / "csv" / "eval.csv").read_text().splitlines()
+    assert len(lines) == 1 + 3 and "global.seen.acc_pooled" in lines[0]
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    scalars = acc.Scalars("eval/global.seen.acc_pooled")
+    assert [s.step for s in scalars] == [1, 2, 3]
+    assert np.allclose([s.value for s in scalars], res.table("eval")["global.seen.acc_pooled"], atol=1e-6)
+
+
+def test_crc32c_matches_the_standard_check_value():
+    from mpifl.export import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283
