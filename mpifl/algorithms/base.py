@@ -65,6 +65,11 @@ class Protocol:
         """Messages that must move before clients can be evaluated (all clients take part)."""
         return ()
 
+    def newcomer_plan(self) -> Sequence[Step]:
+        """Messages that let clients never seen in training obtain their model (e.g. pFedHN's embedding
+        optimization), walked among the unseen clients only, before :meth:`eval_plan` (ledger stage "eval")."""
+        return ()
+
     def setup_plan(self) -> Sequence[Step]:
         """Messages that move once, before round 1, among all seen clients (e.g. Karula's reference set
         and embeddings). The runtime walks it as round 0 and records it under ledger stage "setup"."""
@@ -88,6 +93,11 @@ class ServerAlgorithm:
 
     def round_metrics(self) -> dict[str, float]:
         """Extra per-round scalars an algorithm wants logged (e.g. solver iterations)."""
+        return {}
+
+    def eval_metrics(self) -> dict[str, float]:
+        """Extra scalars for the evaluation row, computed from what the eval plan brought the server
+        (e.g. PeFLL's descriptor rank correlation)."""
         return {}
 
     def final_state(self) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ from torch import nn
 from mpifl.config import ModelConfig
 from mpifl.data import FederatedLayout
 from mpifl.models.flat import FlatModel
-from mpifl.models.zoo import MLP, CharLSTM, ConvNet
+from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20
 from mpifl.schema import ConfigError
 
 __all__ = ["FlatModel", "build_model", "loss_function"]
@@ -26,12 +26,18 @@ def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Modu
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if cfg.name in ("lenet", "cnn"):
-            if len(shape) != 3:
-                raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
-            channels, hidden = ((16, 32), (120, 84)) if cfg.name == "lenet" else (cfg.channels, (cfg.fc_hidden,))
+        if cfg.name in ("lenet", "cnn", "convnet", "resnet20") and len(shape) != 3:
+            raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
+        if cfg.name == "resnet20":
+            return ResNet20(shape, out, cfg.batch_norm)
+        if cfg.name in ("lenet", "cnn", "convnet"):
+            channels, hidden, kernel = {
+                "lenet": ((16, 32), (120, 84), 5),
+                "cnn": (cfg.channels, (cfg.fc_hidden,), 5),
+                "convnet": (cfg.channels, cfg.hidden, cfg.kernel_size),
+            }[cfg.name]
             try:
-                return ConvNet(shape, channels, hidden, out)
+                return ConvNet(shape, channels, hidden, out, kernel)
             except ValueError as exc:
                 raise ConfigError(f"model: {exc}") from None
         if cfg.name == "char_lstm":

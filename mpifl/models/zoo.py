@@ -9,19 +9,22 @@ from torch import nn
 
 
 class ConvNet(nn.Module):
-    """Conv(5×5, no padding)-ReLU-MaxPool2 blocks, then fully connected ReLU layers, then the output.
+    """Conv(k×k, no padding)-ReLU-MaxPool2 blocks, then fully connected ReLU layers, then the output.
 
-    With channels (16, 32) and hidden (120, 84) this is PeFLL's LeNet (spec §3.1): on 3×32×32 it
-    has 32·5·5 = 800 features after the convolutions and 121,182 parameters for 10 classes.
+    With channels (16, 32), k = 5 and hidden (120, 84) this is PeFLL's LeNet (spec §3.1): on 3×32×32
+    it has 32·5·5 = 800 features after the convolutions and 121,182 parameters for 10 classes.
+    FedDeper's CNNs (depersonalized spec §2.2) are channels (32, 64), k = 3, hidden (1024, 512) for
+    MNIST and channels (64, 128), k = 5, hidden (1024, 512, 256) for CIFAR-10.
     """
 
-    def __init__(self, input_shape: tuple[int, ...], channels: tuple[int, ...], hidden: tuple[int, ...], out: int):
+    def __init__(self, input_shape: tuple[int, ...], channels: tuple[int, ...], hidden: tuple[int, ...], out: int,
+                 kernel: int = 5):
         super().__init__()
         in_ch, height, width = input_shape
         blocks: list[nn.Module] = []
         for ch in channels:
-            blocks += [nn.Conv2d(in_ch, ch, 5), nn.ReLU(), nn.MaxPool2d(2)]
-            in_ch, height, width = ch, (height - 4) // 2, (width - 4) // 2
+            blocks += [nn.Conv2d(in_ch, ch, kernel), nn.ReLU(), nn.MaxPool2d(2)]
+            in_ch, height, width = ch, (height - kernel + 1) // 2, (width - kernel + 1) // 2
             if height < 1 or width < 1:
                 raise ValueError(f"input {input_shape} is too small for {len(channels)} conv blocks")
         self.features = nn.Sequential(*blocks, nn.Flatten())
@@ -69,3 +72,59 @@ class CharLSTM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         states, _ = self.lstm(self.embed(x))
         return self.out(states[:, -1])
+
+
+class ResidualBlock(nn.Module):
+    """conv3×3-norm-ReLU-conv3×3-norm, plus the shortcut, then ReLU (FedALS's BasicBlock).
+
+    The downsampling shortcut is a 3×3 stride-2 convolution with its norm, as in the FedALS code
+    (spec §2.1), not the usual 1×1 convolution; it is registered last, so in parameter order it
+    follows conv2 and joins conv2's layer group.
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, batch_norm: bool):
+        super().__init__()
+        self.conv1, self.bn1 = conv3x3(in_ch, out_ch, stride, batch_norm), norm_layer(out_ch, batch_norm)
+        self.conv2, self.bn2 = conv3x3(out_ch, out_ch, 1, batch_norm), norm_layer(out_ch, batch_norm)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_ch != out_ch:
+            self.shortcut = nn.Sequential(conv3x3(in_ch, out_ch, stride, batch_norm), norm_layer(out_ch, batch_norm))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def conv3x3(in_ch: int, out_ch: int, stride: int, batch_norm: bool) -> nn.Conv2d:
+    """A bias would duplicate BatchNorm's shift, so convolutions carry one only without BatchNorm."""
+    return nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=not batch_norm)
+
+
+def norm_layer(channels: int, batch_norm: bool) -> nn.Module:
+    """BatchNorm that always normalises with the current batch's statistics (no running buffers), so
+    the model's whole state is its parameters (FlatModel's contract) and a client's forward pass never
+    depends on which clients ran before it on the same rank; γ and β are parameters of their layer group."""
+    return nn.BatchNorm2d(channels, track_running_stats=False) if batch_norm else nn.Identity()
+
+
+class ResNet20(nn.Module):
+    """The FedALS authors' ResNet-20 (spec §2.1): stem conv3×3(16)-norm-ReLU, three stages of three
+    residual blocks (16, 32, 64 channels; stride 2 at the start of stages 2 and 3), global average
+    pooling, Linear(64, classes). With BatchNorm on 3×32×32 and 10 classes it has 292,954 parameters
+    (fc 650), the count behind the paper's Table 2. The pooling is adaptive, so 28×28 inputs work too.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], out: int, batch_norm: bool):
+        super().__init__()
+        in_ch = input_shape[0]
+        layers: list[nn.Module] = [conv3x3(in_ch, 16, 1, batch_norm), norm_layer(16, batch_norm), nn.ReLU()]
+        in_ch = 16
+        for width, stride in ((16, 1), (32, 2), (64, 2)):
+            for block in range(3):
+                layers.append(ResidualBlock(in_ch, width, stride if block == 0 else 1, batch_norm))
+                in_ch = width
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(64, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))

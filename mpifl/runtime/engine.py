@@ -189,6 +189,9 @@ class Engine:
     def evaluate(self, round_: int) -> None:
         start = time.perf_counter()
         everyone = np.arange(self.layout.num_clients)
+        unseen = np.flatnonzero(self.layout.unseen)
+        if len(unseen):
+            self.run_plan(round_, "eval", self.protocol.newcomer_plan(), unseen)
         self.run_plan(round_, "eval", self.protocol.eval_plan(), everyone)
         local = self.transport.local_clients(everyone) if self.client else everyone[:0]
         kinds = self.protocol.eval_kinds
@@ -214,6 +217,7 @@ class Engine:
             for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
                 for name, value in summarize(block[mask], regression).items():
                     row[f"{kind}.{group}.{name}"] = value
+        row.update(self.server.eval_metrics())
         self.eval_table.append(row)
 
     def _print_progress(self, round_: int) -> None:

@@ -1,0 +1,247 @@
+"""FedALS (Gholami & Seferoglu; spec fedals.md §1.3): the head h is averaged every τ local steps, the
+representation extractor φ (the first L layer groups) every ατ.
+
+A round is τ local steps. Each part (φ, h) has a period in rounds (α, 1) and moves as FedAvg does,
+at its own frequency: the server's part goes down at the start of rounds r with (r − 1) % period = 0,
+and the deltas since that download come up at the end of rounds with r % period = 0. Under full
+participation this is exactly the paper's schedule with independent checks (spec §1.3, the `else if`
+is a bug) and sync points (s + 1) % τ = 0 and (s + 1) % ατ = 0 of the local-step counter s. Per client
+that is 2·[(T/τ)·P_h + (T/(ατ))·P_φ] parameters over T = Rτ steps (Table 2), α = 1 is FedAvg with
+τ = ``tau`` element for element, and with ``scaffold`` each part carries its control variate
+(Algorithm 4; α = 1 is SCAFFOLD). Clients keep their own model, momentum buffer (the paper's
+optimizer state is never reset) and control variate between rounds; with partial participation a
+client trains on the parts it last received and uploads its progress since then.
+
+The evaluated global model is the server's, except that φ is the average of all seen clients' current
+φ in rounds that did not sync it (the paper's "virtual average"; one φ upload per client in the eval
+stage). BatchNorm keeps no running statistics here (see ``mpifl.models.zoo.norm_layer``): γ and β are
+parameters of their convolution's group and are averaged with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, weighted_sum
+from mpifl.algorithms.fedavg import FedAvgServer
+from mpifl.algorithms.scaffold import correction_hook, option_ii, population_weights, update_control
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.models import FlatModel
+from mpifl.schema import ConfigError, limits
+
+
+@dataclass(frozen=True)
+class FedALSOptions:
+    alpha: int = field(default=10, metadata=limits(ge=1))  # φ period / h period
+    tau: int = field(default=5, metadata=limits(ge=1))  # local steps per round (the head's period)
+    split_layer: int | None = field(default=None, metadata=limits(ge=0))  # L; default: all groups but the last
+    scaffold: bool = False  # FedALS + SCAFFOLD (Algorithm 4)
+    persistent_momentum: bool = True  # False: a fresh buffer every round, as FedAvg's clients
+
+
+def layer_groups(model: FlatModel) -> list[slice]:
+    """Spans of the flat parameter vector, one per layer as the FedALS code groups them: a layer starts
+    at each weight with two or more dimensions outside a residual shortcut and takes in what follows
+    (bias, norm γ/β, shortcut). ResNet-20 has 20 groups (19 convolutions and fc), an MLP one per Linear."""
+    starts, offset = [], 0
+    for name, size, shape in zip(model.names, model.segment_sizes(), model.shapes, strict=True):
+        if (len(shape) >= 2 and "shortcut" not in name) or not starts:
+            starts.append(offset)
+        offset += size
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [offset], strict=True)]
+
+
+Kind = Literal["params", "control"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A contiguous span of the model synchronized every ``period`` rounds, and its messages."""
+
+    name: str
+    span: slice
+    period: int
+    groups: tuple[int, ...]  # indices of its layer groups
+    down: tuple[Message, ...]
+    up: tuple[Message, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.span.stop - self.span.start
+
+
+class FedALSProtocol(Protocol):
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        opts = ctx.options
+        model = ctx.new_model()
+        self.groups = layer_groups(model)
+        split = len(self.groups) - 1 if opts.split_layer is None else opts.split_layer
+        if split > len(self.groups):
+            raise ConfigError(f"fedals.split_layer: {split} exceeds the {len(self.groups)} layer groups of the model")
+        boundary = self.groups[split - 1].stop if split else 0
+        self.route: dict[str, tuple[Part, Kind]] = {}
+        parts = []
+        for name, span, period, groups in (("extractor", slice(0, boundary), opts.alpha, range(split)),
+                                           ("head", slice(boundary, model.numel), 1, range(split, len(self.groups)))):
+            if span.stop == span.start:
+                continue
+            kinds: tuple[Kind, ...] = ("params", "control") if opts.scaffold else ("params",)
+            names = {"params": name, "control": f"{name}_control"}
+            down = tuple(Message(names[k], "down", span.stop - span.start, broadcast=True) for k in kinds)
+            up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start) for k in kinds)
+            part = Part(name, span, period, tuple(groups), down, up)
+            self.route.update({m.name: (part, k) for msgs in (down, up) for m, k in zip(msgs, kinds, strict=True)})
+            parts.append(part)
+        self.parts = tuple(parts)
+        self.extractor = next((p for p in self.parts if p.name == "extractor"), None)
+        self.extractor_eval = Message("extractor_eval", "up", boundary) if self.extractor else None
+        self.eval_msg = Message("eval_model", "down", model.numel, broadcast=True)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        down = [m for p in self.parts if (round_ - 1) % p.period == 0 for m in p.down]
+        up = [m for p in self.parts if round_ % p.period == 0 for m in p.up]
+        return (*down, LOCAL, *up)
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.extractor_eval, self.eval_msg) if self.extractor_eval else (self.eval_msg,)
+
+    def is_extractor_eval(self, msg: Message) -> bool:
+        return self.extractor_eval is not None and msg.name == self.extractor_eval.name
+
+
+class FedALSServer(FedAvgServer):
+    protocol_type = FedALSProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.control = np.zeros_like(self.params)
+        self.synced: dict[str, int] = {}  # part → last round it was averaged
+        self.metrics: dict[str, float] = {}
+        self.eval_params = self.params
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        if msg.name == self.protocol.eval_msg.name:
+            return self.eval_params
+        part, kind = self.protocol.route[msg.name]
+        return (self.params if kind == "params" else self.control)[part.span]
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        if self.protocol.is_extractor_eval(msg):
+            self._virtual_average(round_, clients, rows)
+            return
+        part, kind = self.protocol.route[msg.name]
+        if kind == "control":
+            control = self.control.copy()
+            control[part.span] = update_control(self.control[part.span], rows, population_weights(self.ctx, clients))
+            self.control = control
+            return
+        weights = self.ctx.weights(clients)
+        mean = weighted_sum(rows, weights)
+        self.metrics.update(self._consensus(part, rows, mean, weights))
+        self.apply_update(mean, part.span)
+        self.synced[part.name] = round_
+
+    def _virtual_average(self, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        """The evaluated model: φ averaged over the seen clients unless this round already synced it."""
+        self.eval_params = self.params
+        if self.synced.get("extractor") != round_:
+            seen = ~self.ctx.layout.unseen[clients]
+            self.eval_params = self.params.copy()
+            average = weighted_sum(rows[seen], self.ctx.weights(clients[seen]))
+            self.eval_params[self.protocol.extractor.span] = average.astype(np.float32)
+
+    def _consensus(self, part: Part, rows: np.ndarray, mean: np.ndarray, weights: np.ndarray) -> dict[str, float]:
+        """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients
+        share the part's reference point, so θₖ − θ̄ is the spread of their deltas)."""
+        offset = part.span.start
+        starts = [self.protocol.groups[g].start - offset for g in part.groups]
+        sizes = np.array([self.protocol.groups[g].stop - self.protocol.groups[g].start for g in part.groups])
+        total = np.zeros(len(starts))
+        for w, row in zip(weights, rows, strict=True):
+            total += w * np.add.reduceat((row - mean) ** 2, starts)
+        return {f"consensus_layer{g + 1:02d}": float(d) for g, d in zip(part.groups, total / sizes, strict=True)}
+
+    def round_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
+
+
+@dataclass
+class ClientState:
+    """What a FedALS client keeps between rounds on the rank that owns it."""
+
+    model: np.ndarray  # θₖ
+    reference: np.ndarray  # each part as last received from the server
+    momentum: np.ndarray | None
+    control: np.ndarray | None  # cₖ (scaffold)
+    global_control: np.ndarray | None  # c as last received (scaffold)
+    steps_since: dict[str, int] = field(default_factory=dict)  # local steps since each part's reference
+
+
+class FedALSClient(ClientAlgorithm):
+    protocol_type = FedALSProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.initial = self.workspace.numpy().copy()
+        self.states: dict[int, ClientState] = {}
+        self.eval_params: np.ndarray | None = None
+
+    def state(self, client: int) -> ClientState:
+        if client not in self.states:
+            opts, cfg = self.ctx.options, self.ctx.cfg.client
+            zeros = np.zeros_like(self.initial)
+            self.states[client] = ClientState(
+                self.initial.copy(), self.initial.copy(),
+                zeros.copy() if opts.persistent_momentum and cfg.momentum > 0 else None,
+                zeros.copy() if opts.scaffold else None, zeros.copy() if opts.scaffold else None,
+                {p.name: 0 for p in self.protocol.parts},
+            )
+        return self.states[client]
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        if msg.name == self.protocol.eval_msg.name:
+            self.eval_params = row
+            return
+        part, kind = self.protocol.route[msg.name]
+        st = self.state(client)
+        if kind == "control":
+            st.global_control[part.span] = row
+            return
+        st.model[part.span] = row
+        st.reference[part.span] = row
+        st.steps_since[part.name] = 0
+
+    def compute(self, round_: int, client: int) -> None:
+        st = self.state(client)
+        self.workspace.load(st.model)
+        hook = correction_hook(st.global_control - st.control) if st.control is not None else None
+        momentum = torch.from_numpy(st.momentum) if st.momentum is not None else None
+        steps = self.train_workspace(round_, client, hook, steps=self.ctx.options.tau, momentum=momentum)
+        st.model[:] = self.workspace.numpy()
+        for name in st.steps_since:
+            st.steps_since[name] += steps
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        st = self.state(client)
+        if self.protocol.is_extractor_eval(msg):
+            return st.model[self.protocol.extractor.span]
+        part, kind = self.protocol.route[msg.name]
+        span = part.span
+        if kind == "params":
+            return st.model[span] - st.reference[span]
+        own = st.control[span].copy()
+        st.control[span] = option_ii(own, st.global_control[span], st.reference[span] - st.model[span],
+                                     self.ctx.cfg.client.lr, st.steps_since[part.name])
+        return st.control[span] - own
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        self.workspace.load(self.eval_params)
+        return self.workspace.module

@@ -1,0 +1,82 @@
+"""FedDeper (Zhou et al., "Depersonalized Federated Learning", spec depersonalized.md §1).
+
+Every sampled client i starts a globalized model y ← x and keeps a personalized model vᵢ across rounds
+(it lives only on the rank that owns i and is never sent). Each of τ local steps uses one mini-batch
+for both models (spec §1.3: "same batch" reading):
+
+    y ← y − η·g(y) − ρ·(v + y − 2x)      (the gradient of eq. 5 at the step's v, before v moves)
+    v ← v − η·g(v)
+
+then v ← (1 − λ)v + λy, and y − x is uploaded. Messages and bytes are FedAvg's; a round costs 2τ
+gradients, which is why the paper's FedDeper* simply halves τ (set ``client.steps``). Both the global
+model x and each client's stored vᵢ (after mixing; the initial model for a client not yet sampled) are
+evaluated on that client's own test split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.runtime.training import batch_schedule, client_generator, sgd_step
+from mpifl.schema import limits
+
+
+@dataclass(frozen=True)
+class FedDeperOptions:
+    rho: float = field(default=0.03, metadata=limits(ge=0))  # penalty ρ of eq. 5 (same order as η)
+    mixing: float = field(default=0.5, metadata=limits(ge=0, le=1))  # λ of eq. 6
+
+
+class FedDeperProtocol(FedAvgProtocol):
+    eval_kinds = ("global", "personal")
+
+
+class FedDeperServer(FedAvgServer):
+    protocol_type = FedDeperProtocol
+
+
+class FedDeperClient(FedAvgClient):
+    protocol_type = FedDeperProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.initial = self.workspace.numpy().copy()
+        self.personal_model = ctx.new_model()
+        self.personal: dict[int, np.ndarray] = {}  # vᵢ after mixing, persistent per owned client
+
+    def compute(self, round_: int, client: int) -> None:
+        cfg, opts = self.ctx.cfg.client, self.ctx.options
+        start = self.start.pop(client)
+        y, v = self.workspace, self.personal_model
+        y.load(start)
+        v.load(self.personal.get(client, self.initial))
+        twice_x = 2 * torch.tensor(start)
+        momenta = [torch.zeros_like(y.params) if cfg.momentum > 0 else None for _ in range(2)]
+        split = self.data[client]
+        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        loss_sum, steps = torch.zeros((), dtype=torch.float64), 0
+        for idx in batch_schedule(len(split.x_train), cfg, gen):
+            xb, yb = split.x_train[idx], split.y_train[idx]
+            loss = self.loss_fn(y.module(xb), yb)
+            y.compute_gradient(loss)
+            y.grads.add_(v.params + y.params - twice_x, alpha=opts.rho / cfg.lr)
+            v.compute_gradient(self.loss_fn(v.module(xb), yb))
+            sgd_step(y.params, y.grads, momenta[0], cfg.lr, cfg)
+            sgd_step(v.params, v.grads, momenta[1], cfg.lr, cfg)
+            loss_sum += loss.detach()
+            steps += 1
+        self.round_losses[client] = float(loss_sum) / max(steps, 1)
+        self.personal[client] = ((1 - opts.mixing) * v.numpy() + opts.mixing * y.numpy()).astype(np.float32)
+        self.deltas[client] = y.numpy() - start
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        if kind == "global":
+            return super().eval_model(client, kind)
+        self.workspace.load(self.personal.get(client, self.initial))
+        return self.workspace.module

@@ -1,0 +1,39 @@
+"""FedSGD: each sampled client returns one full-batch gradient at the global model; the server steps
+θ ← θ − η_c·Σ (N_i/N_S)·g_i (η_c = client.lr) through the server optimizer (server.lr, momentum).
+
+Mini-batch FedSGD is FedAvg with ``client.steps: 1``; this is the variant Karula's Table 1 compares with
+("clients return full gradients"), and Karula with t = 0 is its variance-reduced counterpart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from mpifl.algorithms.base import RunContext, weighted_sum
+from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.comm.messages import LOCAL, Message, Step
+
+
+class FedSGDProtocol(FedAvgProtocol):
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.grad_msg = Message("gradient", "up", self.delta_msg.numel)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.model_msg, LOCAL, self.grad_msg)
+
+
+class FedSGDServer(FedAvgServer):
+    protocol_type = FedSGDProtocol
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        self.apply_update(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(clients)))
+
+
+class FedSGDClient(FedAvgClient):
+    protocol_type = FedSGDProtocol
+
+    def compute(self, round_: int, client: int) -> None:
+        self.deltas[client] = self.gradient_at(client, self.start.pop(client))

@@ -1,0 +1,107 @@
+"""IFCA (Ghosh et al. 2020), model-averaging variant: k cluster models; a sampled client joins the cluster
+whose model has the lowest loss on its training data, trains it locally and returns its delta and its
+cluster index; the server averages deltas per cluster (by sample count) through FedAvg's server step.
+Clusters start from different random initializations, so they can separate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.models import FlatModel, build_model
+from mpifl.schema import limits
+
+
+@dataclass(frozen=True)
+class IFCAOptions:
+    clusters: int = field(default=3, metadata=limits(ge=1))
+
+
+class IFCAProtocol(Protocol):
+    eval_kinds = ("personal",)
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.k = ctx.options.clusters
+        self.numel = ctx.new_model().numel
+        self.models_msg = Message("cluster_models", "down", self.k * self.numel, broadcast=True)
+        self.cluster_msg = Message("cluster_id", "up", 1, "int32")
+        self.delta_msg = Message("delta", "up", self.numel)
+        self.eval_msg = Message("eval_cluster_models", "down", self.k * self.numel, broadcast=True)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.models_msg, LOCAL, self.cluster_msg, self.delta_msg)
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_msg,)
+
+
+class IFCAServer(ServerAlgorithm):
+    protocol_type = IFCAProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        seeds = np.random.SeedSequence([ctx.cfg.seed, 0x49464341]).generate_state(self.protocol.k)
+        self.params = np.stack([
+            FlatModel(build_model(ctx.cfg.model, ctx.layout, int(s))).numpy() for s in seeds
+        ]).astype(np.float32)
+        self.assignment = np.zeros(0, dtype=np.int64)
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        return self.params.reshape(-1)
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        if msg.name == self.protocol.cluster_msg.name:
+            self.assignment = rows[:, 0].astype(np.int64)
+            return
+        params = self.params.copy()  # a new array: clients on this rank may hold views of the old one
+        for j in np.unique(self.assignment):
+            members = self.assignment == j
+            step = weighted_sum(rows[members], self.ctx.weights(clients[members]))
+            params[j] = (params[j] + self.ctx.cfg.server.lr * step).astype(np.float32)
+        self.params = params
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {"cluster_models": self.params}
+
+
+class IFCAClient(ClientAlgorithm):
+    protocol_type = IFCAProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.models: np.ndarray | None = None
+        self.outbox: dict[tuple[str, int], np.ndarray] = {}
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        self.models = row.reshape(self.protocol.k, -1)
+
+    @torch.no_grad()
+    def best_cluster(self, client: int) -> int:
+        """The cluster whose model has the lowest loss on ``client``'s training split (ties: lowest index)."""
+        split = self.data[client]
+        losses = []
+        for model in self.models:
+            self.workspace.load(model)
+            losses.append(float(self.loss_fn(self.workspace.module(split.x_train), split.y_train)))
+        return int(np.argmin(losses))
+
+    def compute(self, round_: int, client: int) -> None:
+        j = self.best_cluster(client)
+        self.workspace.load(self.models[j])
+        self.train_workspace(round_, client)
+        self.outbox[self.protocol.cluster_msg.name, client] = np.array([j], dtype=np.int32)
+        self.outbox[self.protocol.delta_msg.name, client] = self.workspace.numpy() - self.models[j]
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        return self.outbox.pop((msg.name, client))
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        self.workspace.load(self.models[self.best_cluster(client)])
+        return self.workspace.module

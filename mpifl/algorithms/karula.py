@@ -1,0 +1,250 @@
+"""Karula (Erickson & Johansson 2025): personalized models under pairwise dissimilarity constraints.
+
+    minimize (1/n) Σ α_i f_i(θ_i)   subject to   ‖θ_i − θ_j‖² ≤ t·D_ij  for all pairs,
+
+with D_ij a federated surrogate of W1 between client distributions (:mod:`.dissimilarity`), computed once
+in the set-up plan, and α_i = n·N_i/ΣN. Algorithm 1 is an inexact projected stochastic gradient method
+with SAGA-type variance reduction, run entirely on the server: each round the s sampled clients receive
+their θ_i and return one gradient at it; the server keeps the table of the latest weighted gradient of
+every client, forms ν, steps *all* n personalized models and projects onto the constraint set
+(:mod:`.projection`). There is no local training. Set-up also collects every client's gradient at the
+common initial model (the algorithm's "initial pass").
+
+Estimator (karula.md §3.2): with g_i the stored α_i·G_i/n, the default (``unbiased``) is
+ν = g^k + (n/s)(g^{k+1} − g^k), unbiased for ∇f(θ^k). ``literal`` keeps the paper's printed update
+(g_i ← α_i·G_i, no 1/n, and ν = g^k + (g^{k+1} − g^k)/s), which is biased; it exists for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
+from mpifl.algorithms.dissimilarity import (
+    Metric,
+    data_points,
+    dissimilarities,
+    lot_embedding,
+    moments,
+    pooled_standardizer,
+    reference_set,
+)
+from mpifl.algorithms.projection import Projector, Solver, pair_indices
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.config import RunConfig
+from mpifl.data import FederatedLayout, build_federated_dataset
+from mpifl.runtime.training import client_generator
+from mpifl.schema import ConfigError, limits
+
+
+@dataclass(frozen=True)
+class KarulaOptions:
+    t: float = field(default=1.0, metadata=limits(ge=0))  # constraint scale: ‖θ_i − θ_j‖² ≤ t·D_ij
+    lr: float = field(default=1.0, metadata=limits(gt=0))  # server step size η on ν ≈ ∇f = (1/n)Σα_i∇f_i
+    estimator: Literal["unbiased", "literal"] = "unbiased"
+    full_batch: bool = True  # False: one mini-batch of client.batch_size per gradient
+    solver: Solver = "dual"
+    tol: float = field(default=1e-6, metadata=limits(gt=0))  # projection gap relative to ½‖ϑ − ϑ̄‖²
+    max_inner: int = field(default=1000, metadata=limits(ge=1))  # projection iterations per round
+    reference_size: int = field(default=100, metadata=limits(ge=1))  # N0
+    metric: Metric = "l21"
+    standardize: bool = True  # z-score (x, y) with pooled statistics before OT
+    label_scale: float = field(default=1.0, metadata=limits(gt=0))  # one-hot label weight (classification)
+
+
+def point_dims(layout: FederatedLayout) -> tuple[int, int]:
+    """(dimension of an OT point ξ = (x, y), how many of its leading coordinates are continuous)."""
+    features = math.prod(layout.input_shape)
+    if layout.task == "regression":
+        return features + 1, features + 1
+    return features + layout.num_classes, features
+
+
+def ground_truth(cfg: RunConfig, numel: int) -> np.ndarray | None:
+    """The true flat parameters [num_clients, numel] when the dataset has them (synthetic ridge: θ_i then
+    a zero bias, the order of a linear model's weight and bias), else ``None``. Rebuilt from (config,
+    seed): no data moves."""
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    if not hasattr(dataset, "true_parameters"):
+        return None
+    truth = np.stack([dataset.true_parameters(c) for c in range(dataset.layout.num_clients)])
+    if truth.shape[1] + 1 != numel:
+        return None
+    return np.hstack([truth, np.zeros((len(truth), 1))])
+
+
+def estimation_errors(models: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Per-client squared estimation error ‖θ̂_i − θ_i‖² (Table 1(a)'s "estimation error")."""
+    return np.sum((models - truth) ** 2, axis=1)
+
+
+class KarulaProtocol(Protocol):
+    eval_kinds = ("personal",)
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        opts: KarulaOptions = ctx.options
+        numel = ctx.new_model().numel
+        p, _ = point_dims(ctx.layout)
+        self.moments_msg = Message("data_moments", "up", 2 * p + 1, "float64")
+        self.standardizer_msg = Message("standardizer", "down", 2 * p, "float64", broadcast=True)
+        self.reference_msg = Message("reference_set", "down", opts.reference_size * p, broadcast=True)
+        self.embedding_msg = Message("embedding", "up", opts.reference_size * p)
+        self.initial_grad_msg = Message("initial_gradient", "up", numel)
+        self.model_msg = Message("personal_model", "down", numel)
+        self.grad_msg = Message("gradient", "up", numel)
+        self.eval_msg = Message("eval_personal_model", "down", numel)
+
+    def setup_plan(self) -> Sequence[Step]:
+        standardize = (self.moments_msg, self.standardizer_msg) if self.ctx.options.standardize else ()
+        return (*standardize, self.reference_msg, LOCAL, self.embedding_msg, self.initial_grad_msg)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.model_msg, LOCAL, self.grad_msg)
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_msg,)
+
+
+class KarulaServer(ServerAlgorithm):
+    """θ (n×d), the gradient table, D and the projection solver; all float64."""
+
+    protocol_type = KarulaProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        layout, opts = ctx.layout, ctx.options
+        if layout.unseen.any():
+            raise ConfigError("data.unseen_fraction: karula personalizes only clients that train; use 0")
+        self.opts: KarulaOptions = opts
+        self.n = layout.num_clients
+        initial = ctx.new_model().numpy().astype(np.float64)
+        self.theta = np.tile(initial, (self.n, 1))
+        self.table = np.zeros_like(self.theta)
+        self.alpha = self.n * ctx.weights(np.arange(self.n))
+        p, self.continuous = point_dims(layout)
+        self.reference = reference_set(ctx.cfg.seed, opts.reference_size, p).astype(np.float32)
+        self.standardizer = np.concatenate([np.zeros(p), np.ones(p)])
+        self.dissimilarity: np.ndarray | None = None
+        self.projector: Projector | None = None
+        self.truth = ground_truth(ctx.cfg, initial.size)
+        self.metrics: dict[str, float] = {}
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        proto = self.protocol
+        if msg.name == proto.standardizer_msg.name:
+            return self.standardizer
+        if msg.name == proto.reference_msg.name:
+            return self.reference.reshape(-1)
+        return self.theta[clients].astype(np.float32)
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        proto = self.protocol
+        if msg.name == proto.moments_msg.name:
+            self.standardizer = pooled_standardizer(rows, self.continuous)
+        elif msg.name == proto.embedding_msg.name:
+            embeddings = rows.astype(np.float64).reshape(self.n, self.opts.reference_size, -1)
+            self.dissimilarity = dissimilarities(embeddings, self.opts.metric)
+            radii = self.opts.t * self.dissimilarity[pair_indices(self.n)]
+            self.projector = Projector(radii, self.opts.solver, self.opts.tol, self.opts.max_inner)
+        elif msg.name == proto.initial_grad_msg.name:
+            self.table[clients] = self.weighted(clients, rows) / self.n
+        else:
+            self.step(clients, self.weighted(clients, rows))
+
+    def weighted(self, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return rows.astype(np.float64) * self.alpha[clients, None]
+
+    def direction(self, clients: np.ndarray, grads: np.ndarray) -> np.ndarray:
+        """ν from the gradient table and the sampled clients' new weighted gradients; updates the table."""
+        n, s = self.n, len(clients)
+        new, gain = (grads / n, n / s) if self.opts.estimator == "unbiased" else (grads, 1 / s)
+        direction = self.table.copy()
+        direction[clients] += gain * (new - self.table[clients])
+        self.table[clients] = new
+        return direction
+
+    def step(self, clients: np.ndarray, grads: np.ndarray) -> None:
+        """θ ← Π_𝒦^δ(θ − ην) for all n clients, logging the solver's certificate."""
+        target = self.theta - self.opts.lr * self.direction(clients, grads)
+        start = time.perf_counter()
+        result = self.projector(target)
+        self.theta = result.theta
+        self.metrics = {
+            "proj_iterations": float(result.iterations),
+            "proj_delta": result.gap / self.opts.lr,
+            "proj_max_violation": result.max_violation,
+            "proj_seconds": time.perf_counter() - start,
+        }
+        if self.truth is not None:
+            self.metrics["estimation_error"] = float(estimation_errors(self.theta, self.truth).mean())
+
+    def round_metrics(self) -> dict[str, float]:
+        return dict(self.metrics)
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {"personal_models": self.theta, "dissimilarity": self.dissimilarity}
+
+
+class KarulaClient(ClientAlgorithm):
+    protocol_type = KarulaProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.opts: KarulaOptions = ctx.options
+        self.initial = self.workspace.numpy().copy()
+        p, _ = point_dims(ctx.layout)
+        self.standardizer = np.concatenate([np.zeros(p), np.ones(p)])
+        self.reference: np.ndarray | None = None
+        self.models: dict[int, np.ndarray] = {}
+        self.outbox: dict[tuple[str, int], np.ndarray] = {}
+
+    def points(self, client: int) -> np.ndarray:
+        split = self.data[client]
+        return data_points(split.x_train.numpy(), split.y_train.numpy(), self.ctx.layout.num_classes,
+                           self.opts.label_scale)
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        proto = self.protocol
+        if msg.name == proto.standardizer_msg.name:
+            self.standardizer = np.array(row)
+        elif msg.name == proto.reference_msg.name:
+            self.reference = row.astype(np.float64).reshape(self.opts.reference_size, -1)
+        else:
+            self.models[client] = np.array(row)
+
+    def compute(self, round_: int, client: int) -> None:
+        """Set-up (round 0): the LOT embedding and the gradient at the common initial model. Later: one
+        gradient at the received personalized model."""
+        proto = self.protocol
+        if round_ == 0:
+            mean, std = np.split(self.standardizer, 2)
+            embedding = lot_embedding(self.reference, (self.points(client) - mean) / std)
+            self.outbox[proto.embedding_msg.name, client] = embedding.astype(np.float32).reshape(-1)
+            self.outbox[proto.initial_grad_msg.name, client] = self.gradient(round_, client, self.initial)
+        else:
+            self.outbox[proto.grad_msg.name, client] = self.gradient(round_, client, self.models[client])
+
+    def gradient(self, round_: int, client: int, params: np.ndarray) -> np.ndarray:
+        if self.opts.full_batch:
+            return self.gradient_at(client, params)
+        n = len(self.data[client].x_train)
+        rows = torch.randperm(n, generator=client_generator(self.ctx.cfg.seed, round_, client))
+        return self.gradient_at(client, params, rows[: self.ctx.cfg.client.batch_size])
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        if msg.name == self.protocol.moments_msg.name:
+            return moments(self.points(client))
+        return self.outbox.pop((msg.name, client))
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        self.workspace.load(self.models.get(client, self.initial))
+        return self.workspace.module

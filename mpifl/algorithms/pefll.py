@@ -1,0 +1,331 @@
+"""PeFLL (Scott, Zakerinia, Lampert, ICLR 2024): an embedding net φ (η_v) and a hypernetwork h (η_h) on the
+server turn a client's descriptor v = mean φ(x, y) into its personal model θ = h(v) (pefll spec §2).
+
+One round, per sampled client (Alg. 2, split learning): η_v goes down; the client sends v_i = φ(B_i) of one
+batch; the server sends θ_i = h(v_i); the client trains θ_i for k local steps and sends Δθ_i = θ_i^new − θ_i;
+the server backpropagates all Δθ_i through h at once (one forward over the stacked v's, one backward),
+which gives its own update Σ J_hᵀΔθ_i and each Δv_i = J_vᵀΔθ_i; Δv_i goes down; the client backpropagates
+it through φ on the same batch and sends Δη_v^(i). The server averages and updates η = (η_v, η_h) with
+the paper's step (Alg. 2: η ← (1 − 2βλ)η + mean Δη) or the authors' default (Adam on −mean Δη, clipped).
+Per client and round that is |η_v| + l + d + d + l + |η_v| floats (spec §7.1).
+
+A new client needs one round trip and no training (Alg. 1): the eval plan sends η_v to every client, each
+returns the descriptor of its whole training split, and the server sends back h(v).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from scipy.spatial.distance import cdist
+from scipy.stats import rankdata
+from torch import nn
+
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.models import FlatModel
+from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
+from mpifl.runtime.training import TrainStats, client_generator, local_sgd
+from mpifl.schema import ConfigError, limits
+
+HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
+DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)
+
+
+@dataclass(frozen=True)
+class HyperOptions:
+    """What PeFLL and pFedHN share: the hypernetwork's shape, the outer clip and label masking."""
+
+    embed_dim: int | None = field(default=None, metadata=limits(ge=1))  # l; none: int(1 + n/4), n = all clients
+    hyper_hidden: int = field(default=100, metadata=limits(ge=1))
+    hyper_layers: int = field(default=3, metadata=limits(ge=0))  # hidden 100→100 layers after the first
+    clip_norm: float | None = field(default=50.0, metadata=limits(gt=0))  # server pseudo-gradient; none: off
+    mask_absent: bool = False  # at evaluation, zero the logits of classes absent from the client's train split
+
+
+@dataclass(frozen=True)
+class PeFLLOptions(HyperOptions):
+    embedding: Literal["cnn", "linear"] = "cnn"
+    embed_labels: bool = True  # false: φ sees images only (clients with unlabelled data)
+    embed_channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))
+    embed_hidden: tuple[int, ...] = field(default=(120, 84), metadata=limits(ge=1))
+    embed_kernel: int = field(default=5, metadata=limits(ge=1))
+    descriptor_batch: int = field(default=32, metadata=limits(ge=1))
+    standardize: bool = True  # (v − m)/s with scalars m, s frozen from the first training descriptor (code)
+    optimizer: Literal["adam", "paper"] = "adam"
+    lr: float = field(default=2e-4, metadata=limits(gt=0))  # Adam
+    beta: float = field(default=1.265e-3, metadata=limits(ge=0))  # Alg. 2's β (2√c/(k√T), c=5, k=50, T=5000)
+    lambda_h: float = field(default=1e-3, metadata=limits(ge=0))  # Alg. 2's decay (1 − 2βλ_h) of η_h
+    lambda_v: float = field(default=1e-3, metadata=limits(ge=0))
+
+    def __post_init__(self) -> None:
+        if self.embedding == "linear" and not self.embed_labels:
+            raise ConfigError("pefll.embed_labels: the linear embedding sees labels only; use embedding: cnn")
+
+
+class HyperProtocol(Protocol):
+    """Sizes both hypernetwork algorithms need: the client model d and the descriptor/embedding l."""
+
+    eval_kinds = ("personal",)
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        if ctx.layout.task != "classification":
+            raise ConfigError(f"algorithm: {ctx.cfg.algorithm} needs a classification dataset")
+        self.model_sizes = ctx.new_model().segment_sizes()
+        self.model_numel = sum(self.model_sizes)
+        self.embed_dim = ctx.options.embed_dim or default_embed_dim(ctx.layout.num_clients)
+
+    def new_hypernetwork(self) -> HyperNetwork:
+        opts = self.ctx.options
+        return seeded(lambda: HyperNetwork(self.embed_dim, self.model_sizes, opts.hyper_hidden, opts.hyper_layers),
+                      self.ctx.cfg.seed, HYPER_STREAM)
+
+
+class PeFLLProtocol(HyperProtocol):
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        if ctx.options.standardize and self.embed_dim < 2:
+            raise ConfigError("pefll.standardize: needs embed_dim >= 2 (a scalar std of one value is undefined)")
+        dim, d, e = self.embed_dim, self.model_numel, FlatModel(self.new_embedding()).numel
+        self.embed_msg = Message("embed_net", "down", e, broadcast=True)
+        self.descriptor_msg = Message("descriptor", "up", dim)
+        self.model_msg = Message("model", "down", d)
+        self.delta_msg = Message("delta", "up", d)
+        self.descriptor_grad_msg = Message("descriptor_grad", "down", dim)
+        self.embed_grad_msg = Message("embed_grad", "up", e)
+        self.eval_embed_msg = Message("eval_embed_net", "down", e, broadcast=True)
+        self.eval_descriptor_msg = Message("eval_descriptor", "up", dim)
+        self.eval_model_msg = Message("eval_model", "down", d)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.embed_msg, self.descriptor_msg, self.model_msg, LOCAL, self.delta_msg,
+                self.descriptor_grad_msg, self.embed_grad_msg)
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_embed_msg, self.eval_descriptor_msg, self.eval_model_msg)
+
+    def new_embedding(self) -> nn.Module:
+        opts, layout = self.ctx.options, self.ctx.layout
+        if opts.embedding == "linear":
+            return seeded(lambda: LabelEmbedding(layout.num_classes, self.embed_dim), self.ctx.cfg.seed, EMBED_STREAM)
+        if len(layout.input_shape) != 3:
+            raise ConfigError(f"pefll.embedding: 'cnn' needs image inputs (C, H, W), got {layout.input_shape}")
+        try:
+            return seeded(lambda: ConvEmbedding(layout.input_shape, layout.num_classes, self.embed_dim,
+                                                opts.embed_labels, opts.embed_channels, opts.embed_hidden,
+                                                opts.embed_kernel), self.ctx.cfg.seed, EMBED_STREAM)
+        except ValueError as exc:
+            raise ConfigError(f"pefll.embed_channels: {exc}") from None
+
+
+def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
+    """Scale ``grads`` in place to norm ≤ ``max_norm`` (as ``clip_grad_norm_``); returns the norm before."""
+    norm = float(torch.linalg.vector_norm(grads))
+    if max_norm is not None and norm > max_norm:
+        grads.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+class PeFLLServer(ServerAlgorithm):
+    protocol_type = PeFLLProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.hyper = self.protocol.new_hypernetwork()
+        # η = (η_v, η_h) in one flat vector: η_v is sent as a slice, and the update is a few vector operations
+        self.joint = FlatModel(nn.ModuleDict({"embed": self.protocol.new_embedding(), "hyper": self.hyper}))
+        self.split = self.protocol.embed_msg.numel
+        opts = ctx.options
+        self.adam = torch.optim.Adam(self.joint.module.parameters(), lr=opts.lr) if opts.optimizer == "adam" else None
+        self.shift, self.scale = 0.0, 1.0
+        self.standardizer_frozen = not opts.standardize
+        self.descriptors: torch.Tensor | None = None  # this round's stacked v_i (leaf of the VJP)
+        self.models: torch.Tensor | None = None  # h(v_i), with its graph until Δθ arrives
+        self.scalars: dict[str, float] = {}
+        self.eval_scalars: dict[str, float] = {}
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        p = self.protocol
+        if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
+            return self.joint.numpy()[: self.split].copy()
+        if msg.name == p.descriptor_grad_msg.name:
+            return self.descriptors.grad.numpy()
+        return self.models.detach().numpy()
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        p = self.protocol
+        if msg.name == p.descriptor_msg.name:
+            if not self.standardizer_frozen:  # the code's scalars: mean and (unbiased) std of the first descriptor
+                first = torch.from_numpy(rows[0].copy())
+                self.shift, self.scale = float(first.mean()), float(first.std())
+                self.standardizer_frozen = True
+            self.descriptors = torch.tensor(rows, requires_grad=True)
+            self.models = self.hyper((self.descriptors - self.shift) / self.scale)
+        elif msg.name == p.eval_descriptor_msg.name:
+            with torch.no_grad():
+                self.models = self.hyper((torch.from_numpy(rows.copy()) - self.shift) / self.scale)
+            self.eval_scalars = descriptor_correlations(rows, self.ctx.layout.class_counts, self.ctx.layout.unseen)
+        elif msg.name == p.delta_msg.name:
+            self.joint.grads.zero_()
+            self.models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+            self.models = None
+        else:
+            grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
+            grads[self.split :] /= len(clients)
+            grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(clients), 1 / len(clients))))
+            self.step(grads)
+
+    def step(self, mean_delta: torch.Tensor) -> None:
+        """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
+        opts = self.ctx.options
+        self.scalars = {"update_norm": clip_(mean_delta, opts.clip_norm)}
+        if self.adam is not None:
+            mean_delta.neg_()  # the pseudo-gradient mean_i J_iᵀ(θ_i − θ_i^new)
+            self.adam.step()
+            return
+        params = self.joint.params
+        params[: self.split].mul_(1 - 2 * opts.beta * opts.lambda_v)
+        params[self.split :].mul_(1 - 2 * opts.beta * opts.lambda_h)
+        params.add_(mean_delta)
+
+    def round_metrics(self) -> dict[str, float]:
+        return self.scalars
+
+    def eval_metrics(self) -> dict[str, float]:
+        return self.eval_scalars
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        flat = self.joint.numpy()
+        return {"embed_net": flat[: self.split].copy(), "hypernetwork": flat[self.split :].copy(),
+                "descriptor_standardizer": np.array([self.shift, self.scale])}
+
+
+def descriptor_correlations(descriptors: np.ndarray, class_counts: np.ndarray, unseen: np.ndarray
+                            ) -> dict[str, float]:
+    """Spec §2.5: for each client i, the Spearman correlation between its descriptor distances ‖v_i − v_j‖
+    and its class-proportion distances ‖π_i − π_j‖ to every other client j, averaged over the unseen
+    (and, separately, the seen) clients. π is each client's training-label histogram, normalized."""
+    pi = class_counts / np.maximum(class_counts.sum(1, keepdims=True), 1)
+    v = descriptors.astype(np.float64)
+    out = {}
+    for group, mask in (("seen", ~unseen), ("unseen", unseen)):
+        ids = np.flatnonzero(mask)
+        if len(ids) == 0 or len(v) < 3:
+            continue
+        others = np.ones((len(ids), len(v)), dtype=bool)
+        others[np.arange(len(ids)), ids] = False
+        dv = rankdata(cdist(v[ids], v)[others].reshape(len(ids), -1), axis=1)
+        dpi = rankdata(cdist(pi[ids], pi)[others].reshape(len(ids), -1), axis=1)
+        dv -= dv.mean(1, keepdims=True)
+        dpi -= dpi.mean(1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rho = (dv * dpi).sum(1) / np.sqrt((dv**2).sum(1) * (dpi**2).sum(1))
+        out[f"descriptor_spearman_{group}"] = float(np.nanmean(rho)) if np.isfinite(rho).any() else np.nan
+    return out
+
+
+class MaskedLogits(nn.Module):
+    """The code's label masking: logits of classes absent from the client's training split are multiplied
+    by 0 (zeroed, not set to −∞)."""
+
+    def __init__(self, model: nn.Module, present: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.present = present
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * self.present
+
+
+class HyperClient(ClientAlgorithm):
+    """A stateless client of a hypernetwork algorithm: trains the personal model it is sent and returns
+    Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.start: dict[int, np.ndarray] = {}
+        self.deltas: dict[int, np.ndarray] = {}
+        self.eval_models: dict[int, np.ndarray] = {}
+
+    def train_from(self, client: int, generator: torch.Generator) -> TrainStats:
+        start = self.start.pop(client)
+        self.workspace.load(start)
+        split = self.data[client]
+        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, generator)
+        self.deltas[client] = self.workspace.numpy() - start
+        return stats
+
+    def eval_model(self, client: int, kind: str) -> nn.Module:
+        self.workspace.load(self.eval_models.pop(client))
+        if not self.ctx.options.mask_absent:
+            return self.workspace.module
+        labels = self.data[client].y_train
+        present = (torch.bincount(labels, minlength=self.ctx.layout.num_classes) > 0).to(torch.float32)
+        return MaskedLogits(self.workspace.module, present)
+
+
+def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> torch.Tensor:
+    """The training samples of client's descriptor batch: drawn from (seed, round, client) alone."""
+    gen = client_generator(seed, round_, client, DESCRIPTOR_PURPOSE)
+    return torch.randperm(n, generator=gen)[: min(batch, n)]
+
+
+class PeFLLClient(HyperClient):
+    protocol_type = PeFLLProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.embed = FlatModel(self.protocol.new_embedding())
+        self.batches: dict[int, torch.Tensor] = {}
+        self.descriptor_grads: dict[int, np.ndarray] = {}
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        p = self.protocol
+        if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
+            self.embed.load(row)
+        elif msg.name == p.model_msg.name:
+            self.start[client] = row
+        elif msg.name == p.eval_model_msg.name:
+            self.eval_models[client] = row
+        else:
+            self.descriptor_grads[client] = row
+
+    def compute(self, round_: int, client: int) -> None:
+        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, round_, client))
+        self.round_losses[client] = stats.mean_loss
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        p = self.protocol
+        if msg.name == p.descriptor_msg.name:
+            rows = descriptor_rows(self.ctx.cfg.seed, round_, client, len(self.data[client].y_train),
+                                   self.ctx.options.descriptor_batch)
+            self.batches[client] = rows
+            with torch.no_grad():
+                return self.describe(client, rows).numpy()
+        if msg.name == p.eval_descriptor_msg.name:
+            return self.describe_all(client)
+        if msg.name == p.delta_msg.name:
+            return self.deltas.pop(client)
+        # Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: backpropagate the server's Δv_i through φ on the same batch
+        v = self.describe(client, self.batches.pop(client))
+        self.embed.compute_gradient(torch.dot(v, torch.from_numpy(self.descriptor_grads.pop(client))))
+        return self.embed.grads.numpy()
+
+    def describe(self, client: int, rows: torch.Tensor) -> torch.Tensor:
+        split = self.data[client]
+        return self.embed.module(split.x_train[rows], split.y_train[rows]).mean(0)
+
+    @torch.no_grad()
+    def describe_all(self, client: int, chunk: int = 1024) -> np.ndarray:
+        """The evaluation descriptor: the mean of φ over the client's whole training split (as the code)."""
+        split = self.data[client]
+        total = torch.zeros(self.protocol.embed_dim, dtype=torch.float64)
+        for start in range(0, len(split.y_train), chunk):
+            x, y = split.x_train[start : start + chunk], split.y_train[start : start + chunk]
+            total += self.embed.module(x, y).sum(0, dtype=torch.float64)
+        return (total / len(split.y_train)).to(torch.float32).numpy()

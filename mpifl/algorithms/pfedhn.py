@@ -1,0 +1,153 @@
+"""pFedHN (Shamsian et al., ICML 2021), the hypernetwork baseline of PeFLL (reference-code spec §1): the
+server holds h and one learned embedding e_i ∈ R^l per client; client i's model is θ_i = h(e_i).
+
+Messages per sampled client and round: θ_i down (d floats, per client), Δθ_i = θ_i^new − θ_i up (d floats)
+after k local steps. The embeddings never travel. The server backpropagates all Δθ_i through h at once and
+steps on the pseudo-gradient mean_i J_iᵀ(θ_i − θ_i^new) (SGD with momentum and weight decay by default, as
+the code). Before each evaluation, every client never seen in training gets a fresh random embedding that
+is optimized with h frozen over ``new_client_rounds`` round trips (PeFLL spec §4.2), each θ down and Δθ
+up (d + d floats) after local training; then every client gets θ_i = h(e_i) for evaluation (d floats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import RunContext, ServerAlgorithm
+from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.models import FlatModel
+from mpifl.models.hyper import seeded
+from mpifl.runtime.training import client_generator
+from mpifl.schema import limits
+
+TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
+NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's adaptation steps
+
+
+@dataclass(frozen=True)
+class PFedHNOptions(HyperOptions):
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = field(default=1e-2, metadata=limits(gt=0))
+    momentum: float = field(default=0.9, metadata=limits(ge=0, lt=1))  # sgd
+    weight_decay: float = field(default=1e-3, metadata=limits(ge=0))  # sgd
+    embed_lr: float | None = field(default=None, metadata=limits(gt=0))  # the embeddings' lr; none: lr
+    new_client_rounds: int = field(default=20, metadata=limits(ge=0))
+    new_client_lr: float = field(default=1e-2, metadata=limits(gt=0))  # SGD (with ``momentum``) on new embeddings
+
+
+class PFedHNProtocol(HyperProtocol):
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        d = self.model_numel
+        self.model_msg = Message("model", "down", d)
+        self.delta_msg = Message("delta", "up", d)
+        self.newcomer_model_msg = Message("newcomer_model", "down", d)
+        self.newcomer_delta_msg = Message("newcomer_delta", "up", d)
+        self.eval_model_msg = Message("eval_model", "down", d)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.model_msg, LOCAL, self.delta_msg)
+
+    def newcomer_plan(self) -> Sequence[Step]:
+        return (self.newcomer_model_msg, LOCAL, self.newcomer_delta_msg) * self.ctx.options.new_client_rounds
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_model_msg,)
+
+
+class PFedHNServer(ServerAlgorithm):
+    protocol_type = PFedHNProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        opts, n, dim = ctx.options, ctx.layout.num_clients, self.protocol.embed_dim
+        self.hyper = self.protocol.new_hypernetwork()
+        self.table = seeded(lambda: nn.Embedding(n, dim), ctx.cfg.seed, TABLE_STREAM)
+        self.joint = FlatModel(nn.ModuleDict({"table": self.table, "hyper": self.hyper}))
+        groups = [{"params": list(self.hyper.parameters())},
+                  {"params": list(self.table.parameters()), "lr": opts.embed_lr or opts.lr}]
+        self.optimizer = (torch.optim.SGD(groups, lr=opts.lr, momentum=opts.momentum, weight_decay=opts.weight_decay)
+                          if opts.optimizer == "sgd" else torch.optim.Adam(groups, lr=opts.lr))
+        self.unseen = np.flatnonzero(ctx.layout.unseen)
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([ctx.cfg.seed, NEWCOMER_STREAM])
+                                                .generate_state(1)[0]))
+        self.newcomer_init = torch.randn(len(self.unseen), dim, generator=gen)  # N(0, 1) as nn.Embedding's init
+        self.newcomers = self.newcomer_init
+        self.newcomer_velocity = torch.zeros_like(self.newcomer_init)
+        self.newcomer_steps = 0
+        self.models: torch.Tensor | None = None
+        self.scalars: dict[str, float] = {}
+
+    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+        p = self.protocol
+        if msg.name == p.model_msg.name:
+            self.models = self.hyper(self.table(torch.from_numpy(clients)))
+        elif msg.name == p.newcomer_model_msg.name:
+            if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
+                self.newcomers, self.newcomer_velocity = self.newcomer_init.clone(), torch.zeros_like(self.newcomers)
+            self.newcomers.requires_grad_(True)
+            self.models = self.hyper(self.newcomers)
+        else:
+            with torch.no_grad():
+                embeddings = self.table.weight.clone()
+                embeddings[self.unseen] = self.newcomers.detach()
+                return self.hyper(embeddings).numpy()
+        return self.models.detach().numpy()
+
+    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+        cotangent = -torch.from_numpy(rows.copy())  # θ_i − θ_i^new
+        if msg.name == self.protocol.delta_msg.name:
+            self.joint.grads.zero_()
+            self.models.backward(cotangent / len(clients))
+            self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
+            self.optimizer.step()
+        else:  # each new client's embedding follows its own gradient; h stays frozen
+            opts = self.ctx.options
+            (grad,) = torch.autograd.grad(self.models, self.newcomers, cotangent)
+            with torch.no_grad():
+                self.newcomer_velocity.mul_(opts.momentum).add_(grad)
+                self.newcomers = self.newcomers.detach() - opts.new_client_lr * self.newcomer_velocity
+            self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
+        self.models = None
+
+    def round_metrics(self) -> dict[str, float]:
+        return self.scalars
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {"hypernetwork": self.joint.numpy()[self.table.weight.numel() :].copy(),
+                "client_embeddings": self.table.weight.detach().numpy().copy()}
+
+
+class PFedHNClient(HyperClient):
+    protocol_type = PFedHNProtocol
+
+    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
+        super().__init__(ctx, data)
+        self.newcomer_steps: dict[int, int] = {}
+
+    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+        p = self.protocol
+        if msg.name == p.eval_model_msg.name:
+            self.eval_models[client] = row
+            return
+        self.start[client] = row
+        if msg.name == p.newcomer_model_msg.name:
+            self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
+
+    def compute(self, round_: int, client: int) -> None:
+        seed = self.ctx.cfg.seed
+        if self.ctx.layout.unseen[client]:  # adapting: only the eval plan's newcomer rounds train new clients
+            purpose = NEWCOMER_PURPOSE + self.newcomer_steps[client]
+            self.train_from(client, client_generator(seed, round_, client, purpose))
+        else:
+            self.round_losses[client] = self.train_from(client, client_generator(seed, round_, client)).mean_loss
+
+    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+        return self.deltas.pop(client)

@@ -1,0 +1,71 @@
+"""Helpers for the algorithm tests: a small sorted-shards digits run, in process or under mpirun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.cli import main
+from mpifl.results import Results, read_results
+from tests.conftest import _merge, run_mpifl
+
+SHARDS = {
+    "rounds": 4,
+    "clients_per_round": 6,
+    "seed": 3,
+    "eval_every": 2,
+    "data": {"dataset": "digits", "num_clients": 6, "partition": "shards", "shards_per_client": 2},
+    "model": {"name": "mlp", "hidden": [16]},
+    "client": {"lr": 0.05, "batch_size": 16, "steps": 4, "momentum": 0.9, "weight_decay": 1e-4},
+}
+
+
+@pytest.fixture
+def run_algo(tmp_path: Path):
+    """``run_algo(name, overrides, ranks=0)``: run ``name`` on SHARDS (+ overrides) and read the results."""
+
+    def run(algorithm: str, overrides: dict | None = None, ranks: int = 0, tag: str = "") -> Results:
+        cfg = _merge(SHARDS, {"algorithm": algorithm, **(overrides or {})})
+        stem = f"{algorithm}{tag}_p{ranks}"
+        config = tmp_path / f"{stem}.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        out = tmp_path / f"{stem}.h5"
+        args = ["run", str(config), "--out", str(out), "--quiet"]
+        if ranks:
+            proc = run_mpifl(args, ranks=ranks)
+            assert proc.returncode == 0, proc.stderr
+        else:
+            assert main(args) == 0
+        return read_results(out)
+
+    return run
+
+
+def deterministic_tables(path: Path) -> dict[str, np.ndarray]:
+    """Everything in a results file that must not depend on the rank count (no timings, no owners)."""
+    out = {}
+    with h5py.File(path) as f:
+        out["model"] = f["model/global_model"][()]
+        for table in ("eval", "clients", "ledger"):
+            for key in f[table]:
+                if key not in ("owner",):
+                    out[f"{table}/{key}"] = f[table][key][()]
+        for key in f["rounds"]:
+            if key.startswith("consensus") or key in ("train_loss", "logical_up_bytes", "logical_down_bytes"):
+                out[f"rounds/{key}"] = f["rounds"][key][()]
+    return out
+
+
+def assert_rank_invariant(run_algo, tmp_path: Path, algorithm: str, overrides: dict) -> None:
+    """A P = 3 job (server + 2 workers, each owning some clients and their state) reproduces P = 1 bitwise."""
+    run_algo(algorithm, overrides, ranks=0)
+    run_algo(algorithm, overrides, ranks=3)
+    one = deterministic_tables(tmp_path / f"{algorithm}_p0.h5")
+    three = deterministic_tables(tmp_path / f"{algorithm}_p3.h5")
+    assert one.keys() == three.keys()
+    for key, value in one.items():
+        assert np.array_equal(value, three[key], equal_nan=value.dtype.kind == "f"), key

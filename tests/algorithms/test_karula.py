@@ -1,0 +1,120 @@
+"""Karula end to end on a small synthetic ridge problem: set-up bytes, the estimator, the t = 0 limit,
+and rank invariance of Karula and the new baselines."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.karula import KarulaServer
+from mpifl.cli import main
+from mpifl.config import parse_config
+from mpifl.data import build_federated_dataset
+from mpifl.results import read_results
+from tests.conftest import _merge, run_mpifl
+
+N0, FEATURES, CLIENTS = 12, 5, 6
+RIDGE = {
+    "algorithm": "karula",
+    "rounds": 4,
+    "clients_per_round": 3,
+    "seed": 2,
+    "eval_every": 2,
+    "data": {"dataset": "karula_ridge", "partition": "natural", "num_clients": CLIENTS,
+             "synthetic": {"num_features": FEATURES, "ridge_min_samples": 8, "ridge_max_samples": 20}},
+    "model": {"name": "linear"},
+    "client": {"lr": 0.01, "weight_decay": 1e-6, "batch_size": 4},
+}
+KARULA = {"karula": {"t": 0.5, "lr": 0.05, "reference_size": N0}}
+
+
+def run(tmp_path: Path, overrides: dict, ranks: int = 0, tag: str = "run") -> Path:
+    config, out = tmp_path / f"{tag}.yaml", tmp_path / f"{tag}_p{ranks}.h5"
+    config.write_text(yaml.safe_dump(_merge(RIDGE, overrides)))
+    args = ["run", str(config), "--out", str(out), "--quiet"]
+    if ranks:
+        proc = run_mpifl(args, ranks=ranks)
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert main(args) == 0
+    return out
+
+
+def test_setup_messages_have_exact_bytes(tmp_path):
+    res = read_results(run(tmp_path, KARULA))
+    ledger, attrs = res.table("ledger"), res.table_attrs["ledger"]
+    p, numel = FEATURES + 1, FEATURES + 1  # ξ = (x, y); a linear model has weights and a bias
+    expected = {"data_moments": (2 * p + 1) * 8, "standardizer": 2 * p * 8, "reference_set": N0 * p * 4,
+                "embedding": N0 * p * 4, "initial_gradient": numel * 4}
+    setup = ledger["stage"] == attrs["stages"].index("setup")
+    for name, nbytes in expected.items():
+        rows = setup & (ledger["message"] == attrs["message_names"].index(name))
+        assert sorted(ledger["client"][rows]) == list(range(CLIENTS)), name
+        assert (ledger["bytes"][rows] == nbytes).all(), name
+        assert (ledger["round"][rows] == 0).all()
+    assert set(np.array(attrs["message_names"])[np.unique(ledger["message"][setup])]) == set(expected)
+    rounds = res.table("rounds")
+    assert (rounds["proj_max_violation"] <= 1e-9).all()
+    assert np.isfinite(rounds["estimation_error"]).all() and (rounds["proj_delta"] >= 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["unbiased", "literal"])
+def test_estimator_expectation_over_all_subsets(estimator):
+    """Averaged over every s-subset, the default ν is the full gradient; the paper's literal form is not."""
+    cfg = parse_config(_merge(RIDGE, {"karula": {"estimator": estimator, "reference_size": N0}}))
+    layout = build_federated_dataset(cfg.data, cfg.seed).layout
+    rng = np.random.default_rng(0)
+    stale, fresh = rng.normal(size=(CLIENTS, 4)), rng.normal(size=(CLIENTS, 4))
+    server = KarulaServer(RunContext(cfg, layout))
+    subsets = list(itertools.combinations(range(CLIENTS), cfg.clients_per_round))
+    mean = np.zeros_like(fresh)
+    for subset in subsets:
+        server.table = stale / CLIENTS
+        mean += server.direction(np.array(subset), fresh[list(subset)]) / len(subsets)
+    unbiased = np.allclose(mean, fresh / CLIENTS, rtol=1e-12, atol=1e-14)
+    assert unbiased == (estimator == "unbiased")
+
+
+def test_t_zero_with_full_participation_is_fedsgd(tmp_path):
+    """t = 0 projects onto consensus and s = n makes ν exact, so Karula with η = n·lr is FedSGD."""
+    full = {"clients_per_round": CLIENTS}
+    karula = read_results(run(tmp_path, {**full, "karula": {"t": 0.0, "lr": CLIENTS * 0.01, "reference_size": N0}},
+                              tag="karula"))
+    fedsgd = read_results(run(tmp_path, {**full, "algorithm": "fedsgd"}, tag="fedsgd"))
+    a, b = karula.table("eval"), fedsgd.table("eval")
+    np.testing.assert_allclose(a["personal.seen.loss"], b["global.seen.loss"], rtol=1e-5)
+    models = karula.table("model")["personal_models"]
+    np.testing.assert_allclose(models, np.tile(fedsgd.table("model")["global_model"], (CLIENTS, 1)), rtol=1e-5)
+    assert a["personal.seen.loss"][-1] < a["personal.seen.loss"][0]
+
+
+def deterministic(path: Path) -> dict[str, np.ndarray]:
+    """What must not depend on the rank count: evaluations, ledger, final models, solver statistics."""
+    out = {}
+    with h5py.File(path) as f:
+        for table in ("eval", "ledger", "model", "clients", "rounds"):
+            for key in f[table]:
+                if key != "owner" and not key.endswith(("time_s", "seconds")):
+                    out[f"{table}/{key}"] = f[table][key][()]
+    return out
+
+
+@pytest.mark.parametrize("algorithm,overrides", [
+    ("karula", KARULA),
+    ("ifca", {"ifca": {"clusters": 2}}),
+    pytest.param("pfedme", {"pfedme": {"inner_steps": 2}}, marks=pytest.mark.slow),
+    pytest.param("fedsgd", {}, marks=pytest.mark.slow),
+])
+def test_three_ranks_reproduce_one_bitwise(tmp_path, algorithm, overrides):
+    settings = {"algorithm": algorithm, **overrides}
+    one = deterministic(run(tmp_path, settings, ranks=0, tag=algorithm))
+    three = deterministic(run(tmp_path, settings, ranks=3, tag=algorithm))
+    assert one.keys() == three.keys()
+    for key, value in one.items():
+        assert np.array_equal(value, three[key], equal_nan=value.dtype.kind == "f"), key

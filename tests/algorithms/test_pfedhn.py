@@ -1,0 +1,45 @@
+"""pFedHN: what it sends, and new clients adapting their own embedding against a frozen hypernetwork."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpifl.config import parse_config
+from mpifl.data import build_federated_dataset
+from mpifl.models import FlatModel, build_model
+from tests.algorithms.test_pefll import PEFLL
+from tests.conftest import _merge
+
+PFEDHN = _merge({k: v for k, v in PEFLL.items() if k != "pefll"},
+                {"algorithm": "pfedhn", "pfedhn": {"hyper_hidden": 24, "hyper_layers": 2, "new_client_rounds": 2}})
+
+
+def test_logical_bytes(run_algo):
+    res = run_algo("pfedhn", PFEDHN)
+    cfg = parse_config(PFEDHN)
+    layout = build_federated_dataset(cfg.data, cfg.seed).layout
+    d = FlatModel(build_model(cfg.model, layout, cfg.seed)).numel
+    ledger = res.table("ledger")
+    names = res.table_attrs["ledger"]["message_names"]
+    train = ledger["stage"] == 0
+    assert [names[m] for m in np.unique(ledger["message"][train])] == ["model", "delta"]  # embeddings stay home
+    keys, inverse = np.unique(np.stack([ledger["round"][train], ledger["client"][train]], 1), axis=0,
+                              return_inverse=True)
+    assert len(keys) == cfg.rounds * cfg.clients_per_round and not layout.unseen[keys[:, 1]].any()
+    assert np.all(np.bincount(inverse.ravel(), weights=ledger["bytes"][train]) == 4 * 2 * d)
+    evals = ~train
+    per_client = np.bincount(ledger["client"][evals], weights=ledger["bytes"][evals], minlength=layout.num_clients)
+    rounds = cfg.algorithm_options.new_client_rounds
+    # per evaluation: θ for every client; new clients first adapt over R round trips of θ down, Δθ up
+    assert np.array_equal(per_client, 4 * d * np.where(layout.unseen, 1 + 2 * rounds, 1))
+
+
+def test_new_clients_adapt_without_touching_the_server_state(run_algo):
+    fast = {"new_client_lr": 10.0}
+    frozen = run_algo("pfedhn", _merge(PFEDHN, {"pfedhn": {**fast, "new_client_rounds": 0}}), tag="r0")
+    adapted = run_algo("pfedhn", _merge(PFEDHN, {"pfedhn": {**fast, "new_client_rounds": 3}}), tag="r3")
+    for key in ("hypernetwork", "client_embeddings"):
+        assert np.array_equal(frozen.table("model")[key], adapted.table("model")[key])
+    before, after = frozen.table("eval"), adapted.table("eval")
+    assert np.array_equal(before["personal.seen.loss"], after["personal.seen.loss"])
+    assert after["personal.unseen.loss"][-1] < before["personal.unseen.loss"][-1] - 0.01
