@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a config value, e.g. --set client.lr=0.1 (repeatable)")
     run.add_argument("--out", help="results file (default: the config's output)")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--resume", metavar="RESULTS.h5",
+                     help="continue the run whose checkpoint is in this results file (same config; any rank count)")
     val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
     val.add_argument("config")
     val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             from mpifl.runtime.launch import run_job
 
-            return run_job(args.config, args.overrides, args.out, args.quiet)
+            return run_job(args.config, args.overrides, args.out, args.quiet, args.resume)
         if args.command == "validate":
             return _validate(args)
         if args.command == "report":

@@ -156,8 +156,6 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def _check_cross_fields(cfg: RunConfig) -> None:
-    if cfg.checkpoint_every:
-        raise ConfigError("checkpoint_every: checkpoint/resume is not implemented yet; leave it at 0")
     if cfg.device == "cuda":
         raise ConfigError("device: 'cuda' is not supported yet (ranks compute on the CPU); use 'auto' or 'cpu'")
     d = cfg.data

@@ -50,6 +50,12 @@ class Table:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in self.columns.items()}
 
+    def extend(self, columns: dict[str, np.ndarray]) -> None:
+        """Append the rows of a table read back from a results file."""
+        rows = len(next(iter(columns.values()))) if columns else 0
+        for i in range(rows):
+            self.append({k: v[i].item() for k, v in columns.items()})
+
 
 def _write_table(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
     for name, values in columns.items():
@@ -93,14 +99,16 @@ class Results:
         return self.tables.get(name, {})
 
 
-def read_results(path: str | Path) -> Results:
+def read_results(path: str | Path, checkpoint: bool = False) -> Results:
+    """Read a results file; its (possibly large) checkpoint group only when asked for."""
     from mpifl.schema import ConfigError
 
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            tables = {name: {col: group[col][()] for col in group} for name, group in f.items()}
-            table_attrs = {name: {k: _plain(v) for k, v in group.attrs.items()} for name, group in f.items()}
+            groups = {name: g for name, g in f.items() if checkpoint or name != "checkpoint"}
+            tables = {name: {col: group[col][()] for col in group} for name, group in groups.items()}
+            table_attrs = {name: {k: _plain(v) for k, v in group.attrs.items()} for name, group in groups.items()}
     except FileNotFoundError:
         raise ConfigError(f"results file {path} does not exist") from None
     except OSError as exc:

@@ -119,10 +119,16 @@ def write_slurm_array(base: Path, spec: SweepSpec, runs: list[Run], out_dir: Pat
 #SBATCH --ntasks={spec.ranks}
 #SBATCH --cpus-per-task=1
 #SBATCH --output={out_dir.resolve()}/slurm-%A_%a.out
+# Launcher as in jobs/mpifl.sbatch: srun (MPIFL_SRUN_MPI=pmix with the PyPI Open MPI wheel) or
+# MPIFL_LAUNCHER=mpirun.
 set -euo pipefail
 line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {run_list.resolve()})
 eval "set -- $line"
 out=$1; shift
-exec srun {shlex.quote(sys.executable)} -m mpifl run {shlex.quote(str(base))} --out "$out" --quiet "$@"
+run=({shlex.quote(sys.executable)} -m mpifl run {shlex.quote(str(base))} --out "$out" --quiet "$@")
+if [ "${{MPIFL_LAUNCHER:-srun}}" = mpirun ]; then
+  exec mpirun --bind-to none -n "$SLURM_NTASKS" "${{run[@]}}"
+fi
+exec srun ${{MPIFL_SRUN_MPI:+--mpi=$MPIFL_SRUN_MPI}} "${{run[@]}}"
 """)
     return script

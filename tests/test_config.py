@@ -28,7 +28,7 @@ def test_defaults_parse_and_round_trip():
         ({"eval_every": 5, "rounds": 2}, "eval_every: 5 exceeds rounds"),
         ({"local": {"x": 1}}, "options for algorithm 'local' given, but algorithm is 'fedavg'"),
         ({"fedavg": {"x": 1}}, "fedavg: unknown key 'x'"),
-        ({"checkpoint_every": 5}, "checkpoint_every: checkpoint/resume is not implemented yet"),
+        ({"checkpoint_every": -1}, "checkpoint_every: must be >= 0"),
         ({"device": "gpu"}, "device: 'gpu' is not one of"),
     ],
 )

@@ -40,6 +40,14 @@ class Ledger:
         self._stages.append(np.full(n, STAGES.index(stage), dtype=np.int8))
         self._bytes.append(np.full(n, msg.nbytes, dtype=np.int64))
 
+    def load(self, columns: dict[str, np.ndarray], message_names: list[str], directions: list[str]) -> None:
+        """Start from rows read back from a results file (resuming a run)."""
+        self.message_names, self.directions = list(message_names), list(directions)
+        rows = len(columns["round"]) > 0
+        self._rounds, self._clients = [columns["round"]] * rows, [columns["client"]] * rows
+        self._messages, self._stages, self._bytes = [columns["message"]] * rows, [columns["stage"]] * rows, \
+            [columns["bytes"]] * rows
+
     def columns(self) -> dict[str, np.ndarray]:
         def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
@@ -55,13 +63,15 @@ class Ledger:
     def round_totals(self, round_: int, stage: str = "train") -> dict[str, int]:
         """Logical bytes of one round by direction (cheap: looks only at the newest rows)."""
         totals = {"up": 0, "down": 0}
+        up = np.array([d == "up" for d in self.directions])
         for r, m, s, b in zip(
             reversed(self._rounds), reversed(self._messages), reversed(self._stages), reversed(self._bytes)
         ):
-            if r[0] != round_:
+            if r.max() < round_:
                 break
-            if s[0] == STAGES.index(stage):
-                totals[self.directions[m[0]]] += int(b.sum())
+            rows = (r == round_) & (s == STAGES.index(stage))
+            totals["up"] += int(b[rows & up[m]].sum())
+            totals["down"] += int(b[rows & ~up[m]].sum())
         return totals
 
 

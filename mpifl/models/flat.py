@@ -12,6 +12,8 @@ from torch import nn
 
 
 class FlatModel:
+    checkpoint_derived = ("params", "grads")  # views of the module's parameters: restored with the module
+
     def __init__(self, module: nn.Module):
         self.module = module
         params = [p for p in module.parameters() if p.requires_grad]

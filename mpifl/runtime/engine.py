@@ -15,6 +15,7 @@ import torch
 from mpifl import __version__
 from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
+from mpifl.checkpoint import load_client_blobs, load_state_blob, read_checkpoint, state_blob
 from mpifl.comm import LocalCompute, Message, Placement, Step, Transport
 from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
@@ -26,6 +27,12 @@ from mpifl.runtime.training import EVAL_FIELDS, evaluate
 from mpifl.schema import ConfigError
 
 TELEMETRY_FIELDS = ("compute_s", "train_loss")
+
+
+def MPI_BYTE():  # noqa: ANN201, N802 - the MPI datatype, imported late so the module loads without MPI
+    from mpi4py import MPI
+
+    return MPI.BYTE
 
 
 @dataclass
@@ -42,13 +49,17 @@ class RankClock:
 
 
 class Engine:
-    def __init__(self, cfg: RunConfig, comm, output: str | Path):  # noqa: ANN001 - an mpi4py communicator
+    def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False):  # noqa: ANN001 - a Comm
         self.cfg = cfg
         self.comm = comm
         self.output = Path(output)
+        self.resume = resume
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.clock = RankClock()
+        self.start_round = 1
+        self.checkpoint_blobs: dict[str, np.ndarray] = {}
+        self.checkpoint_round = 0
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -78,6 +89,8 @@ class Engine:
         self.rounds_table, self.eval_table = Table(), Table()
         self.final_rows: np.ndarray | None = None
         self.started = time.time()
+        if self.resume:
+            self._restore()
 
     def _fault_injection(self, round_: int) -> None:
         """Resilience drills: ``MPIFL_INJECT_FAULT=RANK:ROUND`` makes that rank raise at that round."""
@@ -87,17 +100,22 @@ class Engine:
 
     # ----------------------------------------------------------------- rounds
     def run(self, progress: bool = True) -> None:
-        self.run_setup()
+        if self.start_round == 1:
+            self.run_setup()
         wall, cpu = time.perf_counter(), time.process_time()
-        for round_ in range(1, self.cfg.rounds + 1):
+        every = self.cfg.checkpoint_every
+        for round_ in range(self.start_round, self.cfg.rounds + 1):
             self._fault_injection(round_)
             self.train_round(round_)
-            if round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds:
+            evaluate = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
+            if evaluate:
                 self.evaluate(round_)
-                if self.server is not None:
-                    if progress:
-                        self._print_progress(round_)
-                    self.write_results(status="running")
+            if every and round_ % every == 0:
+                self._take_checkpoint(round_)
+            if self.server is not None and (evaluate or every and round_ % every == 0):
+                if evaluate and progress:
+                    self._print_progress(round_)
+                self.write_results(status="running")
         self.clock.loop_wall = time.perf_counter() - wall
         self.clock.loop_cpu = time.process_time() - cpu
         self._finish()
@@ -235,6 +253,58 @@ class Engine:
         print(" | ".join(parts), flush=True)
 
     # ---------------------------------------------------------------- results
+    # ------------------------------------------------------------ checkpoints
+    def _take_checkpoint(self, round_: int) -> None:
+        """Every rank serializes its state (server, or its clients) and rank 0 keeps the blobs, which go
+        into every results file written from now on. A collective on every rank, at a round boundary."""
+        mine = state_blob(self.client) if self.client is not None else np.zeros(0, dtype=np.uint8)
+        if self.size == 1:
+            blobs = {"worker_0": mine}
+        else:
+            sizes = np.zeros(self.size, dtype=np.int64)
+            self.comm.Gather(np.array([mine.size], dtype=np.int64), sizes, root=0)
+            recv = np.empty(int(sizes.sum()), dtype=np.uint8) if self.rank == 0 else None
+            displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+            self.comm.Gatherv(mine, [recv, sizes, displs, MPI_BYTE()] if self.rank == 0 else None, root=0)
+            blobs = {f"worker_{r}": recv[displs[r] : displs[r] + sizes[r]] for r in range(1, self.size)} \
+                if self.rank == 0 else {}
+        if self.server is not None:
+            self.checkpoint_blobs = {"server": state_blob(self.server), **blobs}
+            self.checkpoint_round = round_
+
+    def _restore(self) -> None:
+        """Continue from the checkpoint in the results file: server state on rank 0, each worker's clients
+        (wherever they lived before, so the rank count may change), tables up to the checkpoint round."""
+        import yaml
+
+        saved = read_checkpoint(self.output)
+        mine, given = yaml.safe_load(saved.attrs["config"]), config_to_dict(self.cfg)
+        for volatile in ("output", "rounds"):
+            mine.pop(volatile, None)
+            given.pop(volatile, None)
+        if mine != given:
+            changed = sorted(k for k in set(mine) | set(given) if mine.get(k) != given.get(k))
+            raise ConfigError(f"--resume: the config differs from the one in {self.output} (in: {', '.join(changed)})")
+        round_ = int(saved.table_attrs["checkpoint"]["round"])
+        if round_ >= self.cfg.rounds:
+            raise ConfigError(f"--resume: {self.output} is already at round {round_} of {self.cfg.rounds}")
+        blobs = saved.tables["checkpoint"]
+        if self.server is not None:
+            load_state_blob(blobs["server"], self.server)
+            self.checkpoint_blobs, self.checkpoint_round = dict(blobs), round_
+        if self.client is not None:
+            workers = sorted((k for k in blobs if k.startswith("worker_")), key=lambda k: int(k.split("_")[1]))
+            load_client_blobs([blobs[k] for k in workers], self.client)
+        for table, target in (("rounds", self.rounds_table), ("eval", self.eval_table)):
+            columns = saved.table(table)
+            keep = columns["round"] <= round_ if columns else []
+            target.extend({k: v[keep] for k, v in columns.items()})
+        ledger = saved.table("ledger")
+        keep = ledger["round"] <= round_
+        attrs = saved.table_attrs["ledger"]
+        self.transport.ledger.load({k: v[keep] for k, v in ledger.items()}, attrs["message_names"], attrs["directions"])
+        self.start_round = round_ + 1
+
     def _finish(self) -> None:
         """Collect every rank's MPI and compute totals (once, at the end: small pickled objects are fine)."""
         c = self.clock
@@ -264,6 +334,11 @@ class Engine:
             },
             "clients": self._client_table(),
         }
+        table_attrs = {"ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
+                                  "stages": ["train", "eval", "setup"]}}
+        if self.checkpoint_blobs:
+            tables["checkpoint"] = self.checkpoint_blobs
+            table_attrs["checkpoint"] = {"round": self.checkpoint_round}
         if per_rank is not None:
             names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "eval_seconds",
                      "server_seconds", "io_seconds", "loop_wall_seconds", "loop_cpu_seconds")
@@ -288,8 +363,6 @@ class Engine:
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "hostname": platform.node(),
         }
-        table_attrs = {"ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
-                                  "stages": ["train", "eval", "setup"]}}
         write_atomically(self.output, attrs, tables, table_attrs)
         self.clock.io += time.perf_counter() - start
 

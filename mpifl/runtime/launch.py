@@ -33,7 +33,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def run_job(config_path: str, overrides: list[str], output: str | None, quiet: bool = False) -> int:
+def run_job(config_path: str, overrides: list[str], output: str | None, quiet: bool = False,
+            resume: str | None = None) -> int:
     from mpi4py import MPI
 
     from mpifl.runtime.engine import Engine
@@ -47,7 +48,12 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
             _error(str(exc))
         return EXIT_BAD_INPUT
 
-    engine = Engine(cfg, comm, output or cfg.output)
+    if resume and output and Path(output) != Path(resume):
+        if rank == 0:
+            _error("--resume continues writing the file it resumes from; drop --out or make them equal")
+        return EXIT_BAD_INPUT
+    output = resume or output
+    engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume))
     failure = None
     try:
         engine.setup()
@@ -64,8 +70,9 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
         return EXIT_BAD_INPUT if all(f[1] for f in failures) else EXIT_FAILURE
 
     if rank == 0 and not quiet:
+        start = f"from round {engine.start_round}, " if resume else ""
         print(f"mpifl: {cfg.algorithm} on {cfg.data.dataset}, {engine.layout.num_clients} clients, "
-              f"{size} rank(s), {cfg.rounds} rounds -> {Path(output or cfg.output)}", flush=True)
+              f"{size} rank(s), {start}{cfg.rounds} rounds -> {Path(output or cfg.output)}", flush=True)
     try:
         engine.run(progress=not quiet)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job

@@ -1,0 +1,199 @@
+"""Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
+
+An algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
+(``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``capture``
+turns that object graph into a tree of arrays and scalars; ``restore`` writes it back into a
+freshly built algorithm: modules and optimizers load in place; a class lists attributes derived
+from others in ``checkpoint_derived`` (e.g. a flat parameter buffer that a module's parameters view). Nothing in a checkpoint is ever executed: the only classes that can be
+instantiated are mpifl's own, and unknown value types are refused at save time, so a new
+algorithm cannot silently lose state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.comm.messages import Message
+from mpifl.schema import ConfigError
+
+SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "data", "loss_fn", "workspace", "round_losses"})
+"""Rebuilt from the config on resume (or per-round scratch), in every algorithm."""
+
+_TORCH_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                                     torch.uint8, torch.bool, torch.bfloat16)}
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer, str)):
+        raise TypeError(f"dict key {key!r} of type {type(key).__name__} cannot be checkpointed")
+    return f"i:{int(key)}" if isinstance(key, (int, np.integer)) else "s:" + key.replace("/", "\\x2f")
+
+
+def _unkey(name: str) -> int | str:
+    return int(name[2:]) if name.startswith("i:") else name[2:].replace("\\x2f", "/")
+
+
+def _skip(value: Any) -> bool:
+    frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen
+    return frozen or isinstance(value, (Message, torch.nn.modules.loss._Loss))
+
+
+def write_state(group: h5py.Group, name: str, value: Any) -> None:
+    """Write ``value`` as child ``name`` of ``group`` (a dataset or a subgroup, tagged with its kind)."""
+    if isinstance(value, np.ndarray):
+        node = group.create_dataset(name, data=value)
+        node.attrs["kind"] = "array"
+    elif isinstance(value, torch.Tensor):
+        data = value.detach().cpu()
+        node = group.create_dataset(name, data=data.float().numpy() if data.dtype == torch.bfloat16 else data.numpy())
+        node.attrs["kind"], node.attrs["dtype"] = "tensor", str(data.dtype)
+    elif value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        node = group.create_dataset(name, data=json.dumps(value.item() if isinstance(value, np.generic) else value))
+        node.attrs["kind"] = "json"
+    elif isinstance(value, np.random.Generator):
+        node = group.create_dataset(name, data=json.dumps(value.bit_generator.state))
+        node.attrs["kind"] = "np_generator"
+    elif isinstance(value, torch.Generator):
+        node = group.create_dataset(name, data=value.get_state().numpy())
+        node.attrs["kind"] = "torch_generator"
+    elif isinstance(value, nn.Module):
+        node = group.create_group(name)
+        node.attrs["kind"] = "module"
+        for key, tensor in value.state_dict().items():
+            write_state(node, _key(key), tensor)
+    elif isinstance(value, torch.optim.Optimizer):
+        node = group.create_group(name)
+        node.attrs["kind"] = "optimizer"
+        write_state(node, "state_dict", value.state_dict())
+    elif isinstance(value, dict):
+        node = group.create_group(name)
+        node.attrs["kind"] = "dict"
+        for key, item in value.items():
+            write_state(node, _key(key), item)
+    elif isinstance(value, (list, tuple)):
+        node = group.create_group(name)
+        node.attrs["kind"] = "tuple" if isinstance(value, tuple) else "list"
+        for i, item in enumerate(value):
+            write_state(node, str(i), item)
+    elif type(value).__module__.startswith("mpifl."):
+        node = group.create_group(name)
+        node.attrs["kind"] = "object"
+        node.attrs["class"] = f"{type(value).__module__}:{type(value).__qualname__}"
+        write_object(node, value)
+    else:
+        raise TypeError(f"cannot checkpoint {name!r} of type {type(value).__module__}.{type(value).__qualname__}")
+
+
+def write_object(group: h5py.Group, obj: Any, skip: frozenset[str] = SKIPPED_ATTRIBUTES) -> None:
+    skip = skip | frozenset(getattr(obj, "checkpoint_derived", ()))
+    for attr, value in vars(obj).items():
+        if attr in skip or _skip(value) or inspect.isroutine(value) or isinstance(value, type):
+            continue
+        try:
+            write_state(group, attr, value)
+        except TypeError as exc:
+            raise TypeError(f"{type(obj).__name__}.{attr}: {exc}") from None
+
+
+def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
+    """The value stored at ``node``. Arrays and tensors are new objects (a fresh algorithm may alias
+    attributes that the saved one no longer did); modules and optimizers are loaded in place, so the
+    parameters other objects refer to stay the same tensors."""
+    kind = node.attrs["kind"]
+    if kind == "array":
+        return node[()]
+    if kind == "tensor":
+        return torch.from_numpy(np.array(node[()])).to(_TORCH_DTYPES[node.attrs["dtype"]])
+    if kind == "json":
+        return json.loads(node[()])
+    if kind == "np_generator":
+        gen = existing if isinstance(existing, np.random.Generator) else np.random.default_rng()
+        gen.bit_generator.state = json.loads(node[()])
+        return gen
+    if kind == "torch_generator":
+        gen = existing if isinstance(existing, torch.Generator) else torch.Generator()
+        gen.set_state(torch.from_numpy(np.array(node[()])))
+        return gen
+    if kind == "module":
+        state = {_unkey(k): read_state(v) for k, v in node.items()}
+        existing.load_state_dict(state)
+        return existing
+    if kind == "optimizer":
+        existing.load_state_dict(read_state(node["state_dict"]))
+        return existing
+    if kind == "dict":
+        old = existing if isinstance(existing, dict) else {}
+        return {_unkey(k): read_state(v, old.get(_unkey(k))) for k, v in node.items()}
+    if kind in ("list", "tuple"):
+        old = list(existing) if isinstance(existing, (list, tuple)) else []
+        items = [read_state(node[str(i)], old[i] if i < len(old) else None) for i in range(len(node))]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "object":
+        module, qualname = node.attrs["class"].split(":")
+        if not module.startswith("mpifl."):
+            raise ConfigError(f"checkpoint refers to class {module}.{qualname}, which is not mpifl's own")
+        cls = getattr(importlib.import_module(module), qualname)
+        obj = existing if isinstance(existing, cls) else cls.__new__(cls)
+        read_object(node, obj)
+        return obj
+    raise ConfigError(f"checkpoint node {node.name} has unknown kind {kind!r}")
+
+
+def read_object(group: h5py.Group, obj: Any) -> None:
+    for attr, child in group.items():
+        setattr(obj, attr, read_state(child, getattr(obj, attr, None)))
+
+
+def state_blob(obj: Any) -> np.ndarray:
+    """``obj``'s state as the bytes of an in-memory HDF5 file (moved between ranks as a flat buffer)."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        write_object(f, obj)
+    return np.frombuffer(buffer.getvalue(), dtype=np.uint8)
+
+
+def load_state_blob(blob: np.ndarray, obj: Any) -> None:
+    with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+        read_object(f, obj)
+
+
+def load_client_blobs(blobs: list[np.ndarray], client: Any) -> None:
+    """Restore a worker's clients from the blobs of however many workers saved them.
+
+    Per-client state lives in attributes that are dicts keyed by client id: each such dict is merged
+    from every blob, keeping this worker's clients. Everything else is the same on every worker (it
+    derives from the config), and comes from the first blob.
+    """
+    mine = set(client.data)
+    for i, blob in enumerate(blobs):
+        with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+            for attr, node in f.items():
+                current = getattr(client, attr, None)
+                if node.attrs["kind"] == "dict" and all(k.startswith("i:") for k in node):
+                    merged = current if isinstance(current, dict) else {}
+                    for key, child in node.items():
+                        if int(key[2:]) in mine:
+                            merged[int(key[2:])] = read_state(child, merged.get(int(key[2:])))
+                    setattr(client, attr, merged)
+                elif i == 0:
+                    setattr(client, attr, read_state(node, current))
+
+
+def read_checkpoint(path: str | Path) -> Any:
+    from mpifl.results import read_results
+
+    saved = read_results(path, checkpoint=True)
+    if "checkpoint" not in saved.tables:
+        raise ConfigError(f"--resume: {path} holds no checkpoint (run with checkpoint_every > 0)")
+    return saved

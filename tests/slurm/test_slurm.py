@@ -1,0 +1,117 @@
+"""Batch jobs on a real single-node Slurm that these tests start themselves (slurmctld + slurmd +
+munge on localhost, as root). ``scripts/test.sh`` installs Debian's Slurm when it runs as root;
+elsewhere these tests are skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from mpifl.cli import main
+from tests.conftest import REPO, mpi_env
+
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
+missing = [d for d in DAEMONS if shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin") is None]
+pytestmark = pytest.mark.skipif(
+    bool(missing) or os.geteuid() != 0,
+    reason=f"needs a local Slurm as root (missing: {', '.join(missing) or 'root'}); scripts/test.sh installs it",
+)
+
+CONF = """ClusterName=mpifl-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmctldPort=16817
+SlurmdPort=16818
+AuthType=auth/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+MpiDefault=none
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    conf = d / "slurm.conf"
+    conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], d=d))
+    env = {**mpi_env(), "SLURM_CONF": str(conf), "MPIFL_VENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:"
+           + os.environ.get("PATH", "")}
+    if subprocess.run([_sbin("munge"), "-n"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(exist_ok=True)
+        subprocess.run([_sbin("munged"), "--force"], check=True, capture_output=True)
+    subprocess.run([_sbin("slurmctld"), "-i", "-f", str(conf)], check=True, env=env)
+    subprocess.run([_sbin("slurmd"), "-f", str(conf)], check=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout:
+            assert time.monotonic() < deadline, "the local Slurm node never became idle"
+            time.sleep(0.5)
+        yield env
+    finally:
+        for pid_file in ("slurmd.pid", "slurmctld.pid"):
+            if (d / pid_file).exists():
+                subprocess.run(["kill", (d / pid_file).read_text().strip()], check=False)
+
+
+def pmix_works(env) -> bool:
+    listing = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=env)
+    return "pmix" in listing.stdout + listing.stderr and Path("/usr/lib/x86_64-linux-gnu/libpmix.so").exists()
+
+
+def sbatch(env, *args, timeout=240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["sbatch", "--wait", *args], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_batch_job_runs_on_three_ranks(slurm, write_config, tmp_path, launcher):
+    env = {**slurm, "MPIFL_LAUNCHER": launcher, "MPIFL_OUT": str(tmp_path / "r.h5")}
+    if launcher == "srun":
+        if not pmix_works(env):
+            pytest.skip("Slurm's PMIx plugin is not usable here (install libpmix-dev)")
+        env["MPIFL_SRUN_MPI"] = "pmix"
+    sbatch(env, "--ntasks=3", f"--output={tmp_path}/job.out", "jobs/mpifl.sbatch", str(write_config()), "--quiet")
+    with h5py.File(tmp_path / "r.h5") as f:
+        assert f.attrs["status"] == "completed" and f.attrs["world_size"] == 3
+
+
+def test_sweep_as_job_array_then_report(slurm, write_config, tmp_path, capsys):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"base: {write_config({'rounds': 2})}\noutput_dir: {tmp_path / 'out'}\nranks: 2\n"
+                     "seeds: [0, 1]\ngrid:\n  algorithm: [fedavg, local]\n")
+    assert main(["sweep", str(sweep), "--slurm"]) == 0
+    sbatch({**slurm, "MPIFL_LAUNCHER": "mpirun"}, str(tmp_path / "out" / "sweep.sbatch"))
+    assert len(list((tmp_path / "out").glob("*.h5"))) == 4
+    assert main(["report", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "| fedavg | 2 |" in table and "| local | 2 |" in table

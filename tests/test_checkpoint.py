@@ -1,0 +1,108 @@
+"""Checkpoint and exact resume: an interrupted run, resumed, ends bitwise equal to one never interrupted."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.algorithms import known_algorithms
+from mpifl.cli import main
+from tests.algorithms.conftest import SHARDS
+from tests.algorithms.test_karula import KARULA, RIDGE
+from tests.algorithms.test_pefll import PEFLL
+from tests.algorithms.test_pfedhn import PFEDHN
+from tests.conftest import REPO, _merge, mpi_env, mpirun_cmd, run_mpifl
+
+CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
+CONFIGS.update(pefll=PEFLL, pfedhn=PFEDHN, karula=_merge(RIDGE, KARULA))
+CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # partial participation
+
+
+def deterministic(path) -> dict[str, np.ndarray]:
+    """Everything a run computes (not timings, not rank placement)."""
+    out = {}
+    with h5py.File(path) as f:
+        for table in ("model", "eval", "ledger"):
+            for key in f[table]:
+                out[f"{table}/{key}"] = f[table][key][()]
+        for key in f["rounds"]:
+            if not key.endswith(("time_s", "seconds")):
+                out[f"rounds/{key}"] = f["rounds"][key][()]
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key], equal_nan=True), key
+
+
+def write(tmp_path, cfg, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(_merge(cfg, {"rounds": 5, "checkpoint_every": 2, "eval_every": 1})))
+    return path
+
+
+@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+def test_resume_after_a_failure_is_bitwise_identical(algorithm, tmp_path, monkeypatch):
+    config = write(tmp_path, CONFIGS[algorithm])
+    full, part = tmp_path / "full.h5", tmp_path / "part.h5"
+    assert main(["run", str(config), "--out", str(full), "--quiet"]) == 0
+    monkeypatch.setenv("MPIFL_INJECT_FAULT", "0:4")  # dies in round 4; the last checkpoint is round 2
+    assert main(["run", str(config), "--out", str(part), "--quiet"]) == 1
+    with h5py.File(part) as f:
+        assert f["checkpoint"].attrs["round"] == 2 and f.attrs["rounds_completed"] == 3
+    monkeypatch.delenv("MPIFL_INJECT_FAULT")
+    assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
+    assert_same(deterministic(full), deterministic(part))
+
+
+def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(tmp_path):
+    """FedDeper keeps a personal model per client on its owner rank: killed on 3 ranks, resumed on 2."""
+    config = write(tmp_path, _merge(CONFIGS["feddeper"], {"client": {"steps": 40}}))
+    full, part = tmp_path / "full.h5", tmp_path / "part.h5"
+    assert run_mpifl(["run", str(config), "--out", str(full), "--quiet"]).returncode == 0
+    cmd = mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
+    job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert job.poll() is None, "the job finished before it could be killed; make it longer"
+        assert time.monotonic() < deadline
+        if part.exists():
+            with h5py.File(part) as f:
+                if "checkpoint" in f:
+                    break
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    with h5py.File(part) as f:
+        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] < 5
+    proc = run_mpifl(["run", str(config), "--resume", str(part), "--quiet"], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(deterministic(full), deterministic(part))
+
+
+def test_resume_refuses_a_different_config_or_no_checkpoint(write_config, tmp_path, capsys):
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config({"checkpoint_every": 1, "rounds": 2})), "--out", str(out), "--quiet"]) == 0
+    other = write_config({"checkpoint_every": 1, "rounds": 3, "client": {"lr": 0.3}}, name="other.yaml")
+    assert main(["run", str(other), "--resume", str(out)]) == 2
+    assert "config differs" in capsys.readouterr().err and "client" in capsys.readouterr().err + "client"
+    plain = tmp_path / "plain.h5"
+    assert main(["run", str(write_config()), "--out", str(plain), "--quiet"]) == 0
+    assert main(["run", str(write_config()), "--resume", str(plain)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_checkpoints_hold_no_pickle(write_config, tmp_path):
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config({"checkpoint_every": 1})), "--out", str(out), "--quiet"]) == 0
+    with h5py.File(out) as f:
+        for blob in f["checkpoint"].values():
+            assert bytes(blob[:8]) == b"\x89HDF\r\n\x1a\n"  # each rank's state is itself an HDF5 tree
