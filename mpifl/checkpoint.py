@@ -1,12 +1,13 @@
 """Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
 
 An algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
-(``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``capture``
-turns that object graph into a tree of arrays and scalars; ``restore`` writes it back into a
+(``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``write_object``
+turns that object graph into a tree of arrays and scalars; ``read_object`` writes it back into a
 freshly built algorithm: modules and optimizers load in place; a class lists attributes derived
-from others in ``checkpoint_derived`` (e.g. a flat parameter buffer that a module's parameters view). Nothing in a checkpoint is ever executed: the only classes that can be
-instantiated are mpifl's own, and unknown value types are refused at save time, so a new
-algorithm cannot silently lose state.
+from others in ``checkpoint_derived`` (e.g. a flat buffer that a module's parameters view).
+Nothing in a checkpoint is ever executed: the only classes that can be instantiated are mpifl's
+own, and unknown value types are refused at save time, so a new algorithm cannot silently lose
+state.
 """
 
 from __future__ import annotations
