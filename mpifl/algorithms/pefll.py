@@ -55,7 +55,7 @@ class PeFLLOptions(HyperOptions):
     embed_hidden: tuple[int, ...] = field(default=(120, 84), metadata=limits(ge=1))
     embed_kernel: int = field(default=5, metadata=limits(ge=1))
     descriptor_batch: int = field(default=32, metadata=limits(ge=1))
-    standardize: bool = True  # (v − m)/s with scalars m, s frozen from the first training descriptor (code)
+    standardize: bool = True  # (v − m)/s, scalars m, s frozen from round 1's first descriptor (lowest id; code)
     optimizer: Literal["adam", "paper"] = "adam"
     lr: float = field(default=2e-4, metadata=limits(gt=0))  # Adam
     beta: float = field(default=1.265e-3, metadata=limits(ge=0))  # Alg. 2's β (2√c/(k√T), c=5, k=50, T=5000)

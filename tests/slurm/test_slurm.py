@@ -115,3 +115,34 @@ def test_sweep_as_job_array_then_report(slurm, write_config, tmp_path, capsys):
     assert main(["report", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     assert "| fedavg | 2 |" in table and "| local | 2 |" in table
+
+
+def test_requeued_job_resumes_from_its_checkpoint(slurm, write_config, tmp_path):
+    """jobs/mpifl-requeue.sbatch: requeued mid-run (as before a time limit), it continues with --resume
+    and ends bitwise equal to an uninterrupted run."""
+    from tests.test_checkpoint import assert_same, deterministic
+
+    config = write_config({"algorithm": "feddeper", "rounds": 14, "clients_per_round": 3, "checkpoint_every": 2,
+                           "eval_every": 5, "client": {"steps": 40}})
+    out = tmp_path / "r.h5"
+    env = {**slurm, "MPIFL_LAUNCHER": "mpirun", "MPIFL_OUT": str(out)}
+    submit = subprocess.run(["sbatch", "--parsable", "--ntasks=3", f"--output={tmp_path}/job.out",
+                             "jobs/mpifl-requeue.sbatch", str(config), "--quiet"],
+                            capture_output=True, text=True, env=env, cwd=REPO, check=True)
+    job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while not (out.exists() and "checkpoint" in h5py.File(out, "r")):
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=env).stdout.strip():
+        assert time.monotonic() < deadline + 240, "the requeued job did not finish"
+        time.sleep(1)
+    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
+    assert "Restarts=1" in restarts
+    reference = tmp_path / "reference.h5"
+    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
+    with h5py.File(out) as f:
+        assert f.attrs["status"] == "completed"
+    assert_same(deterministic(reference), deterministic(out))
