@@ -5,10 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source .venv/bin/activate
-# Debian's Fashion-MNIST lets the IDX loader be tested on the real files (skipped if unavailable).
-if [ ! -d /usr/share/datasets/fashion-mnist ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null) \
-    || echo "note: dataset-fashion-mnist not installable; its test will be skipped"
+# Debian's Fashion-MNIST lets the IDX loader be tested on the real files, and Debian's Slurm lets the
+# batch scripts be tested on a real local Slurm (each skipped with the reason if unavailable).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  wanted=()
+  [ -d /usr/share/datasets/fashion-mnist ] || wanted+=(dataset-fashion-mnist)
+  command -v slurmctld >/dev/null || wanted+=(slurmctld slurmd slurm-client munge libpmix-dev)
+  if [ ${#wanted[@]} -gt 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null) \
+      || echo "note: could not install ${wanted[*]}; the tests that need them will be skipped"
+  fi
 fi
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 ruff check mpifl tests benchmarks
