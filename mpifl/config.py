@@ -72,6 +72,7 @@ class RunConfig:
     seed: int = field(default=0, metadata=limits(ge=0))
     eval_every: int = field(default=1, metadata=limits(ge=1))
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
+    eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     output: str = "results/run.h5"
     data: DataConfig = DataConfig()

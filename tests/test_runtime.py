@@ -137,3 +137,12 @@ def test_crc32c_matches_the_standard_check_value():
     from mpifl.export import crc32c
 
     assert crc32c(b"123456789") == 0xE3069283
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "local"])
+def test_chunked_evaluation_changes_nothing_but_peak_memory(write_config, tmp_path, algorithm):
+    whole = run(write_config({"algorithm": algorithm}), tmp_path / "whole.h5")
+    chunked = run(write_config({"algorithm": algorithm, "eval_chunk": 3}), tmp_path / "chunked.h5")
+    for table in ("eval", "ledger", "clients"):
+        for key, values in whole.table(table).items():
+            assert np.array_equal(values, chunked.table(table)[key], equal_nan=True), f"{table}/{key}"

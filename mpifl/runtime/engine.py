@@ -205,13 +205,37 @@ class Engine:
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, round_: int) -> None:
+        """Evaluate every client, ``eval_chunk`` clients at a time (0: all at once), so the server's
+        per-client evaluation state (e.g. one personal model per client) stays bounded."""
         start = time.perf_counter()
-        everyone = np.arange(self.layout.num_clients)
         unseen = np.flatnonzero(self.layout.unseen)
-        if len(unseen):
-            self.run_plan(round_, "eval", self.protocol.newcomer_plan(), unseen)
-        self.run_plan(round_, "eval", self.protocol.eval_plan(), everyone)
-        local = self.transport.local_clients(everyone) if self.client else everyone[:0]
+        for chunk in self._chunks(unseen):
+            self.run_plan(round_, "eval", self.protocol.newcomer_plan(), chunk)
+        blocks = [self._evaluate_clients(round_, chunk) for chunk in self._chunks(np.arange(self.layout.num_clients))]
+        self.clock.evaluation += time.perf_counter() - start
+        if self.server is None:
+            return
+        self.final_rows = gathered = np.concatenate(blocks)
+        ledger = self.transport.ledger.columns()
+        train_bytes = float(ledger["bytes"][ledger["stage"] == 0].sum())
+        row: dict[str, float] = {"round": round_, "cum_logical_bytes": train_bytes}
+        regression = self.layout.task == "regression"
+        for j, kind in enumerate(self.protocol.eval_kinds):
+            block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
+            for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
+                for name, value in summarize(block[mask], regression).items():
+                    row[f"{kind}.{group}.{name}"] = value
+        row.update(self.server.eval_metrics())
+        self.eval_table.append(row)
+
+    def _chunks(self, clients: np.ndarray) -> list[np.ndarray]:
+        size = self.cfg.eval_chunk or max(len(clients), 1)
+        return [clients[i : i + size] for i in range(0, len(clients), size)]
+
+    def _evaluate_clients(self, round_: int, clients: np.ndarray) -> np.ndarray | None:
+        """Walk the eval plan among ``clients``, evaluate the local ones, gather their metric rows."""
+        self.run_plan(round_, "eval", self.protocol.eval_plan(), clients)
+        local = self.transport.local_clients(clients) if self.client else clients[:0]
         kinds = self.protocol.eval_kinds
         rows = np.zeros((len(local), self.eval_msg.numel))
         for i, client in enumerate(local):
@@ -221,22 +245,7 @@ class Engine:
                 rows[i, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)] = evaluate(
                     model, split.x_test, split.y_test, self.client.loss_fn
                 )
-        gathered = self.transport.up(round_, "eval", self.eval_msg, rows, everyone)
-        self.clock.evaluation += time.perf_counter() - start
-        if self.server is None:
-            return
-        self.final_rows = gathered
-        ledger = self.transport.ledger.columns()
-        train_bytes = float(ledger["bytes"][ledger["stage"] == 0].sum())
-        row: dict[str, float] = {"round": round_, "cum_logical_bytes": train_bytes}
-        regression = self.layout.task == "regression"
-        for j, kind in enumerate(kinds):
-            block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
-            for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
-                for name, value in summarize(block[mask], regression).items():
-                    row[f"{kind}.{group}.{name}"] = value
-        row.update(self.server.eval_metrics())
-        self.eval_table.append(row)
+        return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
     def _print_progress(self, round_: int) -> None:
         last = self.eval_table.arrays()
