@@ -9,6 +9,7 @@ algorithm (e.g. ``fedprox: {mu: 0.01}``), validated by that algorithm's own sche
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +63,17 @@ class NetworkConfig:
     down_mbps: float = field(default=50.0, metadata=limits(gt=0))
     distribution: Literal["fixed", "lognormal"] = "fixed"
     sigma: float = field(default=0.5, metadata=limits(ge=0))
+    seconds_per_sample: float = field(default=0.0, metadata=limits(ge=0))  # expected compute, for deadlines
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Faults the simulator emulates; every decision is a function of (seed, round, client) only."""
+
+    dropout: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # a sampled client fails before it sends
+    deadline_s: float | None = field(default=None, metadata=limits(gt=0))  # drop clients expected to finish later
+    over_selection: float = field(default=0.0, metadata=limits(ge=0))  # sample (1+o)·m, keep the m fastest
+    nonfinite: Literal["skip", "abort"] = "skip"  # an update with NaN/Inf: drop that client, or stop the job
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class RunConfig:
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
     network: NetworkConfig = NetworkConfig()
+    faults: FaultsConfig = FaultsConfig()
     algorithm_options: Any = None  # the algorithm's own frozen options, built from its section
 
 
@@ -157,6 +170,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def _check_cross_fields(cfg: RunConfig) -> None:
+    selected = math.ceil(cfg.clients_per_round * (1 + cfg.faults.over_selection))
+    if cfg.faults.over_selection and cfg.data.partition != "natural" and selected > cfg.data.num_clients:
+        raise ConfigError(f"faults.over_selection: selecting {selected} clients exceeds data.num_clients")
     if cfg.device == "cuda":
         raise ConfigError("device: 'cuda' is not supported yet (ranks compute on the CPU); use 'auto' or 'cpu'")
     d = cfg.data

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Literal, Union
+
+_YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 class ConfigError(ValueError):
@@ -80,6 +83,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string; every user means a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         if value != value or value in (float("inf"), float("-inf")):

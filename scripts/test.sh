@@ -18,9 +18,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 ruff check mpifl tests benchmarks
-for ranks in 3 4; do
-  echo "== pytest-mpi on $ranks ranks"
-  timeout 900 mpirun -n "$ranks" --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
-done
+echo "== pytest-mpi on 3 ranks"
+timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+echo "== pytest-mpi on 4 ranks (transport and engine)"
+timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
+  tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py
 echo "== single-process suite"
-python -m pytest -q -p no:cacheprovider
+python -m pytest -q -p no:cacheprovider --durations=15

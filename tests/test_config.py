@@ -39,6 +39,12 @@ def test_bad_configs_give_one_clear_error(raw, message):
     assert "\n" not in str(info.value)
 
 
+def test_exponent_notation_is_a_number():
+    assert parse_config({"client": {"lr": "1e-3", "weight_decay": "5E-4"}}).client.lr == 1e-3
+    with pytest.raises(ConfigError, match="expected a number"):
+        parse_config({"client": {"lr": "fast"}})
+
+
 def test_set_overrides_use_yaml_types():
     raw = apply_overrides({"client": {"lr": 0.1}}, ["client.lr=0.5", "data.num_clients=20", "model.hidden=[3, 4]"])
     cfg = parse_config(raw)

@@ -18,18 +18,20 @@ class NetworkModel:
     latency_s: np.ndarray
     up_bytes_per_s: np.ndarray
     down_bytes_per_s: np.ndarray
+    seconds_per_sample: np.ndarray
 
     @classmethod
     def from_config(cls, cfg: NetworkConfig, num_clients: int, seed: int) -> NetworkModel:
-        scale = np.ones((3, num_clients))
+        scale = np.ones((4, num_clients))
         if cfg.distribution == "lognormal":
             rng = np.random.default_rng(np.random.SeedSequence([seed, _NETWORK_TAG]))
             # Median-preserving draws: the configured value is each quantity's median over clients.
-            scale = rng.lognormal(mean=0.0, sigma=cfg.sigma, size=(3, num_clients))
+            scale = rng.lognormal(mean=0.0, sigma=cfg.sigma, size=(4, num_clients))
         return cls(
             latency_s=cfg.latency_s * scale[0],
             up_bytes_per_s=cfg.up_mbps * 1e6 / 8 / scale[1],
             down_bytes_per_s=cfg.down_mbps * 1e6 / 8 / scale[2],
+            seconds_per_sample=cfg.seconds_per_sample * scale[3],
         )
 
     def client_seconds(

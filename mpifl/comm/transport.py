@@ -77,6 +77,13 @@ class Transport:
             rows = np.broadcast_to(rows.reshape(1, msg.numel), (len(local), msg.numel))
         return rows
 
+    def broadcast(self, round_: int, msg: Message, payload: np.ndarray | None) -> np.ndarray:
+        """The server's ``payload`` on every rank (for the simulator's own bookkeeping: not per client,
+        so nothing enters the ledger)."""
+        if self.size == 1:
+            return payload
+        return self._bcast(round_, msg, payload)
+
     def up(self, round_: int, stage: str, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
         """Clients → server. ``rows``: this rank's local clients' rows. Returns all rows in ``clients`` order
         on the server, ``None`` elsewhere."""

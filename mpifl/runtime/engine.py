@@ -21,6 +21,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import build_federated_dataset
 from mpifl.results import Table, write_atomically
+from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.metrics import summarize
 from mpifl.runtime.sampling import sample_clients
 from mpifl.runtime.training import EVAL_FIELDS, evaluate
@@ -83,6 +84,13 @@ class Engine:
             self.client = entry.client(ctx, dataset.load_clients(self.placement.clients_of(self.rank)))
         self.protocol = (self.server or self.client).protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
+        self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
+        if self.faults.selection_size(cfg.clients_per_round) > len(self.seen):
+            raise ConfigError(f"faults.over_selection: selecting {self.faults.selection_size(cfg.clients_per_round)}"
+                              f" clients per round exceeds the {len(self.seen)} seen clients")
+        steps = cfg.client.steps
+        batch = np.minimum(cfg.client.batch_size, layout.train_sizes)
+        self.samples_per_round = steps * batch if steps else cfg.client.epochs * layout.train_sizes
         kinds = len(self.protocol.eval_kinds)
         self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
         self.eval_msg = Message("eval_metrics", "up", kinds * len(EVAL_FIELDS), "float64", logical=False)
@@ -129,9 +137,16 @@ class Engine:
     def train_round(self, round_: int) -> None:
         start = time.perf_counter()
         server_before = self.clock.server
-        clients = sample_clients(self.cfg.seed, round_, self.seen, self.cfg.clients_per_round)
         plan = self.protocol.train_plan(round_)
-        compute_s, local = self.run_plan(round_, "train", plan, clients)
+        logical = [m for m in plan if isinstance(m, Message) and m.logical]
+        down = [m for m in logical if m.direction == "down"]
+        up = [m for m in logical if m.direction == "up"]
+        wanted = self.cfg.clients_per_round
+        sampled = sample_clients(self.cfg.seed, round_, self.seen, self.faults.selection_size(wanted))
+        clients = self.faults.participants(round_, sampled, wanted, sum(m.nbytes for m in down),
+                                           sum(m.nbytes for m in up), len(logical), self.samples_per_round)
+        self.rejected = 0
+        compute_s, local, clients = self.run_plan(round_, "train", plan, clients)
         rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
         rows[:, 0] = compute_s
         rows[:, 1] = [self.client.round_losses.pop(int(c), np.nan) for c in local]
@@ -139,9 +154,6 @@ class Engine:
         if self.server is None:
             return
         server_s = self.clock.server - server_before
-        logical = [m for m in plan if isinstance(m, Message) and m.logical]
-        down = [m for m in logical if m.direction == "down"]
-        up = [m for m in logical if m.direction == "up"]
         per_client_s = self.network.client_seconds(
             clients,
             np.full(len(clients), sum(m.nbytes for m in down)),
@@ -153,21 +165,25 @@ class Engine:
         totals = self.transport.ledger.round_totals(round_)
         self.rounds_table.append({
             "round": round_,
-            "sim_time_s": server_s + float(per_client_s.max()),
+            "sim_time_s": server_s + float(per_client_s.max(initial=0.0)),
             "wall_time_s": time.perf_counter() - start,
             "server_time_s": server_s,
             "train_loss": float(np.nanmean(telemetry[:, 1])) if np.isfinite(telemetry[:, 1]).any() else np.nan,
             "logical_up_bytes": totals["up"],
             "logical_down_bytes": totals["down"],
+            "participants": len(clients),
+            "rejected_updates": self.rejected,
             **self.server.round_metrics(),
         })
 
     def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """Move every step of ``plan`` among ``clients``; returns this rank's per-client compute seconds."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Move every step of ``plan`` among ``clients``. Returns this rank's local clients with their
+        compute seconds, and the clients still taking part at the end (training drops a client whose
+        update is not finite)."""
         local = self.transport.local_clients(clients) if self.client else clients[:0]
         seconds = np.zeros(len(local))
-        for step in plan:
+        for position, step in enumerate(plan):
             if isinstance(step, LocalCompute):
                 for i, client in enumerate(local):
                     seconds[i] += self._timed_client(self.client.compute, round_, int(client))
@@ -183,9 +199,35 @@ class Engine:
                     rows[i] = self.client.send(step, round_, int(client))
                     seconds[i] += self._charge_compute(start)
                 gathered = self.transport.up(round_, stage, step, rows, clients)
-                if self.server:
-                    self._timed_server(self.server.consume, step, round_, clients, gathered)
-        return seconds, local
+                accepted = self._screen(round_, stage, step, clients, gathered) if self.server else None
+                if accepted is not None and accepted.any():
+                    self._timed_server(self.server.consume, step, round_, clients[accepted], gathered[accepted])
+                if stage == "train" and any(isinstance(s, Message) for s in plan[position + 1 :]):
+                    accepted = self._share_acceptance(round_, accepted, len(clients))
+                    keep = np.isin(local, clients[accepted])
+                    clients, local, seconds = clients[accepted], local[keep], seconds[keep]
+        return seconds, local, clients
+
+    def _screen(self, round_: int, stage: str, step: Message, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which clients' rows the server accepts: a training update with NaN/Inf never reaches the
+        algorithm (``faults.nonfinite: skip``) or stops the job (``abort``)."""
+        accepted = np.ones(len(clients), dtype=bool)
+        if stage == "train" and rows.dtype.kind == "f":
+            accepted = np.isfinite(rows).all(axis=1)
+            bad = clients[~accepted]
+            if len(bad) and self.cfg.faults.nonfinite == "abort":
+                raise FloatingPointError(f"round {round_}: {step.name} of client(s) {bad.tolist()} is not finite")
+            if len(bad):
+                self.rejected += len(bad)
+                print(f"mpifl: warning: round {round_}: rejected non-finite {step.name} of client(s) "
+                      f"{bad.tolist()}", file=sys.stderr, flush=True)
+        return accepted
+
+    def _share_acceptance(self, round_: int, accepted: np.ndarray | None, count: int) -> np.ndarray:
+        """Tell every rank which clients go on to the plan's next steps (simulator bookkeeping)."""
+        msg = Message("accepted", "down", count, "uint8", broadcast=True, logical=False)
+        payload = accepted.astype(np.uint8) if self.server else None
+        return self.transport.broadcast(round_, msg, payload).astype(bool)
 
     def _charge_compute(self, start: float) -> float:
         elapsed = time.perf_counter() - start

@@ -1,0 +1,48 @@
+"""Emulated client faults: drop-out, deadlines with over-selection, and non-finite updates.
+
+Which clients survive a round is decided before it starts, from (seed, round, client) and the
+network model's *expected* times (transfers plus ``seconds_per_sample`` × samples), never from
+measured wall time, so the outcome is the same for every rank count and every rerun.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpifl.comm.network import NetworkModel
+from mpifl.config import FaultsConfig
+
+_DROPOUT_TAG = 0x64726F70
+
+
+@dataclass(frozen=True)
+class FaultModel:
+    cfg: FaultsConfig
+    network: NetworkModel
+    seed: int
+
+    def selection_size(self, clients_per_round: int) -> int:
+        return math.ceil(clients_per_round * (1 + self.cfg.over_selection))
+
+    def participants(self, round_: int, sampled: np.ndarray, wanted: int, down_bytes: int, up_bytes: int,
+                     messages: int, samples: np.ndarray) -> np.ndarray:
+        """The sampled clients that take part: those that did not drop out, finish before the deadline,
+        and (with over-selection) are among the ``wanted`` first to finish. Sorted by id."""
+        clients = sampled
+        if self.cfg.dropout:
+            draws = np.array([np.random.default_rng([self.seed, _DROPOUT_TAG, round_, int(c)]).random()
+                              for c in clients])
+            clients = clients[draws >= self.cfg.dropout]
+        if self.cfg.deadline_s is None and not self.cfg.over_selection:
+            return clients
+        expected = self.network.client_seconds(
+            clients, np.full(len(clients), down_bytes), messages, np.full(len(clients), up_bytes), 0,
+            self.network.seconds_per_sample[clients] * samples[clients],
+        )
+        if self.cfg.deadline_s is not None:
+            clients, expected = clients[expected <= self.cfg.deadline_s], expected[expected <= self.cfg.deadline_s]
+        first = np.lexsort((clients, expected))[:wanted]
+        return np.sort(clients[first])

@@ -1,0 +1,103 @@
+"""Emulated faults (drop-out, deadlines, non-finite updates) and real ones (a worker rank killed)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from mpifl.cli import main
+from mpifl.config import parse_config
+from mpifl.results import read_results
+from tests.conftest import REPO, TINY, _merge, mpi_env, mpirun_cmd, run_mpifl
+from tests.test_checkpoint import assert_same, deterministic
+
+
+def run(write_config, tmp_path, overrides, name="r"):
+    out = tmp_path / f"{name}.h5"
+    assert main(["run", str(write_config(overrides, name=f"{name}.yaml")), "--out", str(out), "--quiet"]) == 0
+    return read_results(out)
+
+
+def test_dropout_sends_nothing_and_is_rank_invariant(write_config, tmp_path):
+    overrides = {"rounds": 6, "clients_per_round": 6, "faults": {"dropout": 0.4}}
+    res = run(write_config, tmp_path, overrides)
+    participants = res.table("rounds")["participants"]
+    assert participants.min() < 6 and participants.sum() > 0
+    ledger, names = res.table("ledger"), res.table_attrs["ledger"]["message_names"]
+    for round_, count in enumerate(participants, 1):
+        for name in ("model", "delta"):
+            rows = (ledger["round"] == round_) & (ledger["stage"] == 0) & (ledger["message"] == names.index(name))
+            assert rows.sum() == count  # dropped clients neither receive nor send
+    proc = run_mpifl(["run", str(write_config(overrides)), "--out", str(tmp_path / "p3.h5"), "--quiet"], ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(deterministic(tmp_path / "r.h5"), deterministic(tmp_path / "p3.h5"))
+
+
+def test_deadline_and_over_selection_use_expected_times(write_config, tmp_path):
+    slow_links = {"distribution": "lognormal", "sigma": 1.0, "latency_s": 0.1, "up_mbps": 1, "down_mbps": 1,
+                  "seconds_per_sample": 0.001}
+    over = run(write_config, tmp_path, {"rounds": 4, "clients_per_round": 4, "network": slow_links,
+                                        "faults": {"over_selection": 0.5}}, "over")
+    assert np.all(over.table("rounds")["participants"] == 4)
+    cfg = parse_config(_merge(TINY, {"network": slow_links}))
+    from mpifl.comm.network import NetworkModel
+
+    net = NetworkModel.from_config(cfg.network, 10, cfg.seed)
+    d = over.table("model")["global_model"].size
+    expected = 2 * net.latency_s + 4 * d / net.down_bytes_per_s + 4 * d / net.up_bytes_per_s
+    deadline = float(np.median(expected))
+    cut = run(write_config, tmp_path, {"rounds": 4, "clients_per_round": 6, "network": slow_links,
+                                       "faults": {"deadline_s": deadline}}, "cut")
+    assert cut.table("rounds")["participants"].max() < 6
+    assert np.all(cut.table("rounds")["sim_time_s"] - cut.table("rounds")["server_time_s"] <= deadline + 1.0)
+
+
+def test_non_finite_updates_are_rejected_or_abort(write_config, tmp_path, capsys):
+    res = run(write_config, tmp_path, {"rounds": 3, "client": {"lr": 1e12}}, "skip")
+    assert res.table("rounds")["rejected_updates"].sum() > 0
+    assert "rejected non-finite delta" in capsys.readouterr().err
+    out = tmp_path / "abort.h5"
+    config = write_config({"rounds": 3, "client": {"lr": 1e12}, "faults": {"nonfinite": "abort"}}, name="abort.yaml")
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 1
+    assert "is not finite" in capsys.readouterr().err
+
+
+def test_a_killed_worker_ends_the_job_quickly_and_keeps_the_results(write_config, tmp_path):
+    config = write_config({"rounds": 400, "eval_every": 1, "client": {"epochs": 3}})
+    out = tmp_path / "r.h5"
+    cmd = mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet"]
+    job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists():
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    worker = _pid_of_rank(1, str(out))
+    os.kill(worker, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        _, stderr = job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job hung after a worker died")
+    assert time.monotonic() - killed < 10
+    assert job.returncode != 0 and "rank 1" in stderr
+    with h5py.File(out) as f:
+        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] >= 1
+
+
+def _pid_of_rank(rank: int, marker: str) -> int:
+    """The process of ``rank`` in the job whose command line mentions ``marker``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode()
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode()
+        except OSError:
+            continue
+        if marker in cmdline and "mpifl" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}\0" in environ:
+            return int(pid)
+    raise AssertionError(f"rank {rank} not found")
