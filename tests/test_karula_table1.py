@@ -1,0 +1,65 @@
+"""What benchmarks/karula_table1.py computes that could silently break: the CV folds, the fold view of a
+dataset, the per-client models read back from an in-process run and the estimation error."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.karula_table1 import (
+    FoldDataset,
+    client_models,
+    estimation_error,
+    fold_rows,
+    mean_2se,
+    run_engine,
+    strategy_config,
+    truth_of,
+)
+from mpifl.data import build_federated_dataset
+
+BASE = {
+    "rounds": 3,
+    "clients_per_round": 3,
+    "data": {"dataset": "karula_ridge", "partition": "natural", "num_clients": 6,
+             "synthetic": {"num_features": 4, "ridge_min_samples": 8, "ridge_max_samples": 15}},
+    "model": {"name": "linear"},
+    "client": {"lr": 0.01, "weight_decay": 1e-6, "batch_size": 100},
+    "karula": {"t": 1.0, "lr": 0.05, "reference_size": 8},
+}
+
+
+def test_folds_partition_rows_deterministically():
+    masks = np.stack([fold_rows(23, 5, k, seed=1, client=4) for k in range(5)])
+    assert (masks.sum(axis=0) == 1).all()  # every row held out exactly once
+    assert sorted(masks.sum(axis=1)) == [4, 4, 5, 5, 5]
+    assert (masks == np.stack([fold_rows(23, 5, k, seed=1, client=4) for k in range(5)])).all()
+    assert not (masks == np.stack([fold_rows(23, 5, k, seed=1, client=5) for k in range(5)])).all()
+
+
+def test_fold_view_holds_out_training_rows_only():
+    cfg = strategy_config(BASE, "local", 0, 3, None)
+    base = build_federated_dataset(cfg.data, 0)
+    view = FoldDataset(base, 3, 1, 0)
+    full, fold = base.load_clients([2])[2], view.load_clients([2])[2]
+    held = fold_rows(len(full.x_train), 3, 1, 0, 2)
+    assert view.layout.train_sizes[2] == len(full.x_train) - held.sum() == len(fold.x_train)
+    np.testing.assert_array_equal(fold.x_test, full.x_train[held])
+    np.testing.assert_array_equal(fold.y_train, full.y_train[~held])
+
+
+def test_estimation_error_reads_the_models_the_runtime_evaluated():
+    cfg = strategy_config(BASE, "karula", 0, 3, ("karula", "t", 0.5))
+    engine = run_engine(cfg)
+    truth = truth_of(build_federated_dataset(cfg.data, 0))
+    models = client_models(engine, "personal")
+    np.testing.assert_allclose(models, engine.server.theta, rtol=1e-6, atol=1e-6)  # float32 round trip
+    expected = np.mean([np.sum((m - t) ** 2) for m, t in zip(models, truth)])
+    assert np.isclose(estimation_error(models, truth), expected)
+    assert np.isclose(engine.rounds_table.arrays()["estimation_error"][-1], expected, rtol=1e-5)
+    global_models = client_models(run_engine(strategy_config(BASE, "fedsgd", 0, 3, None)), "global")
+    assert (global_models == global_models[0]).all()  # one global model for everyone
+
+
+def test_mean_2se():
+    mean, two_se = mean_2se([1.0, 2.0, 3.0])
+    assert mean == 2.0 and np.isclose(two_se, 2 * 1.0 / np.sqrt(3))
