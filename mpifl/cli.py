@@ -91,11 +91,11 @@ def _validate(args: argparse.Namespace) -> int:
     detail = ""
     if not args.no_data:
         from mpifl.data import build_federated_dataset
+        from mpifl.runtime.engine import check_run
 
         layout = build_federated_dataset(cfg.data, cfg.seed).layout
+        check_run(cfg, layout)
         seen = int((~layout.unseen).sum())
-        if cfg.clients_per_round > seen:
-            raise ConfigError(f"clients_per_round: {cfg.clients_per_round} exceeds the {seen} seen clients of the data")
         detail = f": {layout.num_clients} clients ({seen} seen), {int(layout.train_sizes.sum())} training samples"
     print(f"{args.config}: valid{detail}")
     return 0

@@ -9,7 +9,6 @@ algorithm (e.g. ``fedprox: {mu: 0.01}``), validated by that algorithm's own sche
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -170,9 +169,6 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def _check_cross_fields(cfg: RunConfig) -> None:
-    selected = math.ceil(cfg.clients_per_round * (1 + cfg.faults.over_selection))
-    if cfg.faults.over_selection and cfg.data.partition != "natural" and selected > cfg.data.num_clients:
-        raise ConfigError(f"faults.over_selection: selecting {selected} clients exceeds data.num_clients")
     if cfg.device == "cuda":
         raise ConfigError("device: 'cuda' is not supported yet (ranks compute on the CPU); use 'auto' or 'cpu'")
     d = cfg.data

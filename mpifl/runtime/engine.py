@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -19,7 +20,7 @@ from mpifl.checkpoint import load_client_blobs, load_state_blob, read_checkpoint
 from mpifl.comm import LocalCompute, Message, Placement, Step, Transport
 from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
-from mpifl.data import build_federated_dataset
+from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.results import Table, write_atomically
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.metrics import summarize
@@ -49,6 +50,21 @@ class RankClock:
     per_client: dict[int, float] = field(default_factory=dict)
 
 
+def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
+    """What can only be checked once the data layout is known (shared by ``run`` and ``validate``):
+    enough seen clients, and an algorithm whose protocol (message sizes, model) fits the data."""
+    seen = int((~layout.unseen).sum())
+    if cfg.clients_per_round > seen:
+        raise ConfigError(f"clients_per_round: {cfg.clients_per_round} exceeds the {seen} seen clients of the data")
+    selected = math.ceil(cfg.clients_per_round * (1 + cfg.faults.over_selection))
+    if selected > seen:
+        raise ConfigError(f"faults.over_selection: selecting {selected} clients per round exceeds the {seen} seen "
+                          "clients of the data")
+    ctx = RunContext(cfg, layout)
+    get_algorithm(cfg.algorithm).server.protocol_type(ctx)
+    return ctx
+
+
 class Engine:
     def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False):  # noqa: ANN001 - a Comm
         self.cfg = cfg
@@ -69,14 +85,10 @@ class Engine:
         cfg = self.cfg
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
+        ctx = check_run(cfg, layout)
         self.seen = np.flatnonzero(~layout.unseen)
-        if cfg.clients_per_round > len(self.seen):
-            raise ConfigError(
-                f"clients_per_round: {cfg.clients_per_round} exceeds the {len(self.seen)} seen clients of the data"
-            )
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         self.transport = Transport(self.comm, self.placement)
-        ctx = RunContext(cfg, layout)
         entry = get_algorithm(cfg.algorithm)
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
@@ -85,9 +97,6 @@ class Engine:
         self.protocol = (self.server or self.client).protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
-        if self.faults.selection_size(cfg.clients_per_round) > len(self.seen):
-            raise ConfigError(f"faults.over_selection: selecting {self.faults.selection_size(cfg.clients_per_round)}"
-                              f" clients per round exceeds the {len(self.seen)} seen clients")
         steps = cfg.client.steps
         batch = np.minimum(cfg.client.batch_size, layout.train_sizes)
         self.samples_per_round = steps * batch if steps else cfg.client.epochs * layout.train_sizes

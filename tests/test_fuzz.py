@@ -1,0 +1,182 @@
+"""Hostile input, generated: every broken config or data file either works or gives exit code 2 with
+one ``mpifl: error:`` line — never another exception, never a traceback."""
+
+import contextlib
+import gzip
+import io
+import json
+import pickle
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpifl.cli import main
+from mpifl.config import RunConfig
+from mpifl.data import build_federated_dataset
+from mpifl.data.config import DataConfig
+from mpifl.schema import ConfigError
+from tests.conftest import TINY, _merge
+from tests.data.data_files import write_idx
+
+KEYS = [
+    "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
+    "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
+    "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
+    "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.image_shape", "data.synthetic.num_classes",
+    "model.name", "model.hidden", "model.channels", "model.fc_hidden", "client.lr", "client.momentum",
+    "client.epochs", "client.steps", "client.batch_size", "client.clip_norm", "server.lr", "network.up_mbps",
+    "network.distribution", "faults.dropout", "faults.over_selection", "fedprox.mu", "bogus", "data.bogus",
+]
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
+                     "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal"]),
+    st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+
+
+def set_path(cfg: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {}) if isinstance(node.get(part, {}), dict) else {}
+    node[leaf] = value
+
+
+def call(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(mutations=st.lists(st.tuples(st.sampled_from(KEYS), VALUES), min_size=1, max_size=4))
+def test_broken_configs_validate_or_fail_with_one_line(mutations):
+    with tempfile.TemporaryDirectory() as tmp:
+        _validate_once(Path(tmp), mutations)
+
+
+def _validate_once(tmp_path: Path, mutations) -> None:
+    cfg = _merge(TINY, {})
+    for key, value in mutations:
+        set_path(cfg, key, value)
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, err = call(["validate", str(path)])
+    assert code in (0, 2), err
+    if code == 2:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mpifl: error: "), err
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lr=st.floats(1e-6, 1e3), clients=st.integers(1, 12), momentum=st.floats(0, 0.99),
+    partition=st.sampled_from(["iid", "classes", "dirichlet", "shards"]), dropout=st.floats(0, 0.9),
+)
+def test_extreme_but_valid_configs_run_to_a_complete_results_file(lr, clients, momentum, partition, dropout):
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_once(Path(tmp), lr, clients, momentum, partition, dropout)
+
+
+def _run_once(tmp_path: Path, lr, clients, momentum, partition, dropout) -> None:
+    cfg = _merge(TINY, {"rounds": 1, "clients_per_round": min(clients, 8), "faults": {"dropout": dropout},
+                        "data": {"partition": partition}, "client": {"lr": lr, "momentum": momentum}})
+    path, out = tmp_path / "x.yaml", tmp_path / "x.h5"
+    path.write_text(yaml.safe_dump(cfg))
+    code, err = call(["run", str(path), "--out", str(out), "--quiet"])
+    if code == 2:  # e.g. a partition impossible for these numbers: refused up front, nothing written
+        assert len(err.strip().splitlines()) == 1 and not out.exists()
+    else:
+        assert code == 0, err
+        from mpifl.results import read_results
+
+        assert read_results(out).attrs["status"] == "completed"
+
+
+def _corrupt(data: bytes, cut: int, flips: list[tuple[int, int]]) -> bytes:
+    buf = bytearray(data[: max(0, min(cut, len(data)))])
+    for position, value in flips:
+        if buf:
+            buf[position % len(buf)] = value
+    return bytes(buf)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    target=st.sampled_from(["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte"]),
+    cut=st.integers(0, 2000), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3),
+    nan=st.booleans(), gz=st.booleans(),
+)
+def test_damaged_idx_files_load_or_raise_config_error(target, cut, flips, nan, gz):
+    with tempfile.TemporaryDirectory() as tmp:
+        _load_damaged_idx(Path(tmp), target, cut, flips, nan, gz)
+
+
+def _load_damaged_idx(tmp_path: Path, target, cut, flips, nan, gz) -> None:
+    rng = np.random.default_rng(0)
+    files = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (30, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": (np.arange(30) % 10).astype(np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": (np.arange(10) % 10).astype(np.uint8),
+    }
+    for name, array in files.items():
+        path = write_idx(tmp_path / name, array)
+        if name == target:
+            path.write_bytes(_corrupt(path.read_bytes(), cut, flips))
+        if gz:
+            (tmp_path / f"{name}.gz").write_bytes(gzip.compress(path.read_bytes()))
+            path.unlink()
+    cfg = DataConfig(dataset="mnist", root=str(tmp_path), num_clients=4, normalize=not nan)
+    try:
+        data = build_federated_dataset(cfg, 0)
+        data.load_clients(range(data.layout.num_clients))
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+
+
+@settings(max_examples=100, deadline=None)
+@given(kind=st.sampled_from(["cifar", "leaf"]), cut=st.integers(0, 4000),
+       flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
+def test_damaged_cifar_pickles_and_leaf_json_raise_config_error(kind, cut, flips):
+    with tempfile.TemporaryDirectory() as tmp:
+        _load_damaged_files(Path(tmp), kind, cut, flips)
+
+
+def _load_damaged_files(tmp_path: Path, kind, cut, flips) -> None:
+    rng = np.random.default_rng(1)
+    if kind == "cifar":
+        root = tmp_path / "cifar-10-batches-py"
+        root.mkdir()
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": list(range(4))}
+            (root / name).write_bytes(pickle.dumps(batch, protocol=2))
+        victim = root / "data_batch_1"
+        cfg = DataConfig(dataset="cifar10", root=str(root), num_clients=2)
+    else:
+        root = tmp_path / "leaf"
+        for split in ("train", "test"):
+            (root / split).mkdir(parents=True)
+            users = {f"u{i}": {"x": rng.random((3, 784)).tolist(), "y": [1, 2, 3]} for i in range(2)}
+            doc = {"users": list(users), "num_samples": [3, 3], "user_data": users}
+            (root / split / "all.json").write_text(json.dumps(doc))
+        victim = root / "train" / "all.json"
+        cfg = DataConfig(dataset="femnist", root=str(root), partition="natural")
+    victim.write_bytes(_corrupt(victim.read_bytes(), cut, flips))
+    try:
+        data = build_federated_dataset(cfg, 0)
+        data.load_clients(range(data.layout.num_clients))
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+
+
+def test_schema_covers_every_top_level_key():
+    assert {k.split(".")[0] for k in KEYS} >= set(RunConfig.__dataclass_fields__) - {"output", "algorithm_options",
+                                                                                      "network", "server"} - {"seed"}
