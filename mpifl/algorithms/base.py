@@ -147,13 +147,14 @@ class ClientAlgorithm:
         return grads
 
     def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None,
-                        steps: int | None = None, momentum: torch.Tensor | None = None) -> int:
+                        steps: int | None = None, momentum: torch.Tensor | None = None,
+                        lr: float | None = None) -> int:
         """Run the configured local SGD on the workspace model with ``client``'s training data
-        (``steps`` and ``momentum`` as in :func:`local_sgd`); returns the number of steps taken."""
+        (``steps``, ``momentum`` and ``lr`` as in :func:`local_sgd`); returns the number of steps taken."""
         split = self.data[client]
         gen = client_generator(self.ctx.cfg.seed, round_, client)
         stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, gen,
-                          grad_hook, steps=steps, momentum=momentum)
+                          grad_hook, lr=lr, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
         return stats.steps
 

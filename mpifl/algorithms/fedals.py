@@ -43,6 +43,9 @@ class FedALSOptions:
     split_layer: int | None = field(default=None, metadata=limits(ge=0))  # L; default: all groups but the last
     scaffold: bool = False  # FedALS + SCAFFOLD (Algorithm 4)
     persistent_momentum: bool = True  # False: a fresh buffer every round, as FedAvg's clients
+    # "authors": the authors' code's decaying rate lr_s = client.lr·10/(s/100 + 10) over the local-step
+    # counter s (spec §3, "not_cte_lr"), held for a round at its first step's value; "none": client.lr
+    lr_decay: Literal["none", "authors"] = "none"
 
 
 def layer_groups(model: FlatModel) -> list[slice]:
@@ -55,6 +58,14 @@ def layer_groups(model: FlatModel) -> list[slice]:
             starts.append(offset)
         offset += size
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [offset], strict=True)]
+
+
+def round_lr(lr: float, opts: FedALSOptions, round_: int) -> float:
+    """``lr``, or with ``lr_decay: authors`` the authors' lr·10/(s/100 + 10) at the round's first local step
+    s = (round − 1)·τ (within a round of τ = 5 steps the exact rate would change by < 0.5 %)."""
+    if opts.lr_decay == "none":
+        return lr
+    return lr * 10.0 / ((round_ - 1) * opts.tau / 100.0 + 10.0)
 
 
 Kind = Literal["params", "control"]
@@ -224,7 +235,9 @@ class FedALSClient(ClientAlgorithm):
         self.workspace.load(st.model)
         hook = correction_hook(st.global_control - st.control) if st.control is not None else None
         momentum = torch.from_numpy(st.momentum) if st.momentum is not None else None
-        steps = self.train_workspace(round_, client, hook, steps=self.ctx.options.tau, momentum=momentum)
+        opts = self.ctx.options
+        steps = self.train_workspace(round_, client, hook, steps=opts.tau, momentum=momentum,
+                                     lr=round_lr(self.ctx.cfg.client.lr, opts, round_))
         st.model[:] = self.workspace.numpy()
         for name in st.steps_since:
             st.steps_since[name] += steps

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpifl.algorithms.base import RunContext
-from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, layer_groups
+from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, layer_groups, round_lr
 from mpifl.comm import Message
 from mpifl.config import ModelConfig, RunConfig
 from mpifl.data import FederatedLayout
@@ -100,3 +100,21 @@ def test_results_do_not_depend_on_the_rank_count(run_algo, tmp_path):
     """Clients keep model, momentum and control variates on their owner rank; partial participation."""
     assert_rank_invariant(run_algo, tmp_path, "fedals", {"clients_per_round": 4, "fedals": {"alpha": 2,
                                                                                            "scaffold": True}})
+
+
+def test_authors_lr_decay():
+    """lr_decay: authors is lr·10/(s/100 + 10) at the round's first local step s = (r − 1)·τ."""
+    opts = FedALSOptions(tau=5, lr_decay="authors")
+    assert round_lr(0.02, opts, 1) == 0.02
+    assert round_lr(0.02, opts, 201) == pytest.approx(0.02 * 10 / 20)  # s = 1,000
+    assert round_lr(0.02, FedALSOptions(tau=5), 201) == 0.02
+
+
+def test_lr_decay_changes_the_trajectory_only_after_round_one(run_algo):
+    first = {"rounds": 1, "eval_every": 1}
+    const = run_algo("fedals", {**first, "fedals": {"alpha": 2}}, tag="const")
+    decay = run_algo("fedals", {**first, "fedals": {"alpha": 2, "lr_decay": "authors"}}, tag="decay")
+    assert np.array_equal(const.table("model")["global_model"], decay.table("model")["global_model"])
+    const = run_algo("fedals", {"fedals": {"alpha": 2}}, tag="const4")
+    decay = run_algo("fedals", {"fedals": {"alpha": 2, "lr_decay": "authors"}}, tag="decay4")
+    assert not np.array_equal(const.table("model")["global_model"], decay.table("model")["global_model"])
