@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mpifl.schema import ConfigError
@@ -47,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except BrokenPipeError:  # e.g. `mpifl report F.h5 | head`: the reader has gone; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "run":
             from mpifl.runtime.launch import run_job
