@@ -24,4 +24,5 @@ echo "== pytest-mpi on 4 ranks (transport and engine)"
 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
   tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py
 echo "== single-process suite"
-python -m pytest -q -p no:cacheprovider --durations=15
+# "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs).
+python -m pytest -q -p no:cacheprovider --durations=15 -m "not slow"

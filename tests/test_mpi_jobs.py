@@ -22,7 +22,7 @@ def final_state(path):
 
 
 def test_global_model_is_bitwise_identical_for_1_to_4_ranks(write_config, tmp_path):
-    config = write_config({"rounds": 3, "clients_per_round": 5, "client": {"momentum": 0.9, "weight_decay": 1e-4}})
+    config = write_config({"rounds": 2, "clients_per_round": 5, "client": {"momentum": 0.9, "weight_decay": 1e-4}})
     results = {}
     for ranks in (1, 2, 3, 4):
         out = tmp_path / f"p{ranks}.h5"

@@ -10,7 +10,9 @@ the paper's step (Alg. 2: η ← (1 − 2βλ)η + mean Δη) or the authors' de
 Per client and round that is |η_v| + l + d + d + l + |η_v| floats (spec §7.1).
 
 A new client needs one round trip and no training (Alg. 1): the eval plan sends η_v to every client, each
-returns the descriptor of its whole training split, and the server sends back h(v).
+returns the descriptor of its whole training split, and the server sends back h(v). The engine may walk
+the eval plan ``eval_chunk`` clients at a time: the server then holds the models of one chunk (K·d floats)
+and keeps only the descriptors (l floats per client) for the rank correlation it reports at the end.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class PeFLLOptions(HyperOptions):
     def __post_init__(self) -> None:
         if self.embedding == "linear" and not self.embed_labels:
             raise ConfigError("pefll.embed_labels: the linear embedding sees labels only; use embedding: cnn")
+
+
+def rowwise(hyper: nn.Module, v: torch.Tensor) -> torch.Tensor:
+    """h applied to one row of ``v`` at a time, stacked: a GEMM's rounding depends on how many rows it
+    multiplies, so a client's model must not depend on how many clients share its evaluation chunk."""
+    return torch.cat([hyper(v[i : i + 1]) for i in range(len(v))])
 
 
 class HyperProtocol(Protocol):
@@ -147,7 +155,7 @@ class PeFLLServer(ServerAlgorithm):
         self.descriptors: torch.Tensor | None = None  # this round's stacked v_i (leaf of the VJP)
         self.models: torch.Tensor | None = None  # h(v_i), with its graph until Δθ arrives
         self.scalars: dict[str, float] = {}
-        self.eval_scalars: dict[str, float] = {}
+        self.eval_descriptors: dict[int, np.ndarray] = {}  # this evaluation's v_i by client id, chunk after chunk
 
     def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
         p = self.protocol
@@ -155,7 +163,10 @@ class PeFLLServer(ServerAlgorithm):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
             return self.descriptors.grad.numpy()
-        return self.models.detach().numpy()
+        models = self.models.detach().numpy()
+        if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
+            self.models = None
+        return models
 
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
         p = self.protocol
@@ -168,8 +179,8 @@ class PeFLLServer(ServerAlgorithm):
             self.models = self.hyper((self.descriptors - self.shift) / self.scale)
         elif msg.name == p.eval_descriptor_msg.name:
             with torch.no_grad():
-                self.models = self.hyper((torch.from_numpy(rows.copy()) - self.shift) / self.scale)
-            self.eval_scalars = descriptor_correlations(rows, self.ctx.layout.class_counts, self.ctx.layout.unseen)
+                self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
+            self.eval_descriptors.update(zip(clients.tolist(), rows.copy()))
         elif msg.name == p.delta_msg.name:
             self.joint.grads.zero_()
             self.models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
@@ -197,7 +208,14 @@ class PeFLLServer(ServerAlgorithm):
         return self.scalars
 
     def eval_metrics(self) -> dict[str, float]:
-        return self.eval_scalars
+        """The descriptor rank correlations over every client the evaluation's chunks described."""
+        if not self.eval_descriptors:
+            return {}
+        ids = np.array(sorted(self.eval_descriptors))
+        descriptors = np.stack([self.eval_descriptors[i] for i in ids])
+        self.eval_descriptors = {}
+        layout = self.ctx.layout
+        return descriptor_correlations(descriptors, layout.class_counts[ids], layout.unseen[ids])
 
     def final_state(self) -> dict[str, np.ndarray]:
         flat = self.joint.numpy()

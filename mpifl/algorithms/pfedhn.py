@@ -7,6 +7,8 @@ steps on the pseudo-gradient mean_i J_iᵀ(θ_i − θ_i^new) (SGD with momentum
 the code). Before each evaluation, every client never seen in training gets a fresh random embedding that
 is optimized with h frozen over ``new_client_rounds`` round trips (PeFLL spec §4.2), each θ down and Δθ
 up (d + d floats) after local training; then every client gets θ_i = h(e_i) for evaluation (d floats).
+The engine may walk both plans ``eval_chunk`` clients at a time: each chunk of new clients adapts its own
+embeddings, so the server holds K models and K new embeddings in flight, plus l floats per new client.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import RunContext, ServerAlgorithm
-from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_
+from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rowwise
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
@@ -75,12 +77,16 @@ class PFedHNServer(ServerAlgorithm):
                   {"params": list(self.table.parameters()), "lr": opts.embed_lr or opts.lr}]
         self.optimizer = (torch.optim.SGD(groups, lr=opts.lr, momentum=opts.momentum, weight_decay=opts.weight_decay)
                           if opts.optimizer == "sgd" else torch.optim.Adam(groups, lr=opts.lr))
-        self.unseen = np.flatnonzero(ctx.layout.unseen)
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence([ctx.cfg.seed, NEWCOMER_STREAM])
                                                 .generate_state(1)[0]))
-        self.newcomer_init = torch.randn(len(self.unseen), dim, generator=gen)  # N(0, 1) as nn.Embedding's init
-        self.newcomers = self.newcomer_init
-        self.newcomer_velocity = torch.zeros_like(self.newcomer_init)
+        # new clients' embeddings by client id (rows of seen clients unused): the fixed start, N(0, 1) as
+        # nn.Embedding's init, and where the last evaluation's adaptation took them
+        unseen = torch.from_numpy(np.flatnonzero(ctx.layout.unseen))
+        self.newcomer_init = torch.zeros(n, dim)
+        self.newcomer_init[unseen] = torch.randn(len(unseen), dim, generator=gen)
+        self.adapted = self.newcomer_init.clone()
+        self.newcomers: torch.Tensor | None = None  # the adapting chunk's embeddings (leaf of the VJP)
+        self.newcomer_velocity: torch.Tensor | None = None
         self.newcomer_steps = 0
         self.models: torch.Tensor | None = None
         self.scalars: dict[str, float] = {}
@@ -91,14 +97,16 @@ class PFedHNServer(ServerAlgorithm):
             self.models = self.hyper(self.table(torch.from_numpy(clients)))
         elif msg.name == p.newcomer_model_msg.name:
             if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
-                self.newcomers, self.newcomer_velocity = self.newcomer_init.clone(), torch.zeros_like(self.newcomers)
+                self.newcomers = self.newcomer_init[torch.tensor(clients)]
+                self.newcomer_velocity = torch.zeros_like(self.newcomers)
             self.newcomers.requires_grad_(True)
-            self.models = self.hyper(self.newcomers)
+            self.models = rowwise(self.hyper, self.newcomers)
         else:
             with torch.no_grad():
-                embeddings = self.table.weight.clone()
-                embeddings[self.unseen] = self.newcomers.detach()
-                return self.hyper(embeddings).numpy()
+                ids = torch.tensor(clients)
+                new = torch.from_numpy(self.ctx.layout.unseen[clients])
+                embeddings = torch.where(new[:, None], self.adapted[ids], self.table.weight[ids])
+                return rowwise(self.hyper, embeddings).numpy()
         return self.models.detach().numpy()
 
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
@@ -114,6 +122,7 @@ class PFedHNServer(ServerAlgorithm):
             with torch.no_grad():
                 self.newcomer_velocity.mul_(opts.momentum).add_(grad)
                 self.newcomers = self.newcomers.detach() - opts.new_client_lr * self.newcomer_velocity
+                self.adapted[torch.tensor(clients)] = self.newcomers
             self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
         self.models = None
 

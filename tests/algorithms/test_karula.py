@@ -107,7 +107,7 @@ def deterministic(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("algorithm,overrides", [
     ("karula", KARULA),
-    ("ifca", {"ifca": {"clusters": 2}}),
+    pytest.param("ifca", {"ifca": {"clusters": 2}}, marks=pytest.mark.slow),
     pytest.param("pfedme", {"pfedme": {"inner_steps": 2}}, marks=pytest.mark.slow),
     pytest.param("fedsgd", {}, marks=pytest.mark.slow),
 ])

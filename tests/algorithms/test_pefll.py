@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -65,6 +67,18 @@ def walk(server: PeFLLServer, client: PeFLLClient, plan, round_: int, clients: n
             server.consume(step, round_, clients, rows)
         seen[step.name] = np.array(rows)
     return seen
+
+
+def evaluate_in_chunks(server, client, chunk: int, round_: int = 1) -> tuple[np.ndarray, dict[str, float]]:  # noqa: ANN001
+    """The engine's evaluation walk, ``chunk`` clients at a time: every client's eval model and the
+    server's evaluation scalars."""
+    layout = server.ctx.layout
+    protocol = server.protocol
+    for ids in np.split(np.flatnonzero(layout.unseen), range(chunk, int(layout.unseen.sum()), chunk)):
+        walk(server, client, protocol.newcomer_plan(), round_, ids)
+    models = [walk(server, client, protocol.eval_plan(), round_, ids)["eval_model"]
+              for ids in np.split(np.arange(layout.num_clients), range(chunk, layout.num_clients, chunk))]
+    return np.concatenate(models), server.eval_metrics()
 
 
 def split_round(overrides: dict) -> tuple[RunContext, PeFLLServer, np.ndarray, torch.Tensor, dict[str, np.ndarray]]:
@@ -190,17 +204,45 @@ def test_linear_embedding_needs_labels():
         parse_config(_merge(PEFLL, {"pefll": {"embedding": "linear", "embed_labels": False}}))
 
 
-def test_one_and_three_ranks_give_identical_results(run_algo, tmp_path):
-    run_algo("pefll", PEFLL)
-    run_algo("pefll", PEFLL, ranks=3)
-    with h5py.File(tmp_path / "pefll_p0.h5") as one, h5py.File(tmp_path / "pefll_p3.h5") as three:
-        assert three.attrs["world_size"] == 3
+def assert_identical_results(path: Path, other: Path) -> None:
+    """The final server state, every evaluation row, per-client metrics and the ledger, bit for bit; the
+    ledger's rows in (round, stage, message, client) order (a chunked evaluation records them chunk by chunk)."""
+    with h5py.File(path) as one, h5py.File(other) as two:
         for table in ("model", "eval", "clients", "ledger"):
-            assert set(one[table]) == set(three[table])
+            assert set(one[table]) == set(two[table])
+            order = [np.lexsort([f["ledger"][k][()] for k in ("client", "message", "stage", "round")])
+                     if table == "ledger" else slice(None) for f in (one, two)]
             for key in one[table]:
                 if key != "owner":
-                    a, b = one[table][key][()], three[table][key][()]
+                    a, b = one[table][key][()][order[0]], two[table][key][()][order[1]]
                     assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), f"{table}/{key}"
+
+
+def test_one_and_three_ranks_give_identical_results(run_algo, tmp_path):
+    run_algo("pefll", PEFLL)
+    assert run_algo("pefll", PEFLL, ranks=3).attrs["world_size"] == 3
+    assert_identical_results(tmp_path / "pefll_p0.h5", tmp_path / "pefll_p3.h5")
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_each_chunk_gets_the_models_of_one_pass(chunk):
+    """h runs one descriptor at a time, so a chunk's models are bitwise those of an evaluation of all
+    clients at once (a batched GEMM's rounding depends on the batch size); the correlation is the same."""
+    overrides = {"data": {"unseen_fraction": 0.5}, "pefll": {"hyper_hidden": 100}}
+    models, scalars = evaluate_in_chunks(*build(overrides)[1:], chunk)
+    whole, whole_scalars = evaluate_in_chunks(*build(overrides)[1:], 10)
+    assert np.array_equal(models, whole) and scalars == whole_scalars
+    assert set(scalars) == {"descriptor_spearman_seen", "descriptor_spearman_unseen"}
+
+
+def test_chunked_evaluation_gives_identical_results(run_algo, tmp_path):
+    """Chunks of 3 of 10 clients (5 unseen): each chunk gets only its own models, and the descriptor rank
+    correlation, gathered over the chunks, is the one over all clients, at every evaluation."""
+    config = _merge(PEFLL, {"eval_every": 1, "data": {"unseen_fraction": 0.5}})
+    whole = run_algo("pefll", config, tag="_whole")
+    run_algo("pefll", {**config, "eval_chunk": 3}, tag="_chunked")
+    assert np.isfinite(whole.table("eval")["descriptor_spearman_unseen"]).all()
+    assert_identical_results(tmp_path / "pefll_whole_p0.h5", tmp_path / "pefll_chunked_p0.h5")
 
 
 @pytest.mark.parametrize("config, clients, shape, classes, floats", [

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.pfedhn import PFedHNClient, PFedHNServer
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model
-from tests.algorithms.test_pefll import PEFLL
+from tests.algorithms.test_pefll import PEFLL, assert_identical_results, evaluate_in_chunks
 from tests.conftest import _merge
 
 PFEDHN = _merge({k: v for k, v in PEFLL.items() if k != "pefll"},
@@ -43,3 +46,25 @@ def test_new_clients_adapt_without_touching_the_server_state(run_algo):
     before, after = frozen.table("eval"), adapted.table("eval")
     assert np.array_equal(before["personal.seen.loss"], after["personal.seen.loss"])
     assert after["personal.unseen.loss"][-1] < before["personal.unseen.loss"][-1] - 0.01
+
+
+def test_chunked_evaluation_gives_identical_results(run_algo, tmp_path):
+    """Chunks of 3 (5 unseen clients: chunks of 3 and 2 adapt separately) equal one pass over all clients."""
+    config = _merge(PFEDHN, {"eval_every": 1, "data": {"unseen_fraction": 0.5}})
+    run_algo("pfedhn", config, tag="_whole")
+    run_algo("pfedhn", {**config, "eval_chunk": 3}, tag="_chunked")
+    assert_identical_results(tmp_path / "pfedhn_whole_p0.h5", tmp_path / "pfedhn_chunked_p0.h5")
+
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_each_chunk_of_new_clients_adapts_as_in_one_pass(chunk):
+    """5 new clients adapting 3 + 2 (or one by one) reach bitwise the models of all 5 adapting at once."""
+    def evaluate(chunk: int) -> np.ndarray:
+        cfg = parse_config(_merge(PFEDHN, {"data": {"unseen_fraction": 0.5}, "pfedhn": {"hyper_hidden": 100}}))
+        dataset = build_federated_dataset(cfg.data, cfg.seed)
+        ctx = RunContext(cfg, dataset.layout)
+        client = PFedHNClient(ctx, dataset.load_clients(range(dataset.layout.num_clients)))
+        return evaluate_in_chunks(PFedHNServer(ctx), client, chunk)[0]
+
+    assert np.array_equal(evaluate(chunk), evaluate(10))

@@ -93,7 +93,7 @@ def sbatch(env, *args, timeout=240) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.slow), "srun"])
 def test_batch_job_runs_on_three_ranks(slurm, write_config, tmp_path, launcher):
     env = {**slurm, "MPIFL_LAUNCHER": launcher, "MPIFL_OUT": str(tmp_path / "r.h5")}
     if launcher == "srun":
@@ -122,8 +122,8 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, write_config, tmp_path)
     and ends bitwise equal to an uninterrupted run."""
     from tests.test_checkpoint import assert_same, deterministic
 
-    config = write_config({"algorithm": "feddeper", "rounds": 14, "clients_per_round": 3, "checkpoint_every": 2,
-                           "eval_every": 5, "client": {"steps": 40}})
+    config = write_config({"algorithm": "feddeper", "rounds": 10, "clients_per_round": 3, "checkpoint_every": 2,
+                           "eval_every": 5, "client": {"steps": 30}})
     out = tmp_path / "r.h5"
     env = {**slurm, "MPIFL_LAUNCHER": "mpirun", "MPIFL_OUT": str(out)}
     submit = subprocess.run(["sbatch", "--parsable", "--ntasks=3", f"--output={tmp_path}/job.out",
