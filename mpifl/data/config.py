@@ -13,6 +13,7 @@ DatasetName = Literal[
     "mnist",
     "cifar10",
     "cifar100",
+    "svhn",
     "femnist",
     "shakespeare",
     "gaussian_images",

@@ -7,7 +7,7 @@ import numbers
 from mpifl.data.base import FederatedDataset, dataset_root
 from mpifl.data.config import NATURAL_DATASETS, DataConfig
 from mpifl.data.leaf import LeafDataset
-from mpifl.data.pooled import PooledDataset, cifar_pool, digits_pool, idx_pool
+from mpifl.data.pooled import PooledDataset, cifar_pool, digits_pool, idx_pool, svhn_pool
 from mpifl.data.synthetic import GaussianImagesDataset, KarulaRidgeDataset, LeafSyntheticDataset
 from mpifl.schema import ConfigError
 
@@ -17,6 +17,7 @@ POOLS = {
     "fashion_mnist": idx_pool,
     "cifar10": cifar_pool,
     "cifar100": cifar_pool,
+    "svhn": svhn_pool,
 }
 LEAF_DATASETS = ("femnist", "shakespeare")  # test rows come from LEAF's own test split: test_fraction unused
 

@@ -36,6 +36,7 @@ _NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "fashion_mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),  # PeFLL's constants
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
 }
 
 
@@ -125,6 +126,44 @@ def cifar_pool(cfg: DataConfig) -> Pool:
         parts.append(Part(len(y), lambda rows, p=path: _cifar_rows(p, key, num_classes, rows)))
     stats = _NORMALIZATION[cfg.dataset] if cfg.normalize else (None, None)
     return Pool(np.concatenate(labels), num_classes, (3, 32, 32), tuple(parts), *stats)
+
+
+def svhn_pool(cfg: DataConfig) -> Pool:
+    """SVHN's cropped-digit MATLAB files ``train_32x32.mat`` and ``test_32x32.mat`` (X: 32×32×3×N uint8,
+    y: N×1 with label 10 meaning digit 0), train pooled with test."""
+    root = dataset_root(cfg, "train_32x32.mat and test_32x32.mat")
+    labels, parts = [], []
+    for name in ("train_32x32.mat", "test_32x32.mat"):
+        path = root / name
+        y = _svhn_mat(path, "y").reshape(-1).astype(np.int64) % 10
+        labels.append(y)
+        parts.append(Part(len(y), lambda rows, p=path: _svhn_rows(p, rows)))
+    stats = _NORMALIZATION["svhn"] if cfg.normalize else (None, None)
+    return Pool(np.concatenate(labels), 10, (3, 32, 32), tuple(parts), *stats)
+
+
+def _svhn_mat(path: Path, name: str) -> np.ndarray:
+    from scipy.io import loadmat
+
+    if not path.is_file():
+        raise ConfigError(f"data.root: {path} does not exist (SVHN needs train_32x32.mat and test_32x32.mat)")
+    try:
+        value = loadmat(path, variable_names=[name]).get(name)
+    except Exception as exc:  # noqa: BLE001 - scipy raises many types for damaged files
+        raise ConfigError(f"data.root: {path} is not a readable SVHN .mat file ({type(exc).__name__})") from None
+    bad_labels = name == "y" and value is not None and (value.ndim != 2 or not np.isin(value, range(1, 11)).all())
+    if value is None or bad_labels:
+        raise ConfigError(f"data.root: {path} has no valid {name!r} variable (SVHN labels are 1..10)")
+    if name == "X" and (value.ndim != 4 or value.shape[:3] != (32, 32, 3)):
+        raise ConfigError(f"data.root: {path}: X has shape {value.shape}, expected 32×32×3×N")
+    return value
+
+
+def _svhn_rows(path: Path, rows: np.ndarray) -> np.ndarray:
+    images = _svhn_mat(path, "X")
+    if images.shape[3] <= rows.max(initial=-1):
+        raise ConfigError(f"data.root: {path}: X holds {images.shape[3]} images, fewer than its labels")
+    return (images[..., rows].transpose(3, 2, 0, 1) / 255.0).astype(np.float32)
 
 
 def _cifar_rows(path: Path, key: bytes, num_classes: int, rows: np.ndarray) -> np.ndarray:
