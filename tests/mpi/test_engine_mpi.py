@@ -49,6 +49,7 @@ def test_checkpoint_then_resume_on_the_world_equals_an_uninterrupted_run(tmp_pat
     directory = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if world.Get_rank() == 0 else None)
     straight = _run(parse_config({**base, "rounds": 4}), world, f"{directory}/straight.h5")
     _run(parse_config({**base, "rounds": 2}), world, f"{directory}/resumed.h5")
+    world.Barrier()  # rank 0 writes the file after the workers are done: a new job would start later
     resumed = _run(parse_config({**base, "rounds": 4}), world, f"{directory}/resumed.h5", resume=True)
     assert resumed.start_round == 3
     if world.Get_rank() == 0:
