@@ -84,8 +84,8 @@ def plot(paths: list[str], output: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for path in paths:
-        res = read_results(path)
+    runs = [(path, read_results(path)) for path in paths]
+    for path, res in runs:
         ev, rounds = res.table("eval"), res.table("rounds")
         if not ev:
             continue
@@ -96,7 +96,7 @@ def plot(paths: list[str], output: str) -> None:
             kind, group = key.split(".")[:2]
             for ax, x in zip(axes, xs):
                 ax.plot(x, ev[key], "o-" if group == "seen" else "s--", markersize=3, label=f"{label} {kind} {group}")
-    score = "R²" if read_results(paths[0]).attrs.get("task") == "regression" else "accuracy"
+    score = "R²" if runs[0][1].attrs.get("task") == "regression" else "accuracy"
     labels = (("round", "rounds"), ("cumulative logical bytes, training (MB)", "communication"),
               ("simulated time (s)", "simulated time"))
     for ax, (xlabel, what) in zip(axes, labels):

@@ -95,6 +95,22 @@ class Transport:
             return rows
         return self._gather(round_, msg, rows, clients)
 
+    def gather_bytes(self, round_: int, name: str, blob: np.ndarray) -> list[np.ndarray]:
+        """Every rank's variable-length uint8 ``blob`` (e.g. its checkpoint) on the server, indexed by
+        rank; an empty list elsewhere. Sizes first (``Gather``), then the bytes (``Gatherv``)."""
+        if self.size == 1:
+            return [blob]
+        sizes = np.zeros(self.size, dtype=np.int64)
+        self.comm.Gather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8) if self.is_server else None
+        msg = Message(name, "up", 0, "uint8", logical=False)
+        start = time.perf_counter()
+        self.comm.Gatherv(blob, [recv, sizes, displs, _mpi_type(msg)] if self.is_server else None, root=0)
+        self.physical.record(round_, name, "gatherv", int(sizes.sum()) if self.is_server else blob.nbytes,
+                             time.perf_counter() - start)
+        return [recv[d : d + n] for d, n in zip(displs, sizes)] if self.is_server else []
+
     @staticmethod
     def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> None:
         if payload is None or payload.dtype != np.dtype(msg.dtype) or payload.size != rows * msg.numel:

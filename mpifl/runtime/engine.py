@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +31,6 @@ from mpifl.schema import ConfigError
 TELEMETRY_FIELDS = ("compute_s", "train_loss")
 
 
-def MPI_BYTE():  # noqa: ANN201, N802 - the MPI datatype, imported late so the module loads without MPI
-    from mpi4py import MPI
-
-    return MPI.BYTE
-
 
 @dataclass
 class RankClock:
@@ -47,7 +42,6 @@ class RankClock:
     io: float = 0.0
     loop_wall: float = 0.0
     loop_cpu: float = 0.0
-    per_client: dict[int, float] = field(default_factory=dict)
 
 
 def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
@@ -318,16 +312,8 @@ class Engine:
         """Every rank serializes its state (server, or its clients) and rank 0 keeps the blobs, which go
         into every results file written from now on. A collective on every rank, at a round boundary."""
         mine = state_blob(self.client) if self.client is not None else np.zeros(0, dtype=np.uint8)
-        if self.size == 1:
-            blobs = {"worker_0": mine}
-        else:
-            sizes = np.zeros(self.size, dtype=np.int64)
-            self.comm.Gather(np.array([mine.size], dtype=np.int64), sizes, root=0)
-            recv = np.empty(int(sizes.sum()), dtype=np.uint8) if self.rank == 0 else None
-            displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-            self.comm.Gatherv(mine, [recv, sizes, displs, MPI_BYTE()] if self.rank == 0 else None, root=0)
-            blobs = {f"worker_{r}": recv[displs[r] : displs[r] + sizes[r]] for r in range(1, self.size)} \
-                if self.rank == 0 else {}
+        gathered = self.transport.gather_bytes(round_, "checkpoint", mine)
+        blobs = {f"worker_{r}": blob for r, blob in enumerate(gathered) if self.size == 1 or r > 0}
         if self.server is not None:
             self.checkpoint_blobs = {"server": state_blob(self.server), **blobs}
             self.checkpoint_round = round_
