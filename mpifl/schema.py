@@ -16,11 +16,19 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+_LINE_BREAK = re.compile(r"\s*\n\s*")
 _YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration problem; the CLI exits with code 2."""
+    """A user-facing configuration problem; the CLI exits with code 2.
+
+    The message is folded onto one line: it often embeds a library's own error
+    text (pickle, JSON, HDF5), and the CLI promises exactly one line per error.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_LINE_BREAK.sub(" ", str(message)))
 
 
 def limits(

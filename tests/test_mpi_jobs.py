@@ -77,13 +77,16 @@ def test_exception_on_a_worker_aborts_the_job_with_one_message(write_config, tmp
     finally:
         del os.environ["MPIFL_INJECT_FAULT"]
     assert proc.returncode != 0 and elapsed < 60
-    # the fault struck right after round 2's results were written; the job ended within 10 s of it
+    # the fault struck at the start of round 3; the job ended within 10 s of the last results write
     assert time.time() - out.stat().st_mtime < 10 + 1
     assert mpifl_lines(proc.stderr) == [
         "mpifl: error: rank 2 of 3 failed: RuntimeError: fault injected by MPIFL_INJECT_FAULT=2:3"
     ]
-    with h5py.File(out) as f:  # the last completed evaluation is still readable
-        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] == 2
+    # The last completed write is intact. Rank 2 raises as soon as round 2's evaluation
+    # ends, so the abort may kill rank 0 while it writes round 2: the atomic rename then
+    # leaves round 1's file, never a torn one.
+    with h5py.File(out) as f:
+        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] in (1, 2)
 
 
 def test_idle_server_does_not_spin(write_config, tmp_path):
