@@ -169,8 +169,6 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def _check_cross_fields(cfg: RunConfig) -> None:
-    if cfg.device == "cuda":
-        raise ConfigError("device: 'cuda' is not supported yet (ranks compute on the CPU); use 'auto' or 'cpu'")
     d = cfg.data
     if d.partition != "natural" and cfg.clients_per_round > d.num_clients:
         raise ConfigError(

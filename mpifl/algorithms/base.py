@@ -21,6 +21,7 @@ from mpifl.comm.messages import Message, Step
 from mpifl.config import RunConfig
 from mpifl.data import ClientSplit, FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.runtime.device import host_numpy
 from mpifl.runtime.training import GradHook, client_generator, local_sgd
 
 
@@ -31,18 +32,21 @@ class NoOptions:
 
 @dataclass(frozen=True)
 class RunContext:
-    """What both sides know before training: the config, the data layout, the initial model."""
+    """What both sides know before training: the config, the data layout, the initial model; and where this
+    rank's clients compute (the engine's choice from ``cfg.device``; the server side stays on the CPU)."""
 
     cfg: RunConfig
     layout: FederatedLayout
+    device: torch.device = torch.device("cpu")
 
     @property
     def options(self):  # noqa: ANN201 - the algorithm's own frozen options dataclass
         return self.cfg.algorithm_options
 
-    def new_model(self) -> FlatModel:
-        """The initial model, identical on every rank (weights drawn from the run's seed alone)."""
-        return FlatModel(build_model(self.cfg.model, self.layout, self.cfg.seed))
+    def new_model(self, device: torch.device | str = "cpu") -> FlatModel:
+        """The initial model, identical on every rank (weights drawn on the CPU from the run's seed alone),
+        on ``device``."""
+        return FlatModel(build_model(self.cfg.model, self.layout, self.cfg.seed).to(device))
 
     def weights(self, clients: np.ndarray) -> np.ndarray:
         """Sample-count weights of ``clients`` (known to the server from the data layout), summing to 1."""
@@ -113,10 +117,15 @@ class ClientAlgorithm:
     def __init__(self, ctx: RunContext, data: Mapping[int, ClientSplit]):
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
-        self.workspace = ctx.new_model()
+        self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
-        self.data = {cid: _as_tensors(split) for cid, split in data.items()}
+        self.data = {cid: _as_tensors(split, ctx.device) for cid, split in data.items()}
         self.round_losses: dict[int, float] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's clients compute: their data, the workspace and the tensors of a round."""
+        return self.workspace.device
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
         raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
@@ -141,7 +150,7 @@ class ClientAlgorithm:
         loss = self.loss_fn(self.workspace.module(x), y)
         self.workspace.compute_gradient(loss)
         self.round_losses[client] = float(loss.detach())
-        grads = self.workspace.grads.numpy().copy()
+        grads = host_numpy(self.workspace.grads).copy()
         if self.ctx.cfg.client.weight_decay:
             grads += self.ctx.cfg.client.weight_decay * self.workspace.numpy()
         return grads
@@ -169,9 +178,9 @@ class TensorSplit:
     y_test: torch.Tensor
 
 
-def _as_tensors(split: ClientSplit) -> TensorSplit:
+def _as_tensors(split: ClientSplit, device: torch.device | str = "cpu") -> TensorSplit:
     fields = TensorSplit.__dataclass_fields__
-    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))) for f in fields))
+    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))).to(device) for f in fields))
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:

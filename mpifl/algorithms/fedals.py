@@ -33,6 +33,7 @@ from mpifl.algorithms.fedavg import FedAvgServer
 from mpifl.algorithms.scaffold import correction_hook, option_ii, population_weights, update_control
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
+from mpifl.runtime.device import host_numpy
 from mpifl.schema import ConfigError, limits
 
 
@@ -233,12 +234,14 @@ class FedALSClient(ClientAlgorithm):
     def compute(self, round_: int, client: int) -> None:
         st = self.state(client)
         self.workspace.load(st.model)
-        hook = correction_hook(st.global_control - st.control) if st.control is not None else None
-        momentum = torch.from_numpy(st.momentum) if st.momentum is not None else None
+        hook = correction_hook(st.global_control - st.control, self.device) if st.control is not None else None
+        momentum = torch.from_numpy(st.momentum).to(self.device) if st.momentum is not None else None
         opts = self.ctx.options
         steps = self.train_workspace(round_, client, hook, steps=opts.tau, momentum=momentum,
                                      lr=round_lr(self.ctx.cfg.client.lr, opts, round_))
         st.model[:] = self.workspace.numpy()
+        if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st.momentum
+            st.momentum[:] = host_numpy(momentum)
         for name in st.steps_since:
             st.steps_since[name] += steps
 

@@ -47,7 +47,7 @@ class FedDeperClient(FedAvgClient):
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)
         self.initial = self.workspace.numpy().copy()
-        self.personal_model = ctx.new_model()
+        self.personal_model = ctx.new_model(ctx.device)
         self.personal: dict[int, np.ndarray] = {}  # vᵢ after mixing, persistent per owned client
 
     def compute(self, round_: int, client: int) -> None:
@@ -56,11 +56,11 @@ class FedDeperClient(FedAvgClient):
         y, v = self.workspace, self.personal_model
         y.load(start)
         v.load(self.personal.get(client, self.initial))
-        twice_x = 2 * torch.tensor(start)
+        twice_x = 2 * torch.tensor(start, device=self.device)
         momenta = [torch.zeros_like(y.params) if cfg.momentum > 0 else None for _ in range(2)]
         split = self.data[client]
         gen = client_generator(self.ctx.cfg.seed, round_, client)
-        loss_sum, steps = torch.zeros((), dtype=torch.float64), 0
+        loss_sum, steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for idx in batch_schedule(len(split.x_train), cfg, gen):
             xb, yb = split.x_train[idx], split.y_train[idx]
             loss = self.loss_fn(y.module(xb), yb)

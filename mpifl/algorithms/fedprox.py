@@ -23,7 +23,7 @@ class FedProxOptions:
 
 class FedProxClient(FedAvgClient):
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook:
-        anchor = torch.tensor(start)  # a copy: ``start`` may be a read-only view of a received buffer
+        anchor = torch.tensor(start, device=self.device)  # a copy: ``start`` may be a read-only received view
         mu = self.ctx.options.mu
 
         def hook(params: torch.Tensor, grads: torch.Tensor) -> None:

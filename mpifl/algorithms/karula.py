@@ -41,6 +41,7 @@ from mpifl.algorithms.projection import Projector, Solver, pair_indices
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
+from mpifl.runtime.device import host_numpy
 from mpifl.runtime.training import client_generator
 from mpifl.schema import ConfigError, limits
 
@@ -209,7 +210,7 @@ class KarulaClient(ClientAlgorithm):
 
     def points(self, client: int) -> np.ndarray:
         split = self.data[client]
-        return data_points(split.x_train.numpy(), split.y_train.numpy(), self.ctx.layout.num_classes,
+        return data_points(host_numpy(split.x_train), host_numpy(split.y_train), self.ctx.layout.num_classes,
                            self.opts.label_scale)
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:

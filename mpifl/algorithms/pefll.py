@@ -31,6 +31,7 @@ from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerA
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
+from mpifl.runtime.device import host_numpy
 from mpifl.runtime.training import TrainStats, client_generator, local_sgd
 from mpifl.schema import ConfigError, limits
 
@@ -298,7 +299,7 @@ class PeFLLClient(HyperClient):
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)
-        self.embed = FlatModel(self.protocol.new_embedding())
+        self.embed = FlatModel(self.protocol.new_embedding().to(self.device))
         self.batches: dict[int, torch.Tensor] = {}
         self.descriptor_grads: dict[int, np.ndarray] = {}
 
@@ -324,15 +325,15 @@ class PeFLLClient(HyperClient):
                                    self.ctx.options.descriptor_batch)
             self.batches[client] = rows
             with torch.no_grad():
-                return self.describe(client, rows).numpy()
+                return host_numpy(self.describe(client, rows))
         if msg.name == p.eval_descriptor_msg.name:
             return self.describe_all(client)
         if msg.name == p.delta_msg.name:
             return self.deltas.pop(client)
         # Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: backpropagate the server's Δv_i through φ on the same batch
         v = self.describe(client, self.batches.pop(client))
-        self.embed.compute_gradient(torch.dot(v, torch.from_numpy(self.descriptor_grads.pop(client))))
-        return self.embed.grads.numpy()
+        self.embed.compute_gradient(torch.dot(v, torch.from_numpy(self.descriptor_grads.pop(client)).to(v.device)))
+        return host_numpy(self.embed.grads)
 
     def describe(self, client: int, rows: torch.Tensor) -> torch.Tensor:
         split = self.data[client]
@@ -342,8 +343,8 @@ class PeFLLClient(HyperClient):
     def describe_all(self, client: int, chunk: int = 1024) -> np.ndarray:
         """The evaluation descriptor: the mean of φ over the client's whole training split (as the code)."""
         split = self.data[client]
-        total = torch.zeros(self.protocol.embed_dim, dtype=torch.float64)
+        total = torch.zeros(self.protocol.embed_dim, dtype=torch.float64, device=self.device)
         for start in range(0, len(split.y_train), chunk):
             x, y = split.x_train[start : start + chunk], split.y_train[start : start + chunk]
             total += self.embed.module(x, y).sum(0, dtype=torch.float64)
-        return (total / len(split.y_train)).to(torch.float32).numpy()
+        return host_numpy((total / len(split.y_train)).to(torch.float32))

@@ -17,6 +17,7 @@ from torch import nn
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.runtime.device import host_numpy
 from mpifl.runtime.training import batch_schedule, client_generator
 from mpifl.schema import limits
 
@@ -50,7 +51,7 @@ class PFedMeClient(FedAvgClient):
         cfg = self.ctx.cfg.client
         start = self.start.pop(client)
         split = self.data[client]
-        local = torch.from_numpy(start.copy())
+        local = torch.from_numpy(start.copy()).to(self.device)
         self.workspace.load(start)
         theta, grads = self.workspace.params, self.workspace.grads
         losses = []
@@ -65,8 +66,8 @@ class PFedMeClient(FedAvgClient):
             losses.append(float(loss.detach()))
             local.add_(local - theta, alpha=-cfg.lr * opts.lam)
         self.round_losses[client] = float(np.mean(losses))
-        self.personal[client] = theta.numpy().copy()
-        self.deltas[client] = local.numpy() - start
+        self.personal[client] = host_numpy(theta).copy()
+        self.deltas[client] = host_numpy(local) - start
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.personal.get(client, self.global_params) if kind == "personal" else self.global_params)

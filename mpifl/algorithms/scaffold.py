@@ -20,9 +20,9 @@ from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.runtime.training import GradHook, planned_steps
 
 
-def correction_hook(correction: np.ndarray) -> GradHook:
-    """g ← g + (c − cᵢ): SCAFFOLD's drift correction of every local gradient."""
-    shift = torch.from_numpy(np.ascontiguousarray(correction))
+def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu") -> GradHook:
+    """g ← g + (c − cᵢ): SCAFFOLD's drift correction of every local gradient (computed on ``device``)."""
+    shift = torch.from_numpy(np.ascontiguousarray(correction)).to(device)
 
     def hook(params: torch.Tensor, grads: torch.Tensor) -> None:
         grads.add_(shift)
@@ -93,7 +93,7 @@ class ScaffoldClient(FedAvgClient):
         return self.controls.get(client, np.zeros(self.workspace.numel, dtype=np.float32))
 
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook:
-        return correction_hook(self.global_control[client] - self.own_control(client))
+        return correction_hook(self.global_control[client] - self.own_control(client), self.device)
 
     def compute(self, round_: int, client: int) -> None:
         super().compute(round_, client)

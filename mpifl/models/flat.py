@@ -1,7 +1,8 @@
 """A module whose parameters and gradients are views into two contiguous flat tensors.
 
 Messages are flat buffers, so loading a received model is one copy and reading a model to send
-is free; optimizer steps are a handful of vector operations instead of one per tensor.
+is free; optimizer steps are a handful of vector operations instead of one per tensor. On a GPU the
+buffers live on the module's device and both copies go through one pinned host buffer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 
 class FlatModel:
-    checkpoint_derived = ("params", "grads")  # views of the module's parameters: restored with the module
+    checkpoint_derived = ("params", "grads", "_host")  # views of the module's parameters; scratch
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -27,20 +28,39 @@ class FlatModel:
             p.data = self.params[offset : offset + n].view_as(p)
             p.grad = self.grads[offset : offset + n].view_as(p)
             offset += n
+        self._host: torch.Tensor | None = None  # pinned staging buffer, on a GPU only
 
     @property
     def numel(self) -> int:
         return self.params.numel()
 
+    @property
+    def device(self) -> torch.device:
+        return self.params.device
+
     def load(self, flat: np.ndarray | torch.Tensor) -> None:
-        if isinstance(flat, np.ndarray):
-            self.params.numpy()[:] = flat  # also accepts read-only views of received buffers
-        else:
+        if not isinstance(flat, np.ndarray):
             self.params.copy_(flat)
+        elif self.params.is_cuda:
+            host = self._staging()
+            host.numpy()[:] = flat
+            self.params.copy_(host)
+        else:
+            self.params.numpy()[:] = flat  # also accepts read-only views of received buffers
 
     def numpy(self) -> np.ndarray:
-        """The parameters as a numpy view (no copy): callers copy before the next step if they keep it."""
-        return self.params.numpy()
+        """The parameters as a numpy array without a new allocation: a view of them on the CPU, of the
+        pinned staging buffer on a GPU. Callers copy before the next step (or load) if they keep it."""
+        if not self.params.is_cuda:
+            return self.params.numpy()
+        host = self._staging()
+        host.copy_(self.params)
+        return host.numpy()
+
+    def _staging(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = torch.empty(self.params.shape, dtype=self.params.dtype, pin_memory=True)
+        return self._host
 
     def compute_gradient(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` into the flat gradient buffer (overwriting the previous gradient)."""

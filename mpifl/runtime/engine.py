@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -22,6 +23,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.results import Table, write_atomically
+from mpifl.runtime.device import rank_device
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.metrics import summarize
 from mpifl.runtime.sampling import sample_clients
@@ -77,9 +79,10 @@ class Engine:
         """Everything that can fail on bad input happens here, before the first collective of training."""
         torch.set_num_threads(1)  # a client's arithmetic must not depend on its rank's thread count
         cfg = self.cfg
+        self.device = rank_device(cfg.device, self.comm)  # first: a collective (unless cpu), then may raise
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
-        ctx = check_run(cfg, layout)
+        ctx = dataclasses.replace(check_run(cfg, layout), device=self.device)  # where this rank's clients compute
         self.seen = np.flatnonzero(~layout.unseen)
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         self.transport = Transport(self.comm, self.placement)

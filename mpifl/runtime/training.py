@@ -60,7 +60,7 @@ def local_sgd(
         momentum = None
     elif momentum is None:
         momentum = torch.zeros_like(params)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
     done = 0
     for idx in batch_schedule(len(x), cfg, generator, steps):
         loss = loss_fn(model.module(x[idx]), y[idx])
