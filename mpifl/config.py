@@ -85,6 +85,9 @@ class RunConfig:
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
     eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
     device: Literal["auto", "cpu", "cuda"] = "cpu"
+    # static: each client lives on one worker for the whole run. dynamic: each round's clients are
+    # re-spread over the workers by their work (stateless algorithms only). auto: dynamic where allowed.
+    placement: Literal["auto", "static", "dynamic"] = "auto"
     output: str = "results/run.h5"
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()

@@ -25,6 +25,12 @@ TINY = {
 }
 
 
+def rank_dependent(column: str) -> bool:
+    """Results columns that legitimately differ with the rank count or the machine: timings, where
+    clients lived, and how evenly a round's work was spread."""
+    return column in ("owner", "load_imbalance") or column.endswith(("time_s", "seconds"))
+
+
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(REPO))

@@ -17,7 +17,7 @@ from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL
 from tests.algorithms.test_pfedhn import PFEDHN
-from tests.conftest import REPO, _merge, mpi_env, mpirun_cmd, run_mpifl
+from tests.conftest import REPO, _merge, mpi_env, mpirun_cmd, rank_dependent, run_mpifl
 
 CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
 CONFIGS.update(pefll=PEFLL, pfedhn=PFEDHN, karula=_merge(RIDGE, KARULA))
@@ -25,14 +25,14 @@ CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # p
 
 
 def deterministic(path) -> dict[str, np.ndarray]:
-    """Everything a run computes (not timings, not rank placement)."""
+    """Everything a run computes (not timings, not rank placement and its load balance)."""
     out = {}
     with h5py.File(path) as f:
         for table in ("model", "eval", "ledger"):
             for key in f[table]:
                 out[f"{table}/{key}"] = f[table][key][()]
         for key in f["rounds"]:
-            if not key.endswith(("time_s", "seconds")):
+            if not rank_dependent(key):
                 out[f"rounds/{key}"] = f["rounds"][key][()]
     return out
 

@@ -38,6 +38,27 @@ def test_global_model_is_bitwise_identical_for_1_to_4_ranks(write_config, tmp_pa
         assert sorted(f["ranks/clients"][()]) == [0, 5, 5]
 
 
+def test_dynamic_placement_balances_rounds_without_changing_results(write_config, tmp_path):
+    """Unequal clients (Dirichlet sizes): re-spreading each round's clients over the workers evens
+    their work, and the results are bitwise those of static ownership."""
+    config = write_config({"rounds": 4, "clients_per_round": 8,
+                           "data": {"num_clients": 16, "partition": "dirichlet", "alpha": 0.3}})
+    runs = {}
+    for placement in ("static", "dynamic"):
+        out = tmp_path / f"{placement}.h5"
+        proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", "--set", f"placement={placement}"],
+                         ranks=3)
+        assert proc.returncode == 0, proc.stderr
+        with h5py.File(out) as f:
+            runs[placement] = final_state(out), f["rounds/load_imbalance"][()]
+    (model, metrics), static_imbalance = runs["static"]
+    (dynamic_model, dynamic_metrics), dynamic_imbalance = runs["dynamic"]
+    assert np.array_equal(model, dynamic_model)
+    for key, values in metrics.items():
+        assert np.array_equal(dynamic_metrics[key], values, equal_nan=True), key
+    assert np.all(dynamic_imbalance <= static_imbalance) and dynamic_imbalance.mean() < static_imbalance.mean()
+
+
 @pytest.mark.parametrize("ranks", [0, 3])
 def test_bad_config_is_one_line_and_exit_code_2(write_config, tmp_path, ranks):
     out = tmp_path / "never.h5"
@@ -62,6 +83,8 @@ def test_validate_command(write_config, tmp_path):
     bad = run_mpifl(["validate", str(write_config({"clients_per_round": 9})), "--set", "data.unseen_fraction=0.5"])
     assert bad.returncode == 2
     assert bad.stderr.strip() == "mpifl: error: clients_per_round: 9 exceeds the 5 seen clients of the data"
+    stateful = run_mpifl(["validate", str(write_config()), "--set", "algorithm=scaffold", "--set", "placement=dynamic"])
+    assert stateful.returncode == 2 and "placement: 'dynamic'" in stateful.stderr
     cli = run_mpifl(["run"])
     assert cli.returncode == 2
 

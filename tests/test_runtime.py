@@ -119,6 +119,21 @@ def test_placement_balances_sample_counts():
     assert np.all(np.diff(placement.owner[np.arange(20)][perm]) >= 0) and counts.sum() == 20
 
 
+def test_round_placement_respreads_only_the_rounds_clients():
+    sizes = np.random.default_rng(1).lognormal(4, 1.5, size=300).astype(int) + 1
+    static = Placement.balanced(sizes, 3)
+    clients = np.sort(np.random.default_rng(2).choice(300, 40, replace=False))
+    placed = static.for_round(clients, sizes[clients])
+    others = np.setdiff1d(np.arange(300), clients)
+    assert np.array_equal(placed.owner[others], static.owner[others])
+    loads = np.bincount(placed.owner[clients], weights=sizes[clients], minlength=3)
+    static_loads = np.bincount(static.owner[clients], weights=sizes[clients], minlength=3)
+    assert loads[0] == 0 and loads[1:].max() - loads[1:].min() <= sizes[clients].max()
+    assert loads[1:].max() <= static_loads[1:].max()
+    assert static.for_round(clients, sizes[clients]).owner.tolist() == placed.owner.tolist()  # same on every rank
+    assert Placement.balanced(sizes, 1).for_round(clients, sizes[clients]).owner.max() == 0
+
+
 def test_export_csv_and_tensorboard_events(write_config, tmp_path):
     out = tmp_path / "r.h5"
     res = run(write_config(), out)

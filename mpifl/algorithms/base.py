@@ -113,14 +113,27 @@ class ClientAlgorithm:
     """Lives on each worker rank: the clients it hosts, their data and their persistent state."""
 
     protocol_type: type[Protocol] = Protocol
+    # True when nothing about a client outlives its round on a worker, so a round's clients may be
+    # re-spread over the workers every round (``placement: dynamic``) without changing any result.
+    stateless: bool = False
 
     def __init__(self, ctx: RunContext, data: Mapping[int, ClientSplit]):
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
         self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
-        self.data = {cid: _as_tensors(split, ctx.device) for cid, split in data.items()}
+        self.data: dict[int, TensorSplit] = {}
+        self.host(data)
         self.round_losses: dict[int, float] = {}
+
+    def host(self, data: Mapping[int, ClientSplit]) -> None:
+        """Take on these clients' data (under dynamic placement a visiting client's, for one round)."""
+        self.data.update({cid: _as_tensors(split, self.device) for cid, split in data.items()})
+
+    def release(self, clients: np.ndarray) -> None:
+        """Drop visiting clients' data at the end of their round."""
+        for client in clients:
+            del self.data[int(client)]
 
     @property
     def device(self) -> torch.device:

@@ -59,6 +59,7 @@ class FedAvgServer(ServerAlgorithm):
 
 class FedAvgClient(ClientAlgorithm):
     protocol_type = FedAvgProtocol
+    stateless = True
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)

@@ -43,6 +43,7 @@ class FedDeperServer(FedAvgServer):
 
 class FedDeperClient(FedAvgClient):
     protocol_type = FedDeperProtocol
+    stateless = False  # per-client state persists across rounds
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)

@@ -73,6 +73,7 @@ class IFCAServer(ServerAlgorithm):
 
 class IFCAClient(ClientAlgorithm):
     protocol_type = IFCAProtocol
+    stateless = True
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)

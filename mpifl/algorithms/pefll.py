@@ -265,6 +265,8 @@ class HyperClient(ClientAlgorithm):
     """A stateless client of a hypernetwork algorithm: trains the personal model it is sent and returns
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 
+    stateless = True
+
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)
         self.start: dict[int, np.ndarray] = {}

@@ -41,6 +41,7 @@ class PFedMeServer(FedAvgServer):
 
 class PFedMeClient(FedAvgClient):
     protocol_type = PFedMeProtocol
+    stateless = False  # per-client state persists across rounds
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)

@@ -76,6 +76,7 @@ class ScaffoldServer(FedAvgServer):
 
 class ScaffoldClient(FedAvgClient):
     protocol_type = ScaffoldProtocol
+    stateless = False  # per-client state persists across rounds
 
     def __init__(self, ctx: RunContext, data):  # noqa: ANN001
         super().__init__(ctx, data)

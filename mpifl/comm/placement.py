@@ -1,4 +1,5 @@
-"""Static ownership of clients by worker ranks, balanced by training-sample count."""
+"""Which worker rank hosts which client: static ownership balanced by training-sample count, and
+per-round placements that rebalance a round's clients when the algorithm keeps no client state."""
 
 from __future__ import annotations
 
@@ -17,18 +18,18 @@ class Placement:
 
     @classmethod
     def balanced(cls, train_sizes: np.ndarray, world_size: int) -> Placement:
-        """Greedy longest-processing-time: biggest clients first, each to the least-loaded worker."""
-        n = len(train_sizes)
-        if world_size == 1:
-            return cls(np.zeros(n, dtype=np.int64), 1)
-        order = np.lexsort((np.arange(n), -np.asarray(train_sizes, dtype=np.int64)))
-        heap = [(0, rank) for rank in range(1, world_size)]
-        owner = np.empty(n, dtype=np.int64)
-        for client in order:
-            load, rank = heapq.heappop(heap)
-            owner[client] = rank
-            heapq.heappush(heap, (load + int(train_sizes[client]), rank))
-        return cls(owner, world_size)
+        """Static ownership: clients spread by training-sample count (greedy longest-processing-time)."""
+        return cls(_longest_processing_time(np.asarray(train_sizes), world_size), world_size)
+
+    def for_round(self, clients: np.ndarray, work: np.ndarray) -> Placement:
+        """This placement with one round's ``clients`` re-spread over the workers by their ``work``
+        (greedy LPT), every other client left where it lives. Only for algorithms without per-client
+        state: a client's arithmetic is the same on any rank, so results do not change."""
+        if self.world_size == 1:
+            return self
+        owner = self.owner.copy()
+        owner[clients] = _longest_processing_time(np.asarray(work), self.world_size)
+        return Placement(owner, self.world_size)
 
     def clients_of(self, rank: int) -> np.ndarray:
         return np.flatnonzero(self.owner == rank)
@@ -41,3 +42,19 @@ class Placement:
         """Permutation grouping ``clients`` by owner rank (stable), and how many each rank holds."""
         owners = self.owner[clients]
         return np.argsort(owners, kind="stable"), np.bincount(owners, minlength=self.world_size)
+
+
+def _longest_processing_time(work: np.ndarray, world_size: int) -> np.ndarray:
+    """Worker rank (1..world_size-1; 0 when alone) of each item: biggest first, each to the least-loaded
+    worker, ties broken by item index and rank, so every rank computes the same answer."""
+    n = len(work)
+    if world_size == 1:
+        return np.zeros(n, dtype=np.int64)
+    order = np.lexsort((np.arange(n), -work.astype(np.int64)))
+    heap = [(0, rank) for rank in range(1, world_size)]
+    owner = np.empty(n, dtype=np.int64)
+    for item in order:
+        load, rank = heapq.heappop(heap)
+        owner[item] = rank
+        heapq.heappush(heap, (load + int(work[item]), rank))
+    return owner

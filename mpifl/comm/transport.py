@@ -12,6 +12,8 @@ on an oversubscribed node steals cycles from the training ranks.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +54,15 @@ class Transport:
     @property
     def is_server(self) -> bool:
         return self.rank == 0
+
+    @contextmanager
+    def placed(self, placement: Placement) -> Iterator[None]:
+        """Move messages under ``placement`` (one round's) instead of the static one for a while."""
+        static, self.placement = self.placement, placement
+        try:
+            yield
+        finally:
+            self.placement = static
 
     def local_clients(self, clients: np.ndarray) -> np.ndarray:
         return self.placement.local(clients, self.rank)

@@ -39,6 +39,7 @@ class RankClock:
     """Where this rank's time went (seconds)."""
 
     compute: float = 0.0
+    data: float = 0.0
     server: float = 0.0
     evaluation: float = 0.0
     io: float = 0.0
@@ -56,8 +57,12 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     if selected > seen:
         raise ConfigError(f"faults.over_selection: selecting {selected} clients per round exceeds the {seen} seen "
                           "clients of the data")
+    entry = get_algorithm(cfg.algorithm)
+    if cfg.placement == "dynamic" and not entry.client.stateless:
+        raise ConfigError(f"placement: 'dynamic' moves clients between workers every round, but {cfg.algorithm} "
+                          "keeps per-client state on its worker; use 'static' or 'auto'")
     ctx = RunContext(cfg, layout)
-    get_algorithm(cfg.algorithm).server.protocol_type(ctx)
+    entry.server.protocol_type(ctx)
     return ctx
 
 
@@ -87,9 +92,11 @@ class Engine:
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         self.transport = Transport(self.comm, self.placement)
         entry = get_algorithm(cfg.algorithm)
+        self.dynamic = self.size > 2 and entry.client.stateless and cfg.placement != "static"
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
         if self.size == 1 or self.rank > 0:
+            self.dataset = dataset  # visiting clients' data is read from it round by round
             self.client = entry.client(ctx, dataset.load_clients(self.placement.clients_of(self.rank)))
         self.protocol = (self.server or self.client).protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
@@ -152,11 +159,18 @@ class Engine:
         clients = self.faults.participants(round_, sampled, wanted, sum(m.nbytes for m in down),
                                            sum(m.nbytes for m in up), len(logical), self.samples_per_round)
         self.rejected = 0
-        compute_s, local, clients = self.run_plan(round_, "train", plan, clients)
-        rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
-        rows[:, 0] = compute_s
-        rows[:, 1] = [self.client.round_losses.pop(int(c), np.nan) for c in local]
-        telemetry = self.transport.up(round_, "train", self.telemetry_msg, rows, clients)
+        placement = self.placement
+        if self.dynamic:
+            placement = placement.for_round(clients, self.samples_per_round[clients])
+        with self.transport.placed(placement):
+            visitors = self._host_visitors(clients)
+            compute_s, local, clients = self.run_plan(round_, "train", plan, clients)
+            if visitors is not None:
+                self.client.release(visitors)
+            rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
+            rows[:, 0] = compute_s
+            rows[:, 1] = [self.client.round_losses.pop(int(c), np.nan) for c in local]
+            telemetry = self.transport.up(round_, "train", self.telemetry_msg, rows, clients)
         if self.server is None:
             return
         server_s = self.clock.server - server_before
@@ -178,9 +192,28 @@ class Engine:
             "logical_up_bytes": totals["up"],
             "logical_down_bytes": totals["down"],
             "participants": len(clients),
+            "load_imbalance": self._load_imbalance(placement, clients),
             "rejected_updates": self.rejected,
             **self.server.round_metrics(),
         })
+
+    def _load_imbalance(self, placement: Placement, clients: np.ndarray) -> float:
+        """The busiest worker's planned samples over the mean worker's (1 = perfectly balanced round)."""
+        work = np.bincount(placement.owner[clients], self.samples_per_round[clients], minlength=self.size)
+        work = work[1:] if self.size > 1 else work
+        return float(work.max() / work.mean()) if work.sum() else 1.0
+
+    def _host_visitors(self, clients: np.ndarray) -> np.ndarray | None:
+        """Under a round's placement, read the data of this rank's clients it does not host for good;
+        returns them (to release after the round), or None on the server."""
+        if self.client is None:
+            return None
+        start = time.perf_counter()
+        local = self.transport.local_clients(clients)
+        visitors = local[self.placement.owner[local] != self.rank]
+        self.client.host(self.dataset.load_clients(visitors))
+        self.clock.data += time.perf_counter() - start
+        return visitors
 
     def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -358,7 +391,8 @@ class Engine:
         """Collect every rank's MPI and compute totals (once, at the end: small pickled objects are fine)."""
         c = self.clock
         mine = (self.rank, len(self.placement.clients_of(self.rank)), self.transport.physical.total_bytes,
-                self.transport.physical.total_seconds, c.compute, c.evaluation, c.server, c.io, c.loop_wall, c.loop_cpu)
+                self.transport.physical.total_seconds, c.compute, c.data, c.evaluation, c.server, c.io, c.loop_wall,
+                c.loop_cpu)
         per_rank = self.comm.gather(mine, root=0) if self.size > 1 else [mine]
         if self.server is not None:
             self.write_results(status="completed", per_rank=per_rank)
@@ -389,7 +423,7 @@ class Engine:
             tables["checkpoint"] = self.checkpoint_blobs
             table_attrs["checkpoint"] = {"round": self.checkpoint_round}
         if per_rank is not None:
-            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "eval_seconds",
+            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "data_seconds", "eval_seconds",
                      "server_seconds", "io_seconds", "loop_wall_seconds", "loop_cpu_seconds")
             tables["ranks"] = {n: np.array([r[i] for r in per_rank]) for i, n in enumerate(names)}
             tables["model"] = self.server.final_state()

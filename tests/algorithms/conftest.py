@@ -11,7 +11,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import Results, read_results
-from tests.conftest import _merge, run_mpifl
+from tests.conftest import _merge, rank_dependent, run_mpifl
 
 SHARDS = {
     "rounds": 4,
@@ -52,7 +52,7 @@ def deterministic_tables(path: Path) -> dict[str, np.ndarray]:
         out["model"] = f["model/global_model"][()]
         for table in ("eval", "clients", "ledger"):
             for key in f[table]:
-                if key not in ("owner",):
+                if not rank_dependent(key):
                     out[f"{table}/{key}"] = f[table][key][()]
         for key in f["rounds"]:
             if key.startswith("consensus") or key in ("train_loss", "logical_up_bytes", "logical_down_bytes"):

@@ -17,7 +17,7 @@ from mpifl.cli import main
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.results import read_results
-from tests.conftest import _merge, run_mpifl
+from tests.conftest import _merge, rank_dependent, run_mpifl
 
 N0, FEATURES, CLIENTS = 12, 5, 6
 RIDGE = {
@@ -100,7 +100,7 @@ def deterministic(path: Path) -> dict[str, np.ndarray]:
     with h5py.File(path) as f:
         for table in ("eval", "ledger", "model", "clients", "rounds"):
             for key in f[table]:
-                if key != "owner" and not key.endswith(("time_s", "seconds")):
+                if not rank_dependent(key):
                     out[f"{table}/{key}"] = f[table][key][()]
     return out
 
