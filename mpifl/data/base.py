@@ -28,6 +28,7 @@ class Tag(enum.IntEnum):
     RIDGE_SIZES = 7
     RIDGE_THETA = 8
     RIDGE_SAMPLES = 9
+    GAUSS_SIZES = 10
 
 
 def make_rng(seed: int, *keys: int) -> np.random.Generator:

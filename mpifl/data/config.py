@@ -30,6 +30,8 @@ class SyntheticConfig:
     """Knobs of the synthetic generators (ignored by file-backed datasets)."""
 
     samples_per_client: int = field(default=64, metadata=limits(ge=1))
+    # gaussian_images: client sizes log-normal with this sigma around samples_per_client (0: equal)
+    size_sigma: float = field(default=0.0, metadata=limits(ge=0))
     num_classes: int = field(default=10, metadata=limits(ge=2))
     image_shape: tuple[int, ...] = (1, 28, 28)
     num_features: int = field(default=60, metadata=limits(ge=1))

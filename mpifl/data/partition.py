@@ -147,10 +147,12 @@ def shards_counts(totals: np.ndarray, n: int, per_client: int, rng: np.random.Ge
     return shard_counts[owner].sum(axis=1).astype(np.int64)
 
 
-def apportion(counts: np.ndarray, fraction: float) -> np.ndarray:
-    """Per-row stratified share: each row takes ``round(row_total·fraction)`` items, spread over the
-    columns by largest remainder, so every column gets floor or ceil of its own share."""
-    exact = counts * fraction
+def apportion(counts: np.ndarray, fraction: float | np.ndarray) -> np.ndarray:
+    """Per-row stratified share: each row takes ``round(row_total·fraction)`` items (``fraction``: one
+    for all rows, or one per row), spread over the columns by largest remainder, so every column gets
+    floor or ceil of its own share."""
+    fraction = np.asarray(fraction, dtype=np.float64)
+    exact = counts * (fraction[:, None] if fraction.ndim else fraction)
     base = np.floor(exact).astype(np.int64)
     target = np.floor(counts.sum(1) * fraction + 0.5).astype(np.int64)
     deficit = np.clip(target - base.sum(1), 0, counts.shape[1])

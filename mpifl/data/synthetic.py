@@ -32,7 +32,8 @@ class GaussianImagesDataset(FederatedDataset):
     clients. Label histograms come from the configured partitioner over a virtual balanced pool of
     ``num_clients·T`` samples, ``T = samples_per_client / (1 - test_fraction - val_fraction)`` rounded,
     so iid/classes/shards give every client T samples (about ``samples_per_client`` of them training)
-    while the Dirichlet schemes vary sizes around it, as those schemes do."""
+    while the Dirichlet schemes vary sizes around it, as those schemes do. ``size_sigma > 0`` then
+    rescales each client to a log-normal size of mean T (at least 2 samples), keeping its class mix."""
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic
@@ -44,6 +45,10 @@ class GaussianImagesDataset(FederatedDataset):
         total = cfg.num_clients * per_client
         totals = total // syn.num_classes + (np.arange(syn.num_classes) < total % syn.num_classes)
         counts = partition_counts(cfg, totals.astype(np.int64), make_rng(seed, Tag.PARTITION))
+        if syn.size_sigma > 0:  # unequal clients (as FEMNIST's), each keeping its class mix
+            sigma = syn.size_sigma
+            sizes = per_client * make_rng(seed, Tag.GAUSS_SIZES).lognormal(-sigma**2 / 2, sigma, cfg.num_clients)
+            counts = apportion(counts, np.maximum(np.round(sizes), 2) / np.maximum(counts.sum(1), 1))
         self.splits = split_counts(counts, cfg.test_fraction, cfg.val_fraction)
         require_training_samples(self.splits[0].sum(1), f"partition {cfg.partition!r} of {total} virtual samples")
         self.means = make_rng(seed, Tag.GAUSS_MEANS).standard_normal((syn.num_classes, *self.shape), dtype=np.float32)

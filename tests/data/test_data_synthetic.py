@@ -50,6 +50,21 @@ def test_gaussian_clients_follow_layout_and_class_means() -> None:
     _same(build_federated_dataset(cfg, 3).load_clients([2])[2], splits[2])
 
 
+def test_gaussian_lognormal_sizes_keep_each_clients_class_mix() -> None:
+    syn = SyntheticConfig(samples_per_client=64, size_sigma=1.0)
+    equal = DataConfig(dataset="gaussian_images", num_clients=2000, partition="classes", test_fraction=0.2)
+    unequal = DataConfig(**{**equal.__dict__, "synthetic": syn})
+    base, ds = build_federated_dataset(equal, 0).layout, build_federated_dataset(unequal, 0)
+    sizes = ds.layout.train_sizes
+    total = sizes / 0.8  # each client's T·LogNormal samples, 20% of them held out for test
+    assert abs(np.log(total).std() - 1.0) < 0.05 and abs(total.mean() / 80 - 1) < 0.1 and sizes.min() >= 2
+    np.testing.assert_array_equal(ds.layout.class_counts > 0, base.class_counts > 0)  # same classes per client
+    big = int(np.argmax(sizes))
+    split = ds.load_clients([big])[big]
+    assert len(split.y_train) == sizes[big]
+    np.testing.assert_array_equal(np.bincount(split.y_train, minlength=10), ds.layout.class_counts[big])
+
+
 def test_gaussian_pad_and_val_sizes() -> None:
     cfg = DataConfig(dataset="gaussian_images", num_clients=3, pad_to=32, val_fraction=0.1, test_fraction=0.2)
     ds = build_federated_dataset(cfg, 0)
