@@ -14,26 +14,18 @@ appended to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import REPO, heading, mpifl_job, record
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mpifl.config import load_config  # noqa: E402
-from mpifl.data import build_federated_dataset  # noqa: E402
-from mpifl.models import build_model  # noqa: E402
-from mpifl.results import read_results  # noqa: E402
-from mpifl.runtime.sampling import sample_clients  # noqa: E402
+from mpifl.config import load_config
+from mpifl.data import build_federated_dataset
+from mpifl.models import build_model
+from mpifl.runtime.sampling import sample_clients
 
 CONFIG = REPO / "configs" / "b1.yaml"
 
@@ -75,15 +67,8 @@ def bare_loop(rounds: int) -> list[float]:
 
 
 def mpifl_rounds(ranks: int, rounds: int, workdir: Path) -> list[float]:
-    out = workdir / f"b1_p{ranks}.h5"
-    cmd = [sys.executable, "-m", "mpifl", "run", str(CONFIG), "--out", str(out), "--quiet",
-           "--set", f"rounds={rounds}", "--set", f"eval_every={rounds}"]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if ranks > 1:
-        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *cmd]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO)
-    return list(read_results(out).table("rounds")["wall_time_s"])
+    results = mpifl_job(CONFIG, ranks, workdir / f"b1_p{ranks}.h5", [f"rounds={rounds}", f"eval_every={rounds}"])
+    return list(results.table("rounds")["wall_time_s"])
 
 
 def main() -> None:
@@ -98,21 +83,15 @@ def main() -> None:
             label = "mpifl, P=1" if ranks == 1 else f"mpifl, P={ranks} (1 server + {ranks - 1} workers)"
             median[label] = float(np.median(mpifl_rounds(ranks, args.rounds, Path(tmp))[1:]))
     bare = next(iter(median.values()))
-    lines = [
-        f"### FedAvg B1 throughput — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}",
+    record([
+        heading("FedAvg B1 throughput"),
         "",
         f"`python benchmarks/bench_fedavg.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))}`",
         "",
         "| setting | median s/round (rounds 2..R) | ratio to bare loop |",
         "|---|---|---|",
         *(f"| {k} | {v:.3f} | {v / bare:.2f}× |" for k, v in median.items()),
-        "",
-    ]
-    print("\n".join(lines))
-    if args.write:
-        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+    ], args.write)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--resume", metavar="RESULTS.h5",
                      help="continue the run whose checkpoint is in this results file (same config; any rank count)")
+    run.add_argument("--profile", action="store_true",
+                     help="also record every rank's time breakdown per round (results table /profile)")
     val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
     val.add_argument("config")
     val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -60,7 +62,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "run":
             from mpifl.runtime.launch import run_job
 
-            return run_job(args.config, args.overrides, args.out, args.quiet, args.resume)
+            return run_job(args.config, args.overrides, args.out, args.quiet, args.resume, args.profile)
         if args.command == "validate":
             return _validate(args)
         if args.command == "report":

@@ -71,8 +71,47 @@ def report(path: str) -> dict[str, Any]:
             detail = ", ".join(f"{name} {_bytes(b)}" for name, b in by_msg.items())
             lines.append(f"logical {stage} {direction:<4} {_bytes(sum(by_msg.values())):>10}  ({detail})")
     lines.append(f"physical MPI traffic       {_bytes(summary['physical_mpi_bytes']):>10}")
+    if ranks:
+        summary["time_by_rank"] = time_breakdown(ranks)
+        lines += _breakdown_lines(summary["time_by_rank"], res.table("profile"))
     summary["text"] = "\n".join(lines)
     return summary
+
+
+def time_breakdown(ranks: dict[str, np.ndarray]) -> list[dict[str, float]]:
+    """Each rank's round-loop seconds by part (they do not overlap; "other" is the loop's remainder)."""
+    parts = [k for k in ranks if k.endswith("_seconds") and not k.startswith("loop_")]
+    out = []
+    for i in range(len(ranks["rank"])):
+        row = {"rank": int(ranks["rank"][i]), "clients": int(ranks["clients"][i])}
+        row.update({k.removesuffix("_seconds"): float(ranks[k][i]) for k in parts})
+        row["other"] = float(ranks["loop_wall_seconds"][i]) - sum(row[k.removesuffix("_seconds")] for k in parts)
+        row["wall"] = float(ranks["loop_wall_seconds"][i])
+        row["cpu"] = float(ranks["loop_cpu_seconds"][i])
+        out.append(row)
+    return out
+
+
+def _breakdown_lines(rows: list[dict[str, float]], profile: dict[str, np.ndarray]) -> list[str]:
+    """The per-rank time table (seconds, and the share of the loop's wall time), plus, from a
+    ``--profile`` run, the median round of each rank."""
+    header = list(rows[0])
+    lines = ["time by rank (s; setup excluded):", _row(header, header)]
+    for row in rows:
+        lines.append(_row([row["rank"], row["clients"], *(f"{row[c]:.2f}" for c in header[2:])], header))
+    if profile:
+        parts = [k for k in profile if k.endswith("_seconds")]
+        header = ["rank", *(p.removesuffix("_seconds") for p in parts)]
+        lines += ["median round by rank (s; --profile):", _row(header, header)]
+        for rank in np.unique(profile["rank"]):
+            mine = profile["rank"] == rank
+            lines.append(_row([rank, *(f"{np.median(profile[p][mine]):.4f}" for p in parts)], header))
+    return lines
+
+
+def _row(cells: list, header: list[str]) -> str:
+    """Right-aligned cells, each as wide as its column's header (at least 8 characters)."""
+    return "  " + " ".join(f"{c!s:>{max(8, len(h))}}" for c, h in zip(cells, header))
 
 
 def plot(paths: list[str], output: str) -> None:

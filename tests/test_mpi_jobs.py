@@ -119,11 +119,24 @@ def test_idle_server_does_not_spin(write_config, tmp_path):
         "model": {"name": "mlp", "hidden": [256, 256]}, "client": {"epochs": 20},
     })
     out = tmp_path / "r.h5"
-    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=3)
+    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", "--profile"], ranks=3)
     assert proc.returncode == 0, proc.stderr
     with h5py.File(out) as f:
         r = {k: f["ranks"][k][()] for k in f["ranks"]}
+        profile = {k: f["profile"][k][()] for k in f["profile"]}
     busy = r["server_seconds"][0] + r["eval_seconds"][0] + r["io_seconds"][0]
     idle_cpu_share = (r["loop_cpu_seconds"][0] - busy) / r["loop_wall_seconds"][0]
     assert r["loop_wall_seconds"][0] > 1.0, "workload too small to measure"
     assert idle_cpu_share < 0.05, f"rank 0 used {idle_cpu_share:.1%} of a core while waiting"
+
+    # --profile: every rank's breakdown per round; the parts never overlap, so they fit in the round,
+    # and they add up to the run's totals
+    assert sorted(zip(profile["round"], profile["rank"])) == [(n, k) for n in range(1, 5) for k in range(3)]
+    parts = [k for k in profile if k.endswith("_seconds") and k != "wall_seconds"]
+    assert set(parts) == {k for k in r if k.endswith("_seconds") and not k.startswith("loop_")}
+    assert np.all(sum(profile[k] for k in parts) <= profile["wall_seconds"] * 1.001 + 1e-4)
+    assert r["compute_seconds"][1:].min() > 0.5 * r["loop_wall_seconds"][1:].max()  # workers were busy training
+    for k in parts:
+        np.testing.assert_allclose([profile[k][profile["rank"] == rank].sum() for rank in range(3)], r[k])
+    text = run_mpifl(["report", str(out)]).stdout
+    assert "time by rank" in text and "median round by rank" in text

@@ -92,4 +92,4 @@ class PhysicalLog:
 
     @property
     def total_seconds(self) -> float:
-        return sum(r[4] for r in self.rows)
+        return sum(self.seconds_by_op.values())

@@ -42,6 +42,7 @@ class Transport:
     placement: Placement
     ledger: Ledger = field(default_factory=Ledger)
     physical: PhysicalLog = field(default_factory=PhysicalLog)
+    pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers
 
     @property
     def rank(self) -> int:
@@ -144,8 +145,10 @@ class Transport:
     ) -> np.ndarray:
         recv = np.empty((n_local, msg.numel), dtype=msg.dtype)
         if self.is_server:
+            start = time.perf_counter()
             perm, per_rank = self.placement.rank_order(clients)
             send = np.ascontiguousarray(payload.reshape(len(clients), msg.numel)[perm])
+            self.pack_seconds += time.perf_counter() - start
             counts = per_rank * msg.numel
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
             request = self.comm.Iscatterv([send, counts, displs, _mpi_type(msg)], recv, root=0)
@@ -167,8 +170,10 @@ class Transport:
         recv = np.empty((len(clients), msg.numel), dtype=msg.dtype)
         request = self.comm.Igatherv(send, [recv, counts, displs, _mpi_type(msg)], root=0)
         self._timed(round_, msg, "gatherv", recv.nbytes, request)
+        start = time.perf_counter()
         out = np.empty_like(recv)
         out[perm] = recv
+        self.pack_seconds += time.perf_counter() - start
         return out
 
 

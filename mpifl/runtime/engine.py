@@ -36,15 +36,21 @@ TELEMETRY_FIELDS = ("compute_s", "train_loss")
 
 @dataclass
 class RankClock:
-    """Where this rank's time went (seconds)."""
+    """Where this rank's time went (seconds), in parts that do not overlap; waiting for MPI and packing
+    its buffers are the transport's. The round loop's wall time minus all parts is bookkeeping."""
 
-    compute: float = 0.0
-    data: float = 0.0
-    server: float = 0.0
-    evaluation: float = 0.0
-    io: float = 0.0
+    compute: float = 0.0  # clients' local work: training, descriptors, gradients, packing their rows
+    data: float = 0.0  # reading visiting clients' data (dynamic placement)
+    server: float = 0.0  # the server algorithm's steps
+    evaluation: float = 0.0  # models evaluated on clients' test data
+    serialization: float = 0.0  # checkpoint state to flat bytes
+    io: float = 0.0  # writing the results file
     loop_wall: float = 0.0
     loop_cpu: float = 0.0
+
+
+# The per-rank time breakdown (results: /ranks totals, /profile per round with --profile), as <part>_seconds.
+TIME_PARTS = ("compute", "data", "server", "eval", "mpi", "serialization", "io")
 
 
 def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
@@ -67,8 +73,11 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
 
 
 class Engine:
-    def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False):  # noqa: ANN001 - a Comm
+    def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False,  # noqa: ANN001 - a Comm
+                 profile: bool = False):
         self.cfg = cfg
+        self.profile = profile
+        self.profile_rows: list[np.ndarray] = []  # per round: round, wall seconds, then TIME_PARTS
         self.comm = comm
         self.output = Path(output)
         self.resume = resume
@@ -123,9 +132,10 @@ class Engine:
     def run(self, progress: bool = True) -> None:
         if self.start_round == 1:
             self.run_setup()
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, self.parts_at_start = time.perf_counter(), time.process_time(), self._time_parts()
         every = self.cfg.checkpoint_every
         for round_ in range(self.start_round, self.cfg.rounds + 1):
+            round_start, parts_before = time.perf_counter(), self._time_parts()
             self._fault_injection(round_)
             self.train_round(round_)
             evaluate = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
@@ -137,9 +147,18 @@ class Engine:
                 if evaluate and progress:
                     self._print_progress(round_)
                 self.write_results(status="running")
+            if self.profile:
+                spent = self._time_parts() - parts_before
+                self.profile_rows.append(np.concatenate(([round_, time.perf_counter() - round_start], spent)))
         self.clock.loop_wall = time.perf_counter() - wall
         self.clock.loop_cpu = time.process_time() - cpu
         self._finish()
+
+    def _time_parts(self) -> np.ndarray:
+        """This rank's cumulative seconds in each of :data:`TIME_PARTS`."""
+        c, t = self.clock, self.transport
+        return np.array([c.compute, c.data, c.server, c.evaluation, t.physical.total_seconds,
+                         c.serialization + t.pack_seconds, c.io])
 
     def run_setup(self) -> None:
         """The protocol's one-time set-up plan, as round 0 with every seen client (ledger stage "setup")."""
@@ -188,6 +207,7 @@ class Engine:
             "sim_time_s": server_s + float(per_client_s.max(initial=0.0)),
             "wall_time_s": time.perf_counter() - start,
             "server_time_s": server_s,
+            "client_compute_time_s": float(telemetry[:, 0].sum()),  # ÷ workers: the round's ideal time
             "train_loss": float(np.nanmean(telemetry[:, 1])) if np.isfinite(telemetry[:, 1]).any() else np.nan,
             "logical_up_bytes": totals["up"],
             "logical_down_bytes": totals["down"],
@@ -288,12 +308,10 @@ class Engine:
     def evaluate(self, round_: int) -> None:
         """Evaluate every client, ``eval_chunk`` clients at a time (0: all at once), so the server's
         per-client evaluation state (e.g. one personal model per client) stays bounded."""
-        start = time.perf_counter()
         unseen = np.flatnonzero(self.layout.unseen)
         for chunk in self._chunks(unseen):
             self.run_plan(round_, "eval", self.protocol.newcomer_plan(), chunk)
         blocks = [self._evaluate_clients(round_, chunk) for chunk in self._chunks(np.arange(self.layout.num_clients))]
-        self.clock.evaluation += time.perf_counter() - start
         if self.server is None:
             return
         self.final_rows = gathered = np.concatenate(blocks)
@@ -319,6 +337,7 @@ class Engine:
         local = self.transport.local_clients(clients) if self.client else clients[:0]
         kinds = self.protocol.eval_kinds
         rows = np.zeros((len(local), self.eval_msg.numel))
+        start = time.perf_counter()
         for i, client in enumerate(local):
             split = self.client.data[int(client)]
             for j, kind in enumerate(kinds):
@@ -326,6 +345,7 @@ class Engine:
                 rows[i, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)] = evaluate(
                     model, split.x_test, split.y_test, self.client.loss_fn
                 )
+        self.clock.evaluation += time.perf_counter() - start
         return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
     def _print_progress(self, round_: int) -> None:
@@ -347,12 +367,16 @@ class Engine:
     def _take_checkpoint(self, round_: int) -> None:
         """Every rank serializes its state (server, or its clients) and rank 0 keeps the blobs, which go
         into every results file written from now on. A collective on every rank, at a round boundary."""
+        start = time.perf_counter()
         mine = state_blob(self.client) if self.client is not None else np.zeros(0, dtype=np.uint8)
+        self.clock.serialization += time.perf_counter() - start
         gathered = self.transport.gather_bytes(round_, "checkpoint", mine)
         blobs = {f"worker_{r}": blob for r, blob in enumerate(gathered) if self.size == 1 or r > 0}
         if self.server is not None:
+            start = time.perf_counter()
             self.checkpoint_blobs = {"server": state_blob(self.server), **blobs}
             self.checkpoint_round = round_
+            self.clock.serialization += time.perf_counter() - start
 
     def _restore(self) -> None:
         """Continue from the checkpoint in the results file: server state on rank 0, each worker's clients
@@ -388,16 +412,29 @@ class Engine:
         self.start_round = round_ + 1
 
     def _finish(self) -> None:
-        """Collect every rank's MPI and compute totals (once, at the end: small pickled objects are fine)."""
+        """Collect every rank's time breakdown and MPI totals, and with ``--profile`` its per-round rows
+        (once, at the end: small pickled objects are fine)."""
         c = self.clock
-        mine = (self.rank, len(self.placement.clients_of(self.rank)), self.transport.physical.total_bytes,
-                self.transport.physical.total_seconds, c.compute, c.data, c.evaluation, c.server, c.io, c.loop_wall,
-                c.loop_cpu)
-        per_rank = self.comm.gather(mine, root=0) if self.size > 1 else [mine]
+        mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
+                "mpi_bytes": self.transport.physical.total_bytes,
+                **{f"{part}_seconds": t for part, t in zip(TIME_PARTS, self._time_parts() - self.parts_at_start)},
+                "loop_wall_seconds": c.loop_wall, "loop_cpu_seconds": c.loop_cpu}
+        rows = np.array(self.profile_rows).reshape(-1, 2 + len(TIME_PARTS))
+        rows = np.hstack((rows, np.full((len(rows), 1), self.rank)))
+        per_rank = self.comm.gather((mine, rows), root=0) if self.size > 1 else [(mine, rows)]
         if self.server is not None:
-            self.write_results(status="completed", per_rank=per_rank)
+            ranks = {name: np.array([r[0][name] for r in per_rank]) for name in mine}
+            profile = None
+            if self.profile:
+                rows = np.concatenate([r[1] for r in per_rank])
+                names = ("round", "wall_seconds", *(f"{part}_seconds" for part in TIME_PARTS), "rank")
+                profile = {name: rows[:, j] for j, name in enumerate(names)}
+                for name in ("round", "rank"):
+                    profile[name] = profile[name].astype(np.int64)
+            self.write_results(status="completed", ranks=ranks, profile=profile)
 
-    def write_results(self, status: str, per_rank: list[tuple] | None = None) -> None:
+    def write_results(self, status: str, ranks: dict[str, np.ndarray] | None = None,
+                      profile: dict[str, np.ndarray] | None = None) -> None:
         start = time.perf_counter()
         import mpi4py
         from mpi4py import MPI
@@ -422,11 +459,11 @@ class Engine:
         if self.checkpoint_blobs:
             tables["checkpoint"] = self.checkpoint_blobs
             table_attrs["checkpoint"] = {"round": self.checkpoint_round}
-        if per_rank is not None:
-            names = ("rank", "clients", "mpi_bytes", "mpi_seconds", "compute_seconds", "data_seconds", "eval_seconds",
-                     "server_seconds", "io_seconds", "loop_wall_seconds", "loop_cpu_seconds")
-            tables["ranks"] = {n: np.array([r[i] for r in per_rank]) for i, n in enumerate(names)}
+        if ranks is not None:
+            tables["ranks"] = ranks
             tables["model"] = self.server.final_state()
+        if profile is not None:
+            tables["profile"] = profile
         import yaml
 
         attrs = {

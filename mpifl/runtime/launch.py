@@ -34,7 +34,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def run_job(config_path: str, overrides: list[str], output: str | None, quiet: bool = False,
-            resume: str | None = None) -> int:
+            resume: str | None = None, profile: bool = False) -> int:
     from mpi4py import MPI
 
     from mpifl.runtime.engine import Engine
@@ -53,7 +53,7 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
             _error("--resume continues writing the file it resumes from; drop --out or make them equal")
         return EXIT_BAD_INPUT
     output = resume or output
-    engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume))
+    engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume), profile=profile)
     failure = None
     try:
         engine.setup()

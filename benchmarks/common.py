@@ -1,0 +1,46 @@
+"""What every benchmark script shares: running a real mpifl job and recording a table in RESULTS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mpifl.results import Results, read_results  # noqa: E402
+
+
+def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = ()) -> Results:
+    """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1); its results."""
+    cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet"]
+    for item in overrides:
+        cmd += ["--set", item]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if ranks > 1:
+        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *cmd]
+    subprocess.run(cmd, check=True, env=env, cwd=REPO)
+    return read_results(out)
+
+
+def heading(title: str) -> str:
+    """A RESULTS.md section heading naming the date and the machine."""
+    return (f"### {title} — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}")
+
+
+def record(lines: list[str], write: bool) -> None:
+    """Print a result table; with ``write`` also append it to benchmarks/RESULTS.md."""
+    print("\n".join(lines))
+    if write:
+        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
