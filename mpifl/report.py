@@ -80,7 +80,7 @@ def report(path: str) -> dict[str, Any]:
 
 def time_breakdown(ranks: dict[str, np.ndarray]) -> list[dict[str, float]]:
     """Each rank's round-loop seconds by part (they do not overlap; "other" is the loop's remainder)."""
-    parts = [k for k in ranks if k.endswith("_seconds") and not k.startswith("loop_")]
+    parts = [k for k in ranks if k.endswith("_seconds") and not k.startswith(("loop_", "setup_"))]
     out = []
     for i in range(len(ranks["rank"])):
         row = {"rank": int(ranks["rank"][i]), "clients": int(ranks["clients"][i])}

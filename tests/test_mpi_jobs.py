@@ -133,7 +133,8 @@ def test_idle_server_does_not_spin(write_config, tmp_path):
     # and they add up to the run's totals
     assert sorted(zip(profile["round"], profile["rank"])) == [(n, k) for n in range(1, 5) for k in range(3)]
     parts = [k for k in profile if k.endswith("_seconds") and k != "wall_seconds"]
-    assert set(parts) == {k for k in r if k.endswith("_seconds") and not k.startswith("loop_")}
+    assert set(parts) == {k for k in r if k.endswith("_seconds") and not k.startswith(("loop_", "setup_"))}
+    assert np.all(r["setup_wall_seconds"] > 0) and np.all(r["peak_rss_bytes"] > 50e6)
     assert np.all(sum(profile[k] for k in parts) <= profile["wall_seconds"] * 1.001 + 1e-4)
     assert r["compute_seconds"][1:].min() > 0.5 * r["loop_wall_seconds"][1:].max()  # workers were busy training
     for k in parts:

@@ -45,12 +45,21 @@ class RankClock:
     evaluation: float = 0.0  # models evaluated on clients' test data
     serialization: float = 0.0  # checkpoint state to flat bytes
     io: float = 0.0  # writing the results file
+    setup: float = 0.0  # building the layout, loading this rank's clients, restoring a checkpoint
     loop_wall: float = 0.0
     loop_cpu: float = 0.0
 
 
 # The per-rank time breakdown (results: /ranks totals, /profile per round with --profile), as <part>_seconds.
 TIME_PARTS = ("compute", "data", "server", "eval", "mpi", "serialization", "io")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return int(kib) * 1024
 
 
 def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
@@ -92,6 +101,7 @@ class Engine:
     def setup(self) -> None:
         """Everything that can fail on bad input happens here, before the first collective of training."""
         torch.set_num_threads(1)  # a client's arithmetic must not depend on its rank's thread count
+        setup_start = time.perf_counter()
         cfg = self.cfg
         self.device = rank_device(cfg.device, self.comm)  # first: a collective (unless cpu), then may raise
         dataset = build_federated_dataset(cfg.data, cfg.seed)
@@ -121,6 +131,7 @@ class Engine:
         self.started = time.time()
         if self.resume:
             self._restore()
+        self.clock.setup = time.perf_counter() - setup_start
 
     def _fault_injection(self, round_: int) -> None:
         """Resilience drills: ``MPIFL_INJECT_FAULT=RANK:ROUND`` makes that rank raise at that round."""
@@ -418,7 +429,8 @@ class Engine:
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
                 "mpi_bytes": self.transport.physical.total_bytes,
                 **{f"{part}_seconds": t for part, t in zip(TIME_PARTS, self._time_parts() - self.parts_at_start)},
-                "loop_wall_seconds": c.loop_wall, "loop_cpu_seconds": c.loop_cpu}
+                "loop_wall_seconds": c.loop_wall, "loop_cpu_seconds": c.loop_cpu, "setup_wall_seconds": c.setup,
+                "peak_rss_bytes": peak_rss_bytes()}
         rows = np.array(self.profile_rows).reshape(-1, 2 + len(TIME_PARTS))
         rows = np.hstack((rows, np.full((len(rows), 1), self.rank)))
         per_rank = self.comm.gather((mine, rows), root=0) if self.size > 1 else [(mine, rows)]

@@ -1,0 +1,67 @@
+"""Scale: start-up, per-rank memory and seconds per round as the total number of clients grows.
+
+    python benchmarks/bench_scale.py [--ranks 3] [--rounds 6] [--write]
+
+Two workloads, each at two sizes, with FedAvg on P ranks: B1's images (configs/b1.yaml: 1×28×28,
+CNN, 20 clients per round) with 1,000 and 10,000 clients, and a tabular Gaussian dataset (60
+features, 10 classes, MLP 64, 100 clients per round) with 10,000 and 100,000 clients. Reported per
+run: the slowest rank's start-up (layout, placement, loading its own clients), each rank's peak
+resident memory and home clients, the median seconds per round over rounds 2..R, and the final
+evaluation of every client. Per-round time should not grow with the total number of clients, and
+a rank's memory only with its own clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import REPO, heading, mpifl_job, record
+
+WORKLOADS = {
+    "B1 images": (REPO / "configs" / "b1.yaml", (1_000, 10_000), ["clients_per_round=20"]),
+    "tabular": (REPO / "configs" / "b1.yaml", (10_000, 100_000), [
+        "clients_per_round=100", "data.partition=iid", "data.synthetic.image_shape=[60]",
+        "model.name=mlp", "model.hidden=[64]", "client.epochs=1",
+    ]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (config, sizes, overrides) in WORKLOADS.items():
+            for clients in sizes:
+                out = Path(tmp) / f"{name.replace(' ', '_')}_{clients}.h5"
+                start = time.perf_counter()
+                res = mpifl_job(config, args.ranks, out, [*overrides, f"data.num_clients={clients}",
+                                                          f"rounds={args.rounds}", f"eval_every={args.rounds}"])
+                job = time.perf_counter() - start
+                ranks, rounds = res.table("ranks"), res.table("rounds")
+                mem = " / ".join(f"{b / 2**20:.0f}" for b in ranks["peak_rss_bytes"])
+                homes = " / ".join(str(c) for c in ranks["clients"])
+                rows.append(f"| {name} | {clients:,} | {ranks['setup_wall_seconds'].max():.1f} | {homes} | {mem} | "
+                            f"{np.median(rounds['wall_time_s'][1:]):.3f} | {ranks['eval_seconds'].max():.1f} | "
+                            f"{job:.0f} |")
+    record([
+        heading(f"Scale, FedAvg, P={args.ranks}"),
+        "",
+        f"`python benchmarks/bench_scale.py --ranks {args.ranks} --rounds {args.rounds}`",
+        "",
+        "| workload | clients | start-up s (slowest rank) | home clients per rank | peak RSS MiB per rank | "
+        "median s/round | final eval s | job s |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ], args.write)
+
+
+if __name__ == "__main__":
+    main()
