@@ -3,14 +3,18 @@
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from mpifl.cli import main
 from mpifl.comm import Placement
 from mpifl.config import load_config
+from mpifl.data import build_federated_dataset
+from mpifl.data.config import DataConfig
 from mpifl.report import logical_totals, report
 from mpifl.results import read_results
 from mpifl.runtime.sampling import sample_clients
+from mpifl.runtime.store import ClientStore
 
 
 def run(config, out, *extra):
@@ -132,6 +136,24 @@ def test_round_placement_respreads_only_the_rounds_clients():
     assert loads[1:].max() <= static_loads[1:].max()
     assert static.for_round(clients, sizes[clients]).owner.tolist() == placed.owner.tolist()  # same on every rank
     assert Placement.balanced(sizes, 1).for_round(clients, sizes[clients]).owner.max() == 0
+
+
+def test_client_store_stages_generated_clients_lazily_and_drops_visitors():
+    cpu = torch.device("cpu")
+    generated = build_federated_dataset(DataConfig(dataset="gaussian_images", num_clients=100_000), 0)
+    store = ClientStore(generated, np.arange(0, 100_000, 2), cpu)
+    assert not store.loaded and len(store) == 50_000 and 4 in store and 5 not in store
+    store.stage([2, 4])
+    assert sorted(store.loaded) == [2, 4]
+    store.visit(np.array([4, 5]))
+    assert np.array_equal(store[5].x_train.numpy(), generated.load_clients([5])[5].x_train)
+    store.end_visits()
+    assert sorted(store.loaded) == [2, 4] and 5 not in store
+    with pytest.raises(KeyError):
+        store.stage([7])
+
+    files = build_federated_dataset(DataConfig(dataset="digits", num_clients=6), 0)
+    assert sorted(ClientStore(files, np.array([1, 3]), cpu).loaded) == [1, 3]  # read (and checked) up front
 
 
 def test_export_csv_and_tensorboard_events(write_config, tmp_path):

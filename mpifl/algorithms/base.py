@@ -117,23 +117,13 @@ class ClientAlgorithm:
     # re-spread over the workers every round (``placement: dynamic``) without changing any result.
     stateless: bool = False
 
-    def __init__(self, ctx: RunContext, data: Mapping[int, ClientSplit]):
+    def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit]):
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
         self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
-        self.data: dict[int, TensorSplit] = {}
-        self.host(data)
+        self.data = data  # the clients this rank hosts, by id (a ClientStore; any mapping in tests)
         self.round_losses: dict[int, float] = {}
-
-    def host(self, data: Mapping[int, ClientSplit]) -> None:
-        """Take on these clients' data (under dynamic placement a visiting client's, for one round)."""
-        self.data.update({cid: _as_tensors(split, self.device) for cid, split in data.items()})
-
-    def release(self, clients: np.ndarray) -> None:
-        """Drop visiting clients' data at the end of their round."""
-        for client in clients:
-            del self.data[int(client)]
 
     @property
     def device(self) -> torch.device:
@@ -191,7 +181,7 @@ class TensorSplit:
     y_test: torch.Tensor
 
 
-def _as_tensors(split: ClientSplit, device: torch.device | str = "cpu") -> TensorSplit:
+def as_tensors(split: ClientSplit, device: torch.device | str = "cpu") -> TensorSplit:
     fields = TensorSplit.__dataclass_fields__
     return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))).to(device) for f in fields))
 

@@ -73,6 +73,7 @@ class FederatedDataset(ABC):
     MPI worker only ever pays for the clients it hosts."""
 
     layout: FederatedLayout
+    generated = False  # True: samples come from a generator (nothing on disk), cheap to make on first use
 
     def load_clients(self, client_ids: Sequence[int]) -> dict[int, ClientSplit]:
         """The splits of ``client_ids`` (duplicates collapse), keyed by client id."""

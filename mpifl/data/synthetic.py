@@ -35,6 +35,8 @@ class GaussianImagesDataset(FederatedDataset):
     while the Dirichlet schemes vary sizes around it, as those schemes do. ``size_sigma > 0`` then
     rescales each client to a log-normal size of mean T (at least 2 samples), keeping its class mix."""
 
+    generated = True
+
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic
         self.seed, self.pad_to, self.separation = seed, cfg.pad_to, syn.class_separation
@@ -82,6 +84,8 @@ class LeafSyntheticDataset(FederatedDataset):
     v ~ N(B, 1), x ~ N(v, diag(j^-1.2)), y = argmax(Wᵀx + b); client sizes ``int(lognormal(4, 2)) + 50``
     as in LEAF (``samples_per_client`` does not apply). Labels depend on x, so the layout generates
     every client once and keeps only the label histograms."""
+
+    generated = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic
@@ -131,6 +135,8 @@ class KarulaRidgeDataset(FederatedDataset):
     feature group f = g ("aligned") or f = (i // 3) mod 3 ("crossed": every (g, f) pair occurs, so
     feature clusters cut across parameter clusters); N_i ~ U{min..max} training rows plus val/test rows
     in proportion; y = xᵀtheta_i + N(0, noise²)."""
+
+    generated = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic

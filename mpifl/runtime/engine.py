@@ -27,6 +27,7 @@ from mpifl.runtime.device import rank_device
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.metrics import summarize
 from mpifl.runtime.sampling import sample_clients
+from mpifl.runtime.store import ClientStore
 from mpifl.runtime.training import EVAL_FIELDS, evaluate
 from mpifl.schema import ConfigError
 
@@ -115,8 +116,8 @@ class Engine:
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
         if self.size == 1 or self.rank > 0:
-            self.dataset = dataset  # visiting clients' data is read from it round by round
-            self.client = entry.client(ctx, dataset.load_clients(self.placement.clients_of(self.rank)))
+            self.store = ClientStore(dataset, self.placement.clients_of(self.rank), self.device)
+            self.client = entry.client(ctx, self.store)
         self.protocol = (self.server or self.client).protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
@@ -193,10 +194,11 @@ class Engine:
         if self.dynamic:
             placement = placement.for_round(clients, self.samples_per_round[clients])
         with self.transport.placed(placement):
-            visitors = self._host_visitors(clients)
+            if self.client is not None:
+                self.store.visit(self.transport.local_clients(clients))
             compute_s, local, clients = self.run_plan(round_, "train", plan, clients)
-            if visitors is not None:
-                self.client.release(visitors)
+            if self.client is not None:
+                self.store.end_visits()
             rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
             rows[:, 0] = compute_s
             rows[:, 1] = [self.client.round_losses.pop(int(c), np.nan) for c in local]
@@ -234,18 +236,6 @@ class Engine:
         work = work[1:] if self.size > 1 else work
         return float(work.max() / work.mean()) if work.sum() else 1.0
 
-    def _host_visitors(self, clients: np.ndarray) -> np.ndarray | None:
-        """Under a round's placement, read the data of this rank's clients it does not host for good;
-        returns them (to release after the round), or None on the server."""
-        if self.client is None:
-            return None
-        start = time.perf_counter()
-        local = self.transport.local_clients(clients)
-        visitors = local[self.placement.owner[local] != self.rank]
-        self.client.host(self.dataset.load_clients(visitors))
-        self.clock.data += time.perf_counter() - start
-        return visitors
-
     def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move every step of ``plan`` among ``clients``. Returns this rank's local clients with their
@@ -253,6 +243,10 @@ class Engine:
         update is not finite)."""
         local = self.transport.local_clients(clients) if self.client else clients[:0]
         seconds = np.zeros(len(local))
+        if len(local):
+            start = time.perf_counter()
+            self.store.stage(local)
+            self.clock.data += time.perf_counter() - start
         for position, step in enumerate(plan):
             if isinstance(step, LocalCompute):
                 for i, client in enumerate(local):

@@ -7,10 +7,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from mpifl.cli import main
+from mpifl.data import FederatedDataset
 from mpifl.results import Results, read_results
+from mpifl.runtime.store import ClientStore
 from tests.conftest import _merge, rank_dependent, run_mpifl
 
 SHARDS = {
@@ -43,6 +46,11 @@ def run_algo(tmp_path: Path):
         return read_results(out)
 
     return run
+
+
+def hosting_all(dataset: FederatedDataset) -> ClientStore:
+    """One process's client side hosting every client of ``dataset``."""
+    return ClientStore(dataset, np.arange(dataset.layout.num_clients), torch.device("cpu"))
 
 
 def deterministic_tables(path: Path) -> dict[str, np.ndarray]:

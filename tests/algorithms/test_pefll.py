@@ -25,6 +25,7 @@ from mpifl.config import load_config, parse_config
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.models import FlatModel
 from mpifl.schema import ConfigError
+from tests.algorithms.conftest import hosting_all
 from tests.conftest import REPO, _merge, rank_dependent
 
 PEFLL = {
@@ -46,7 +47,7 @@ def build(overrides: dict | None = None) -> tuple[RunContext, PeFLLServer, PeFLL
     cfg = parse_config(_merge(PEFLL, overrides or {}))
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     ctx = RunContext(cfg, dataset.layout)
-    return ctx, PeFLLServer(ctx), PeFLLClient(ctx, dataset.load_clients(range(dataset.layout.num_clients)))
+    return ctx, PeFLLServer(ctx), PeFLLClient(ctx, hosting_all(dataset))
 
 
 def walk(server: PeFLLServer, client: PeFLLClient, plan, round_: int, clients: np.ndarray) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from mpifl.algorithms.pfedhn import PFedHNClient, PFedHNServer
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model
+from tests.algorithms.conftest import hosting_all
 from tests.algorithms.test_pefll import PEFLL, assert_identical_results, evaluate_in_chunks
 from tests.conftest import _merge
 
@@ -64,7 +65,7 @@ def test_each_chunk_of_new_clients_adapts_as_in_one_pass(chunk):
         cfg = parse_config(_merge(PFEDHN, {"data": {"unseen_fraction": 0.5}, "pfedhn": {"hyper_hidden": 100}}))
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         ctx = RunContext(cfg, dataset.layout)
-        client = PFedHNClient(ctx, dataset.load_clients(range(dataset.layout.num_clients)))
+        client = PFedHNClient(ctx, hosting_all(dataset))
         return evaluate_in_chunks(PFedHNServer(ctx), client, chunk)[0]
 
     assert np.array_equal(evaluate(chunk), evaluate(10))
