@@ -10,6 +10,7 @@ every logical byte, so an algorithm's communication cost is exactly what its pla
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -138,6 +139,20 @@ class ClientAlgorithm:
 
     def compute(self, round_: int, client: int) -> None:
         """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
+
+    def compute_clients(self, round_: int, clients: np.ndarray) -> np.ndarray:
+        """The :data:`~mpifl.comm.LOCAL` step of several clients; returns each one's seconds. One client
+        at a time here; an algorithm may compute them together (see FedAvg's vectorized training)."""
+        seconds = np.empty(len(clients))
+        for i, client in enumerate(clients):
+            start = time.perf_counter()
+            self.compute(round_, int(client))
+            seconds[i] = time.perf_counter() - start
+        return seconds
+
+    def rank_stats(self) -> dict[str, float]:
+        """Counters this rank reports once, at the end (results table /ranks)."""
+        return {}
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used

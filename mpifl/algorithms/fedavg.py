@@ -5,14 +5,18 @@ Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.training import GradHook
+from mpifl.runtime.device import host_numpy
+from mpifl.runtime.training import GradHook, client_generator
+from mpifl.runtime.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
 
 
 class FedAvgProtocol(Protocol):
@@ -66,6 +70,12 @@ class FedAvgClient(ClientAlgorithm):
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
+        cls, mode = type(self), ctx.cfg.client.vectorize
+        plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
+        self.vectorizer = None
+        if plain_sgd and mode is not False and ctx.cfg.model.name in VECTORIZABLE_MODELS:
+            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
+        self.trained_together = 0
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
         if msg.name == self.protocol.eval_msg.name:
@@ -78,6 +88,46 @@ class FedAvgClient(ClientAlgorithm):
         self.workspace.load(start)
         self.train_workspace(round_, client, self.grad_hook(client, start))
         self.deltas[client] = self.workspace.numpy() - start
+
+    def compute_clients(self, round_: int, clients: np.ndarray) -> np.ndarray:
+        """Plain FedAvg may train clients with equally many samples together (``client.vectorize``);
+        each then reports an equal share of its group's seconds."""
+        if self.vectorizer is None:
+            return super().compute_clients(round_, clients)
+        seconds = np.empty(len(clients))
+        sizes = np.array([len(self.data[int(c)].x_train) for c in clients])
+        for size in np.unique(sizes):
+            members = np.flatnonzero(sizes == size)
+            start = time.perf_counter()
+            if self._train_together(round_, clients[members]):
+                seconds[members] = (time.perf_counter() - start) / len(members)
+            else:
+                seconds[members] = super().compute_clients(round_, clients[members])
+        return seconds
+
+    def _train_together(self, round_: int, group: np.ndarray) -> bool:
+        """Train ``group`` as one computation if they share their start and the vectorizer says so."""
+        start = self.start[int(group[0])]
+        if not all(np.array_equal(self.start[int(c)], start) for c in group[1:]):
+            return False
+        splits = [self.data[int(c)] for c in group]
+        batch = min(self.ctx.cfg.client.batch_size, len(splits[0].x_train))
+        probe = [torch.stack([getattr(s, f)[:batch] for s in splits]) for f in ("x_train", "y_train")]
+        if not self.vectorizer.worth_it(len(group), *probe):
+            return False
+        seed = self.ctx.cfg.seed
+        params, stats = self.vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
+                                              [client_generator(seed, round_, int(c)) for c in group],
+                                              self.ctx.cfg.client)
+        for k, client in enumerate(group):
+            self.start.pop(int(client))
+            self.deltas[int(client)] = host_numpy(params[k]) - start
+            self.round_losses[int(client)] = stats[k].mean_loss
+        self.trained_together += len(group)
+        return True
+
+    def rank_stats(self) -> dict[str, float]:
+        return {"clients_trained_vectorized": self.trained_together}
 
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""

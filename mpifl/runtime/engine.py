@@ -249,8 +249,10 @@ class Engine:
             self.clock.data += time.perf_counter() - start
         for position, step in enumerate(plan):
             if isinstance(step, LocalCompute):
-                for i, client in enumerate(local):
-                    seconds[i] += self._timed_client(self.client.compute, round_, int(client))
+                if len(local):
+                    start = time.perf_counter()
+                    seconds += self.client.compute_clients(round_, local)
+                    self._charge_compute(start)
             elif step.direction == "down":
                 payload = self._timed_server(self.server.payload, step, round_, clients) if self.server else None
                 rows = self.transport.down(round_, stage, step, payload, clients)
@@ -421,6 +423,7 @@ class Engine:
         (once, at the end: small pickled objects are fine)."""
         c = self.clock
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
+                **(self.client.rank_stats() if self.client is not None else {}),
                 "mpi_bytes": self.transport.physical.total_bytes,
                 **{f"{part}_seconds": t for part, t in zip(TIME_PARTS, self._time_parts() - self.parts_at_start)},
                 "loop_wall_seconds": c.loop_wall, "loop_cpu_seconds": c.loop_cpu, "setup_wall_seconds": c.setup,
@@ -429,7 +432,8 @@ class Engine:
         rows = np.hstack((rows, np.full((len(rows), 1), self.rank)))
         per_rank = self.comm.gather((mine, rows), root=0) if self.size > 1 else [(mine, rows)]
         if self.server is not None:
-            ranks = {name: np.array([r[0][name] for r in per_rank]) for name in mine}
+            names = dict.fromkeys(name for r in per_rank for name in r[0])  # the server has no client counters
+            ranks = {name: np.array([r[0].get(name, 0) for r in per_rank]) for name in names}
             profile = None
             if self.profile:
                 rows = np.concatenate([r[1] for r in per_rank])

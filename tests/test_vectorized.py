@@ -1,0 +1,73 @@
+"""Vectorized local SGD (torch.func): every client's update is bitwise that of the one-at-a-time loop."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from mpifl.config import ClientConfig, parse_config
+from mpifl.data import build_federated_dataset
+from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.runtime.training import client_generator, local_sgd
+from mpifl.runtime.vectorized import VectorizedSGD
+from tests.conftest import run_mpifl
+
+
+@pytest.mark.parametrize("hidden", [None, [32, 16]])
+@pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5}])
+def test_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
+    torch.set_num_threads(1)
+    model_cfg = {"name": "logistic"} if hidden is None else {"name": "mlp", "hidden": hidden}
+    cfg = parse_config({"data": {"dataset": "gaussian_images", "num_clients": 7, "synthetic": {
+        "image_shape": [20], "samples_per_client": 37}}, "model": model_cfg})
+    data = build_federated_dataset(cfg.data, 0)
+    splits = data.load_clients(range(7))
+    client_cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)
+    flat = FlatModel(build_model(cfg.model, data.layout, 0))
+    start = flat.numpy().copy()
+    loss_fn = loss_function(data.layout)
+    xs = [torch.from_numpy(splits[c].x_train) for c in range(7)]
+    ys = [torch.from_numpy(splits[c].y_train) for c in range(7)]
+    assert len({len(x) for x in xs}) == 1 and len(xs[0]) % 8  # one group, with a short last batch
+    trainer = VectorizedSGD(flat, loss_fn, True)
+    for group in (range(7), range(2, 5)):
+        params, stats = trainer.train(start, [xs[c] for c in group], [ys[c] for c in group],
+                                      [client_generator(3, 1, c) for c in group], client_cfg)
+        for k, c in enumerate(group):
+            flat.load(start)
+            alone = local_sgd(flat, xs[c], ys[c], loss_fn, client_cfg, client_generator(3, 1, c))
+            assert torch.equal(params[k], flat.params), f"client {c} in a group of {len(group)}"
+            assert (stats[k].steps, stats[k].mean_loss) == (alone.steps, alone.mean_loss)
+
+
+def test_auto_measures_once_per_group_size_and_false_never_vectorizes():
+    cfg = parse_config({"data": {"dataset": "gaussian_images", "synthetic": {"image_shape": [20]}},
+                        "model": {"name": "logistic"}})
+    data = build_federated_dataset(cfg.data, 0)
+    flat = FlatModel(build_model(cfg.model, data.layout, 0))
+    x, y = torch.randn(6, 8, 20), torch.randint(0, 10, (6, 8))
+    auto = VectorizedSGD(flat, loss_function(data.layout), "auto")
+    choice = auto.worth_it(6, x, y)
+    assert list(auto.faster) == [8] and auto.worth_it(7, x, y) == choice and not auto.worth_it(1, x[:1], y[:1])
+    assert not VectorizedSGD(flat, loss_function(data.layout), False).worth_it(6, x, y)
+
+
+def test_fedavg_job_vectorized_or_not_and_on_any_rank_count_gives_one_model(write_config, tmp_path):
+    config = write_config({"rounds": 2, "clients_per_round": 6, "model": {"name": "mlp", "hidden": [16]},
+                           "data": {"dataset": "gaussian_images", "num_clients": 12, "unseen_fraction": 0,
+                                    "synthetic": {"image_shape": [30], "samples_per_client": 24}},
+                           "client": {"momentum": 0.5, "batch_size": 8}})
+    models, together = {}, {}
+    for mode, ranks in (("false", 0), ("true", 0), ("true", 3)):
+        out = tmp_path / f"{mode}{ranks}.h5"
+        proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", "--set", f"client.vectorize={mode}"],
+                         ranks=ranks)
+        assert proc.returncode == 0, proc.stderr
+        with h5py.File(out) as f:
+            models[mode, ranks] = f["model/global_model"][()]
+            together[mode, ranks] = f["ranks/clients_trained_vectorized"][()].sum()
+    assert together == {("false", 0): 0, ("true", 0): 12, ("true", 3): 12}
+    assert np.array_equal(models["false", 0], models["true", 0])
+    assert np.array_equal(models["false", 0], models["true", 3])
