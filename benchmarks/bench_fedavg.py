@@ -75,24 +75,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleave this many passes (bare loop, then each P): ratios from each pass, "
+                             "so a drifting machine speed cancels out")
     parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
-    median = {"bare PyTorch loop, 1 process, 1 thread": float(np.median(bare_loop(args.rounds)[1:]))}
+    bare_label = "bare PyTorch loop, 1 process, 1 thread"
+    labels = [bare_label] + [
+        "mpifl, P=1" if ranks == 1 else f"mpifl, P={ranks} (1 server + {ranks - 1} workers)" for ranks in args.ranks
+    ]
+    passes = []
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in args.ranks:
-            label = "mpifl, P=1" if ranks == 1 else f"mpifl, P={ranks} (1 server + {ranks - 1} workers)"
-            median[label] = float(np.median(mpifl_rounds(ranks, args.rounds, Path(tmp))[1:]))
-    bare = next(iter(median.values()))
+        for _ in range(args.repeats):
+            medians = [float(np.median(bare_loop(args.rounds)[1:]))]
+            medians += [float(np.median(mpifl_rounds(ranks, args.rounds, Path(tmp))[1:])) for ranks in args.ranks]
+            passes.append(medians)
+    table = np.array(passes)  # [pass, setting]
+    ratios = np.median(table / table[:, :1], axis=0)
     record([
         heading("FedAvg B1 throughput"),
         "",
-        f"`python benchmarks/bench_fedavg.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))}`",
+        f"`python benchmarks/bench_fedavg.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))} "
+        f"--repeats {args.repeats}`",
         "",
-        "| setting | median s/round (rounds 2..R) | ratio to bare loop |",
+        "| setting | median s/round (rounds 2..R; median over passes) | ratio to bare loop (median over passes) |",
         "|---|---|---|",
-        *(f"| {k} | {v:.3f} | {v / bare:.2f}× |" for k, v in median.items()),
+        *(f"| {label} | {np.median(table[:, j]):.3f} | {ratios[j]:.2f}× |" for j, label in enumerate(labels)),
     ], args.write)
-
 
 if __name__ == "__main__":
     main()
