@@ -17,9 +17,8 @@ processes seen is reported too (this script itself does not import torch), and s
 the job would have alone: Σ anonymous PSS + its distinct resident file pages (the union of the ranks'
 page frames from /proc/PID/pagemap, refreshed once a second as it is slow to read; needs root, else
 n/a), which equals Σ PSS when nothing outside shares. For reference: the same figures for fresh
-interpreters that import what a rank imports, step by step (one at a time; the last two rows compare
-the algorithm registry's imports with those of FedAvg alone). With --write the tables are appended to
-benchmarks/RESULTS.md.
+interpreters that import what a rank imports, step by step (one at a time; the registry imports only
+the algorithm asked for). With --write the tables are appended to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ BASELINES = {  # label: statement
     "`import torch`": "import torch",
     "a rank's imports before the algorithm (torch, mpi4py.MPI, h5py, mpifl.cli, mpifl.runtime.engine)":
         RANK_IMPORTS,
-    "... + `get_algorithm('fedavg')` (the registry imports all 12 algorithms: scipy, POT → sklearn, networkx)":
+    "... + `get_algorithm('fedavg')` (imports FedAvg only)":
         f"{RANK_IMPORTS}\nfrom mpifl.algorithms import get_algorithm\nget_algorithm('fedavg')",
-    "... + `import mpifl.algorithms.fedavg` only (what B1 needs)": f"{RANK_IMPORTS}, mpifl.algorithms.fedavg",
 }
 
 
