@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import platform
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +99,8 @@ class Engine:
         self.start_round = 1
         self.checkpoint_blobs: dict[str, np.ndarray] = {}
         self.checkpoint_round = 0
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpifl-results")
+        self.pending_write: Future | None = None
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -441,10 +445,12 @@ class Engine:
                 profile = {name: rows[:, j] for j, name in enumerate(names)}
                 for name in ("round", "rank"):
                     profile[name] = profile[name].astype(np.int64)
-            self.write_results(status="completed", ranks=ranks, profile=profile)
+            self.write_results(status="completed", ranks=ranks, profile=profile, wait=True)
 
     def write_results(self, status: str, ranks: dict[str, np.ndarray] | None = None,
-                      profile: dict[str, np.ndarray] | None = None) -> None:
+                      profile: dict[str, np.ndarray] | None = None, wait: bool = False) -> None:
+        """Snapshot the results and write them from a background thread (one write at a time, in order),
+        so the next round's messages go out while rank 0 writes; ``wait``: return once it is on disk."""
         start = time.perf_counter()
         import mpi4py
         from mpi4py import MPI
@@ -493,8 +499,25 @@ class Engine:
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "hostname": platform.node(),
         }
-        write_atomically(self.output, attrs, tables, table_attrs)
+        self._await_write()
+        self.pending_write = self.writer.submit(write_atomically, self.output, attrs, tables, table_attrs)
+        if wait:
+            self._await_write()
+            self.writer.shutdown()
         self.clock.io += time.perf_counter() - start
+
+    def settle(self) -> None:
+        """After a failure on this rank: let the results write in flight finish (best effort), so the
+        file keeps every completed evaluation."""
+        with contextlib.suppress(Exception):
+            self._await_write()
+        self.writer.shutdown()
+
+    def _await_write(self) -> None:
+        """Finish the write in flight, raising its error here if it failed."""
+        if self.pending_write is not None:
+            self.pending_write.result()
+            self.pending_write = None
 
     def _client_table(self) -> dict[str, np.ndarray]:
         layout = self.layout

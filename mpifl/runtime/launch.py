@@ -76,6 +76,7 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
     try:
         engine.run(progress=not quiet)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
+        engine.settle()
         _error(f"rank {rank} of {size} failed: {_describe(exc)}")
         if os.environ.get("MPIFL_DEBUG"):
             traceback.print_exc()
