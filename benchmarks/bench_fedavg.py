@@ -66,9 +66,13 @@ def bare_loop(rounds: int) -> list[float]:
     return times
 
 
-def mpifl_rounds(ranks: int, rounds: int, workdir: Path) -> list[float]:
+def mpifl_rounds(ranks: int, rounds: int, workdir: Path) -> tuple[list[float], float]:
+    """Seconds of each round, and the share of a core the server used while it waited (P > 1)."""
     results = mpifl_job(CONFIG, ranks, workdir / f"b1_p{ranks}.h5", [f"rounds={rounds}", f"eval_every={rounds}"])
-    return list(results.table("rounds")["wall_time_s"])
+    r = {k: v[0] for k, v in results.table("ranks").items()}  # rank 0
+    busy = r["server_seconds"] + r["eval_seconds"] + r["io_seconds"] + r["serialization_seconds"]
+    idle_cpu = (r["loop_cpu_seconds"] - busy) / r["loop_wall_seconds"] if ranks > 1 else np.nan
+    return list(results.table("rounds")["wall_time_s"]), idle_cpu
 
 
 def main() -> None:
@@ -84,24 +88,28 @@ def main() -> None:
     labels = [bare_label] + [
         "mpifl, P=1" if ranks == 1 else f"mpifl, P={ranks} (1 server + {ranks - 1} workers)" for ranks in args.ranks
     ]
-    passes = []
+    passes, idle = [], []  # per pass: each setting's median s/round, and the server's idle CPU share
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
-            medians = [float(np.median(bare_loop(args.rounds)[1:]))]
-            medians += [float(np.median(mpifl_rounds(ranks, args.rounds, Path(tmp))[1:])) for ranks in args.ranks]
-            passes.append(medians)
+            runs = [mpifl_rounds(ranks, args.rounds, Path(tmp)) for ranks in args.ranks]
+            passes.append([float(np.median(bare_loop(args.rounds)[1:]))] + [float(np.median(t[1:])) for t, _ in runs])
+            idle.append([np.nan] + [share for _, share in runs])
     table = np.array(passes)  # [pass, setting]
     ratios = np.median(table / table[:, :1], axis=0)
+    idle_share = np.median(np.array(idle), axis=0)
     record([
         heading("FedAvg B1 throughput"),
         "",
         f"`python benchmarks/bench_fedavg.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))} "
         f"--repeats {args.repeats}`",
         "",
-        "| setting | median s/round (rounds 2..R; median over passes) | ratio to bare loop (median over passes) |",
-        "|---|---|---|",
-        *(f"| {label} | {np.median(table[:, j]):.3f} | {ratios[j]:.2f}× |" for j, label in enumerate(labels)),
+        "| setting | median s/round (rounds 2..R; median over passes) | ratio to bare loop (median over passes) "
+        "| server's CPU share while waiting (target ≤ 5%) |",
+        "|---|---|---|---|",
+        *(f"| {label} | {np.median(table[:, j]):.3f} | {ratios[j]:.2f}× | "
+          f"{'–' if np.isnan(idle_share[j]) else f'{idle_share[j]:.1%}'} |" for j, label in enumerate(labels)),
     ], args.write)
+
 
 if __name__ == "__main__":
     main()

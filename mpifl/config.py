@@ -90,7 +90,8 @@ class RunConfig:
     eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
-    # re-spread over the workers by their work (stateless algorithms only). auto: dynamic where allowed.
+    # re-spread over the workers by their work (stateless algorithms only). auto: dynamic where allowed
+    # and where reading another client is cheap (generated data, uncompressed IDX, digits).
     placement: Literal["auto", "static", "dynamic"] = "auto"
     output: str = "results/run.h5"
     data: DataConfig = DataConfig()

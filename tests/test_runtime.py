@@ -154,6 +154,7 @@ def test_client_store_stages_generated_clients_lazily_and_drops_visitors():
 
     files = build_federated_dataset(DataConfig(dataset="digits", num_clients=6), 0)
     assert sorted(ClientStore(files, np.array([1, 3]), cpu).loaded) == [1, 3]  # read (and checked) up front
+    assert generated.cheap_clients and files.cheap_clients  # both may place clients anew every round
 
 
 def test_export_csv_and_tensorboard_events(write_config, tmp_path):

@@ -74,6 +74,9 @@ class FederatedDataset(ABC):
 
     layout: FederatedLayout
     generated = False  # True: samples come from a generator (nothing on disk), cheap to make on first use
+    # True: materializing one client costs about its own samples (not re-reading a compressed file or a
+    # whole pickle), so a worker may read different clients every round (dynamic placement)
+    cheap_clients = False
 
     def load_clients(self, client_ids: Sequence[int]) -> dict[int, ClientSplit]:
         """The splits of ``client_ids`` (duplicates collapse), keyed by client id."""

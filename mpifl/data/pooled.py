@@ -46,6 +46,7 @@ class Part:
 
     size: int
     read: Callable[[np.ndarray], np.ndarray]  # local rows -> float32 [k, *sample_shape] in [0, 1]
+    cheap_rows: bool = False  # reading a few rows costs a few rows (memory, memory-mapped file), not the file
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def digits_pool(cfg: DataConfig) -> Pool:
     bunch = load_digits()
     images = (bunch.images / 16.0).astype(np.float32)[:, None]
     stats = ((float(images.mean()),), (float(images.std()),)) if cfg.normalize else (None, None)
-    part = Part(len(images), lambda rows: images[rows])
+    part = Part(len(images), lambda rows: images[rows], cheap_rows=True)
     return Pool(bunch.target.astype(np.int64), 10, (1, 8, 8), (part,), *stats)
 
 
@@ -99,7 +100,8 @@ def idx_pool(cfg: DataConfig) -> Pool:
         check_labels(y, 10, label_file.path)
         labels.append(y)
         shapes.add(image_file.shape[1:])
-        parts.append(Part(len(y), lambda rows, f=image_file: (f.read_rows(rows)[:, None] / 255.0).astype(np.float32)))
+        parts.append(Part(len(y), lambda rows, f=image_file: (f.read_rows(rows)[:, None] / 255.0).astype(np.float32),
+                          cheap_rows=image_file.path.suffix != ".gz"))
     if len(shapes) != 1:
         raise ConfigError(f"data.root: {root}: train and t10k images differ in size {sorted(shapes)}")
     stats = _NORMALIZATION[cfg.dataset] if cfg.normalize else (None, None)
@@ -180,6 +182,7 @@ class PooledDataset(FederatedDataset):
 
     def __init__(self, cfg: DataConfig, seed: int, pool: Pool):
         self.pool, self.seed, self.pad_to = pool, seed, cfg.pad_to
+        self.cheap_clients = all(part.cheap_rows for part in pool.parts)
         shape = padded_shape(pool.sample_shape, cfg.pad_to, cfg.dataset)
         totals = np.bincount(pool.labels, minlength=pool.num_classes)
         counts = partition_counts(cfg, totals, make_rng(seed, Tag.PARTITION))

@@ -35,7 +35,7 @@ class GaussianImagesDataset(FederatedDataset):
     while the Dirichlet schemes vary sizes around it, as those schemes do. ``size_sigma > 0`` then
     rescales each client to a log-normal size of mean T (at least 2 samples), keeping its class mix."""
 
-    generated = True
+    generated = cheap_clients = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic
@@ -85,7 +85,7 @@ class LeafSyntheticDataset(FederatedDataset):
     as in LEAF (``samples_per_client`` does not apply). Labels depend on x, so the layout generates
     every client once and keeps only the label histograms."""
 
-    generated = True
+    generated = cheap_clients = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic
@@ -136,7 +136,7 @@ class KarulaRidgeDataset(FederatedDataset):
     feature clusters cut across parameter clusters); N_i ~ U{min..max} training rows plus val/test rows
     in proportion; y = xᵀtheta_i + N(0, noise²)."""
 
-    generated = True
+    generated = cheap_clients = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         syn = cfg.synthetic

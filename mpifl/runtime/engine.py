@@ -116,7 +116,8 @@ class Engine:
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         self.transport = Transport(self.comm, self.placement)
         entry = get_algorithm(cfg.algorithm)
-        self.dynamic = self.size > 2 and entry.client.stateless and cfg.placement != "static"
+        wanted = cfg.placement == "dynamic" or cfg.placement == "auto" and dataset.cheap_clients
+        self.dynamic = self.size > 2 and entry.client.stateless and wanted
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
         if self.size == 1 or self.rank > 0:

@@ -93,6 +93,7 @@ def test_mnist_pool_round_trips_every_sample(tmp_path: Path, gz: bool) -> None:
     expected = (images[ids][:, None] / 255.0 - 0.1307) / 0.3081
     np.testing.assert_allclose(x, expected, atol=1e-5)
     assert x.dtype == np.float32 and y.dtype == np.int64
+    assert ds.cheap_clients is not gz  # a gzip stream is read from its start for any row: no per-round reads
 
 
 def test_mnist_unnormalized_and_padded(mnist_files: tuple) -> None:
