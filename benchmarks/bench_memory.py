@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+from common import REPO, heading, record
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "b1.yaml"
 MB = 1024.0  # smaps_rollup reports kB
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -250,9 +248,8 @@ def main() -> None:
             print(f"P={ranks}: peak summed PSS {jobs[ranks].peak_sum_pss:.1f} MB ({jobs[ranks].samples} samples)",
                   flush=True)
     base = {label: baseline(stmt) for label, stmt in BASELINES.items()}
-    lines = [
-        f"### B1 job memory (PSS) — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {version('torch')}",
+    record([
+        heading("B1 job memory (PSS)"),
         "",
         f"`python benchmarks/bench_memory.py --ranks {' '.join(map(str, args.ranks))} --rounds {args.rounds} "
         f"--interval {args.interval}`",
@@ -270,12 +267,7 @@ def main() -> None:
           for p, m in jobs.items() for r, v in sorted(m.ranks.items())),
         *(f"| one process: {label} | – | {v['Pss']:.1f} | {v['Pss_Anon']:.1f} | {v['Pss_File']:.1f} | "
           f"{v['Rss']:.1f} |" for label, v in base.items()),
-        "",
-    ]
-    print("\n".join(lines))
-    if args.write:
-        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+    ], args.write)
 
 
 if __name__ == "__main__":

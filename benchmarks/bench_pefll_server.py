@@ -17,33 +17,20 @@ the table is appended to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mpifl.results import read_results  # noqa: E402
+from common import REPO, heading, mpifl_job, record
 
 CONFIG = REPO / "configs" / "pefll_digits.yaml"
 NUM_CLIENTS = 100
 
 
 def run(clients_per_round: int, rounds: int, workdir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    out = workdir / f"pefll_c{clients_per_round}.h5"
-    cmd = [sys.executable, "-m", "mpifl", "run", str(CONFIG), "--out", str(out), "--quiet",
-           "--set", f"data.num_clients={NUM_CLIENTS}", "--set", f"clients_per_round={clients_per_round}",
-           "--set", f"rounds={rounds}", "--set", f"eval_every={rounds}"]
-    subprocess.run(cmd, check=True, cwd=REPO)
-    res = read_results(out)
+    res = mpifl_job(CONFIG, 1, workdir / f"pefll_c{clients_per_round}.h5", [
+        f"data.num_clients={NUM_CLIENTS}", f"clients_per_round={clients_per_round}", f"rounds={rounds}",
+        f"eval_every={rounds}"])
     return res.table("rounds"), res.table("model")
 
 
@@ -62,9 +49,8 @@ def main() -> None:
             rows.append((c, server, wall))
             print(f"c={c}: server {server:.4f} s/round, wall {wall:.3f} s/round", flush=True)
     base_c, base = rows[0][0], rows[0][1]
-    lines = [
-        f"### PeFLL server time vs clients per round — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}",
+    record([
+        heading("PeFLL server time vs clients per round"),
         "",
         f"`python benchmarks/bench_pefll_server.py --clients-per-round "
         f"{' '.join(map(str, args.clients_per_round))} --rounds {args.rounds}`",
@@ -77,12 +63,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *(f"| {c} | {s:.4f} | {1e3 * s / c:.2f} | {s / base:.2f}× | {c / base_c:.0f}× | {w:.3f} |"
           for c, s, w in rows),
-        "",
-    ]
-    print("\n".join(lines))
-    if args.write:
-        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+    ], args.write)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -33,9 +32,10 @@ def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = ()
 
 
 def heading(title: str) -> str:
-    """A RESULTS.md section heading naming the date and the machine."""
+    """A RESULTS.md section heading naming the date and the machine (torch's version without importing
+    it: the memory benchmark must not map libtorch itself)."""
     return (f"### {title} — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-            f"torch {torch.__version__}")
+            f"torch {version('torch')}")
 
 
 def record(lines: list[str], write: bool) -> None:

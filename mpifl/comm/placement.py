@@ -22,13 +22,32 @@ class Placement:
         return cls(_longest_processing_time(np.asarray(train_sizes), world_size), world_size)
 
     def for_round(self, clients: np.ndarray, work: np.ndarray) -> Placement:
-        """This placement with one round's ``clients`` re-spread over the workers by their ``work``
-        (greedy LPT), every other client left where it lives. Only for algorithms without per-client
-        state: a client's arithmetic is the same on any rank, so results do not change."""
+        """This placement with one round's ``clients`` re-spread over the workers by their ``work``,
+        moving as few as it can: biggest first, a client stays home while its home worker is within
+        its fair share (total work / workers), and the others go, biggest first, to the least-loaded
+        worker (greedy LPT). Every other client is left where it lives. Only for algorithms without
+        per-client state: a client's arithmetic is the same on any rank, so results do not change."""
         if self.world_size == 1:
             return self
+        work = np.asarray(work, dtype=np.int64)
+        fair = work.sum() / (self.world_size - 1)
+        load = np.zeros(self.world_size, dtype=np.int64)
+        placed = self.owner[clients].copy()
+        movers = []
+        for i in np.lexsort((np.arange(len(work)), -work)):
+            home = placed[i]
+            if load[home] + work[i] <= fair:
+                load[home] += work[i]
+            else:
+                movers.append(i)
+        heap = [(int(load[rank]), rank) for rank in range(1, self.world_size)]
+        heapq.heapify(heap)
+        for i in movers:
+            least, rank = heapq.heappop(heap)
+            placed[i] = rank
+            heapq.heappush(heap, (least + int(work[i]), rank))
         owner = self.owner.copy()
-        owner[clients] = _longest_processing_time(np.asarray(work), self.world_size)
+        owner[clients] = placed
         return Placement(owner, self.world_size)
 
     def clients_of(self, rank: int) -> np.ndarray:
