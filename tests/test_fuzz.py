@@ -24,18 +24,21 @@ from tests.data.data_files import write_idx
 
 KEYS = [
     "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
-    "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
+    "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
     "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
-    "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.image_shape", "data.synthetic.num_classes",
+    "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.size_sigma", "data.synthetic.image_shape",
+    "data.synthetic.num_classes",
     "model.name", "model.hidden", "model.channels", "model.fc_hidden", "client.lr", "client.momentum",
-    "client.epochs", "client.steps", "client.batch_size", "client.clip_norm", "server.lr", "network.up_mbps",
-    "network.distribution", "faults.dropout", "faults.over_selection", "fedprox.mu", "bogus", "data.bogus",
+    "client.epochs", "client.steps", "client.batch_size", "client.clip_norm", "client.vectorize", "server.lr",
+    "network.up_mbps", "network.distribution", "faults.dropout", "faults.over_selection", "fedprox.mu", "bogus",
+    "data.bogus",
 ]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
-                     "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal"]),
+                     "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
+                     "auto", "static", "dynamic"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 
