@@ -27,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue the run whose checkpoint is in this results file (same config; any rank count)")
     run.add_argument("--profile", action="store_true",
                      help="also record every rank's time breakdown per round (results table /profile)")
+    prep = sub.add_parser("prepare", help="write the config's federated dataset into one HDF5 file that runs read "
+                                          "client by client (data.prepared: FILE)")
+    prep.add_argument("config")
+    prep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prep.add_argument("--out", required=True, help="the HDF5 file to write")
     val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
     val.add_argument("config")
     val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -65,6 +70,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_job(args.config, args.overrides, args.out, args.quiet, args.resume, args.profile)
         if args.command == "validate":
             return _validate(args)
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command == "report":
             from pathlib import Path
 
@@ -93,6 +100,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"mpifl: error: {exc}\n")
         return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from mpifl.config import load_config
+    from mpifl.data import build_federated_dataset
+    from mpifl.data.prepared import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.prepared is not None:
+        raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    prepare(dataset, cfg.data, cfg.seed, args.out)
+    layout = dataset.layout
+    print(f"wrote {args.out}: {layout.num_clients} clients, {int(layout.train_sizes.sum())} training samples; "
+          f"run with --set data.prepared={args.out}")
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -60,6 +60,7 @@ class DataConfig:
     normalize: bool = True
     pad_to: int | None = field(default=None, metadata=limits(ge=1))
     synthetic: SyntheticConfig = SyntheticConfig()
+    prepared: str | None = None  # an HDF5 file written by `mpifl prepare` for these same settings
 
     def __post_init__(self) -> None:
         if self.partition is None:
