@@ -54,6 +54,19 @@ def run_mpifl(args: list[str], ranks: int = 0, timeout: float = 180) -> subproce
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
 
 
+def run_config(config: Path, out: Path, ranks: int = 0) -> None:
+    """``mpifl run CONFIG --out OUT --quiet`` in this process (ranks = 0) or under ``mpirun -n ranks``;
+    it must succeed."""
+    args = ["run", str(config), "--out", str(out), "--quiet"]
+    if ranks:
+        proc = run_mpifl(args, ranks=ranks)
+        assert proc.returncode == 0, proc.stderr
+    else:
+        from mpifl.cli import main
+
+        assert main(args) == 0
+
+
 @pytest.fixture
 def write_config(tmp_path: Path):
     def write(overrides: dict | None = None, name: str = "cfg.yaml") -> Path:

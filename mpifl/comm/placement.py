@@ -40,12 +40,7 @@ class Placement:
                 load[home] += work[i]
             else:
                 movers.append(i)
-        heap = [(int(load[rank]), rank) for rank in range(1, self.world_size)]
-        heapq.heapify(heap)
-        for i in movers:
-            least, rank = heapq.heappop(heap)
-            placed[i] = rank
-            heapq.heappush(heap, (least + int(work[i]), rank))
+        placed[movers] = _longest_processing_time(work[movers], self.world_size, load)
         owner = self.owner.copy()
         owner[clients] = placed
         return Placement(owner, self.world_size)
@@ -63,14 +58,16 @@ class Placement:
         return np.argsort(owners, kind="stable"), np.bincount(owners, minlength=self.world_size)
 
 
-def _longest_processing_time(work: np.ndarray, world_size: int) -> np.ndarray:
+def _longest_processing_time(work: np.ndarray, world_size: int, load: np.ndarray | None = None) -> np.ndarray:
     """Worker rank (1..world_size-1; 0 when alone) of each item: biggest first, each to the least-loaded
-    worker, ties broken by item index and rank, so every rank computes the same answer."""
+    worker (starting from ``load[rank]``, else empty), ties broken by item index and rank, so every rank
+    computes the same answer."""
     n = len(work)
     if world_size == 1:
         return np.zeros(n, dtype=np.int64)
     order = np.lexsort((np.arange(n), -work.astype(np.int64)))
-    heap = [(0, rank) for rank in range(1, world_size)]
+    heap = [(0 if load is None else int(load[rank]), rank) for rank in range(1, world_size)]
+    heapq.heapify(heap)
     owner = np.empty(n, dtype=np.int64)
     for item in order:
         load, rank = heapq.heappop(heap)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import platform
@@ -43,7 +44,7 @@ class RankClock:
     its buffers are the transport's. The round loop's wall time minus all parts is bookkeeping."""
 
     compute: float = 0.0  # clients' local work: training, descriptors, gradients, packing their rows
-    data: float = 0.0  # reading visiting clients' data (dynamic placement)
+    data: float = 0.0  # materializing clients' data (visitors under dynamic placement, generated clients)
     server: float = 0.0  # the server algorithm's steps
     evaluation: float = 0.0  # models evaluated on clients' test data
     serialization: float = 0.0  # checkpoint state to flat bytes
@@ -453,9 +454,6 @@ class Engine:
         """Snapshot the results and write them from a background thread (one write at a time, in order),
         so the next round's messages go out while rank 0 writes; ``wait``: return once it is on disk."""
         start = time.perf_counter()
-        import mpi4py
-        from mpi4py import MPI
-
         ledger = self.transport.ledger
         physical = self.transport.physical.rows
         tables = {
@@ -481,15 +479,26 @@ class Engine:
             tables["model"] = self.server.final_state()
         if profile is not None:
             tables["profile"] = profile
-        import yaml
+        attrs = {**self._run_attrs, "status": status, "rounds_completed": int(self.rounds_table.length),
+                 "wall_time_s": time.time() - self.started}
+        self._await_write()
+        self.pending_write = self.writer.submit(write_atomically, self.output, attrs, tables, table_attrs)
+        if wait:
+            self._await_write()
+            self.writer.shutdown()
+        self.clock.io += time.perf_counter() - start
 
-        attrs = {
+    @functools.cached_property
+    def _run_attrs(self) -> dict[str, object]:
+        """The results file's attributes that do not change during a run (worked out once)."""
+        import mpi4py
+        import yaml
+        from mpi4py import MPI
+
+        return {
             "config": yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False),
-            "status": status,
             "algorithm": self.cfg.algorithm,
-            "rounds_completed": int(self.rounds_table.length),
             "world_size": self.size,
-            "wall_time_s": time.time() - self.started,
             "eval_kinds": list(self.protocol.eval_kinds),
             "task": self.layout.task,
             "mpifl_version": __version__,
@@ -500,12 +509,6 @@ class Engine:
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "hostname": platform.node(),
         }
-        self._await_write()
-        self.pending_write = self.writer.submit(write_atomically, self.output, attrs, tables, table_attrs)
-        if wait:
-            self._await_write()
-            self.writer.shutdown()
-        self.clock.io += time.perf_counter() - start
 
     def settle(self) -> None:
         """After a failure on this rank: let the results write in flight finish (best effort), so the

@@ -10,11 +10,10 @@ import pytest
 import torch
 import yaml
 
-from mpifl.cli import main
 from mpifl.data import FederatedDataset
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
-from tests.conftest import _merge, rank_dependent, run_mpifl
+from tests.conftest import _merge, rank_dependent, run_config
 
 SHARDS = {
     "rounds": 4,
@@ -37,12 +36,7 @@ def run_algo(tmp_path: Path):
         config = tmp_path / f"{stem}.yaml"
         config.write_text(yaml.safe_dump(cfg))
         out = tmp_path / f"{stem}.h5"
-        args = ["run", str(config), "--out", str(out), "--quiet"]
-        if ranks:
-            proc = run_mpifl(args, ranks=ranks)
-            assert proc.returncode == 0, proc.stderr
-        else:
-            assert main(args) == 0
+        run_config(config, out, ranks)
         return read_results(out)
 
     return run

@@ -13,11 +13,10 @@ import yaml
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.karula import KarulaServer
-from mpifl.cli import main
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.results import read_results
-from tests.conftest import _merge, rank_dependent, run_mpifl
+from tests.conftest import _merge, rank_dependent, run_config
 
 N0, FEATURES, CLIENTS = 12, 5, 6
 RIDGE = {
@@ -37,12 +36,7 @@ KARULA = {"karula": {"t": 0.5, "lr": 0.05, "reference_size": N0}}
 def run(tmp_path: Path, overrides: dict, ranks: int = 0, tag: str = "run") -> Path:
     config, out = tmp_path / f"{tag}.yaml", tmp_path / f"{tag}_p{ranks}.h5"
     config.write_text(yaml.safe_dump(_merge(RIDGE, overrides)))
-    args = ["run", str(config), "--out", str(out), "--quiet"]
-    if ranks:
-        proc = run_mpifl(args, ranks=ranks)
-        assert proc.returncode == 0, proc.stderr
-    else:
-        assert main(args) == 0
+    run_config(config, out, ranks)
     return out
 
 
