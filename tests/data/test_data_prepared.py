@@ -56,6 +56,12 @@ def test_prepared_data_balances_rounds_with_the_same_results(write_config, tmp_p
     settings = gz_mnist(tmp_path)
     config = write_config({"rounds": 3, "clients_per_round": 8, "data": {**settings, "unseen_fraction": 0}})
     assert run_mpifl(["prepare", str(config), "--out", str(tmp_path / "data.h5")]).returncode == 0
+    other_seed = run_mpifl(["run", str(config), "--set", "seed=99", "--set", f"data.prepared={tmp_path / 'data.h5'}"],
+                           ranks=3)
+    assert other_seed.returncode == 2
+    assert [line for line in other_seed.stderr.splitlines() if line.startswith("mpifl")] == [
+        f"mpifl: error: data.prepared: {tmp_path / 'data.h5'} was prepared for other data settings or seed; "
+        "run `mpifl prepare` with this config"]
     runs = {}
     for name, extra in (("files", []), ("prepared", ["--set", f"data.prepared={tmp_path / 'data.h5'}"])):
         out = tmp_path / f"{name}.h5"
