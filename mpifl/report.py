@@ -51,7 +51,7 @@ def report(path: str) -> dict[str, Any]:
         "last_eval_round": int(ev["round"][-1]) if ev else None,
         "final": final,
         "logical_bytes": totals,
-        "physical_mpi_bytes": int(ranks["mpi_bytes"].sum() if ranks else res.table("physical").get("bytes", [0]).sum()),
+        "physical_mpi_bytes": int(ranks["mpi_bytes"].sum() if ranks else np.sum(res.table("physical").get("bytes", 0))),
         "mpi_seconds_by_rank": [float(s) for s in ranks["mpi_seconds"]] if ranks else None,
         "wall_time_s": res.attrs.get("wall_time_s"),
         "simulated_time_s": float(np.sum(rounds["sim_time_s"])) if rounds else 0.0,

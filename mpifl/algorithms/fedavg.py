@@ -111,9 +111,12 @@ class FedAvgClient(ClientAlgorithm):
         if not all(np.array_equal(self.start[int(c)], start) for c in group[1:]):
             return False
         splits = [self.data[int(c)] for c in group]
-        batch = min(self.ctx.cfg.client.batch_size, len(splits[0].x_train))
-        probe = [torch.stack([getattr(s, f)[:batch] for s in splits]) for f in ("x_train", "y_train")]
-        if not self.vectorizer.worth_it(len(group), *probe):
+        together = self.vectorizer.decided(len(group))
+        if together is None:  # measure once, on the group's first batches
+            batch = min(self.ctx.cfg.client.batch_size, len(splits[0].x_train))
+            probe = [torch.stack([getattr(s, f)[:batch] for s in splits]) for f in ("x_train", "y_train")]
+            together = self.vectorizer.worth_it(len(group), *probe)
+        if not together:
             return False
         seed = self.ctx.cfg.seed
         params, stats = self.vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],

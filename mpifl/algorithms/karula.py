@@ -73,6 +73,8 @@ def ground_truth(cfg: RunConfig, numel: int) -> np.ndarray | None:
     """The true flat parameters [num_clients, numel] when the dataset has them (synthetic ridge: θ_i then
     a zero bias, the order of a linear model's weight and bias), else ``None``. Rebuilt from (config,
     seed): no data moves."""
+    if cfg.data.dataset != "karula_ridge" or cfg.data.prepared is not None:
+        return None  # only the synthetic ridge generator knows its true parameters: build no other twice
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     if not hasattr(dataset, "true_parameters"):
         return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +22,7 @@ class Ledger:
     _messages: list[np.ndarray] = field(default_factory=list)
     _stages: list[np.ndarray] = field(default_factory=list)
     _bytes: list[np.ndarray] = field(default_factory=list)
+    train_bytes: int = 0  # running total of stage "train" (what evaluations report as cumulative bytes)
 
     def _message_id(self, msg: Message) -> int:
         if msg.name not in self.message_names:
@@ -39,6 +39,8 @@ class Ledger:
         self._messages.append(np.full(n, self._message_id(msg), dtype=np.int32))
         self._stages.append(np.full(n, STAGES.index(stage), dtype=np.int8))
         self._bytes.append(np.full(n, msg.nbytes, dtype=np.int64))
+        if stage == "train":
+            self.train_bytes += n * msg.nbytes
 
     def load(self, columns: dict[str, np.ndarray], message_names: list[str], directions: list[str]) -> None:
         """Start from rows read back from a results file (resuming a run)."""
@@ -47,6 +49,7 @@ class Ledger:
         self._rounds, self._clients = [columns["round"]] * rows, [columns["client"]] * rows
         self._messages, self._stages, self._bytes = [columns["message"]] * rows, [columns["stage"]] * rows, \
             [columns["bytes"]] * rows
+        self.train_bytes = int(columns["bytes"][columns["stage"] == STAGES.index("train")].sum())
 
     def columns(self) -> dict[str, np.ndarray]:
         def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -80,16 +83,13 @@ class PhysicalLog:
     """What MPI really moved from this rank's point of view: bytes and seconds per collective."""
 
     rows: list[tuple[int, str, str, int, float]] = field(default_factory=list)
-    seconds_by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    total_seconds: float = 0.0  # running sum of the rows' seconds (read every round by the profile)
 
     def record(self, round_: int, message: str, op: str, nbytes: int, seconds: float) -> None:
         self.rows.append((round_, message, op, nbytes, seconds))
-        self.seconds_by_op[op] += seconds
+        self.total_seconds += seconds
 
     @property
     def total_bytes(self) -> int:
         return sum(r[3] for r in self.rows)
 
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds_by_op.values())

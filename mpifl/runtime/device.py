@@ -29,8 +29,6 @@ def pick_device(setting: str, local_rank: int, cuda_count: int, where: str = "th
     ``auto`` when a GPU is visible; ``cpu`` otherwise. ``cuda`` without a GPU is a :class:`ConfigError`."""
     if setting == "cpu":
         return "cpu"
-    if setting not in ("cuda", "auto"):
-        raise ConfigError(f"device: {setting!r} is not one of 'auto', 'cpu', 'cuda'")
     if cuda_count > 0:
         return f"cuda:{local_rank % cuda_count}"
     if setting == "cuda":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import platform
 import sys
@@ -27,7 +26,7 @@ from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.results import Table, write_atomically
 from mpifl.runtime.device import rank_device
-from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.faults import FaultModel, selection_size
 from mpifl.runtime.metrics import summarize
 from mpifl.runtime.sampling import sample_clients
 from mpifl.runtime.store import ClientStore
@@ -72,7 +71,7 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     seen = int((~layout.unseen).sum())
     if cfg.clients_per_round > seen:
         raise ConfigError(f"clients_per_round: {cfg.clients_per_round} exceeds the {seen} seen clients of the data")
-    selected = math.ceil(cfg.clients_per_round * (1 + cfg.faults.over_selection))
+    selected = selection_size(cfg.clients_per_round, cfg.faults)
     if selected > seen:
         raise ConfigError(f"faults.over_selection: selecting {selected} clients per round exceeds the {seen} seen "
                           "clients of the data")
@@ -153,16 +152,18 @@ class Engine:
         wall, cpu, self.parts_at_start = time.perf_counter(), time.process_time(), self._time_parts()
         every = self.cfg.checkpoint_every
         for round_ in range(self.start_round, self.cfg.rounds + 1):
-            round_start, parts_before = time.perf_counter(), self._time_parts()
+            if self.profile:
+                round_start, parts_before = time.perf_counter(), self._time_parts()
             self._fault_injection(round_)
             self.train_round(round_)
-            evaluate = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
-            if evaluate:
+            evaluation = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
+            checkpoint = bool(every) and round_ % every == 0
+            if evaluation:
                 self.evaluate(round_)
-            if every and round_ % every == 0:
+            if checkpoint:
                 self._take_checkpoint(round_)
-            if self.server is not None and (evaluate or every and round_ % every == 0):
-                if evaluate and progress:
+            if self.server is not None and (evaluation or checkpoint):
+                if evaluation and progress:
                     self._print_progress(round_)
                 self.write_results(status="running")
             if self.profile:
@@ -328,9 +329,7 @@ class Engine:
         if self.server is None:
             return
         self.final_rows = gathered = np.concatenate(blocks)
-        ledger = self.transport.ledger.columns()
-        train_bytes = float(ledger["bytes"][ledger["stage"] == 0].sum())
-        row: dict[str, float] = {"round": round_, "cum_logical_bytes": train_bytes}
+        row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(self.transport.ledger.train_bytes)}
         regression = self.layout.task == "regression"
         for j, kind in enumerate(self.protocol.eval_kinds):
             block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
@@ -414,6 +413,9 @@ class Engine:
         if self.client is not None:
             workers = sorted((k for k in blobs if k.startswith("worker_")), key=lambda k: int(k.split("_")[1]))
             load_client_blobs([blobs[k] for k in workers], self.client)
+        self.start_round = round_ + 1
+        if self.server is None:  # the tables and the ledger are the server's alone
+            return
         for table, target in (("rounds", self.rounds_table), ("eval", self.eval_table)):
             columns = saved.table(table)
             keep = columns["round"] <= round_ if columns else []
@@ -422,7 +424,6 @@ class Engine:
         keep = ledger["round"] <= round_
         attrs = saved.table_attrs["ledger"]
         self.transport.ledger.load({k: v[keep] for k, v in ledger.items()}, attrs["message_names"], attrs["directions"])
-        self.start_round = round_ + 1
 
     def _finish(self) -> None:
         """Collect every rank's time breakdown and MPI totals, and with ``--profile`` its per-round rows

@@ -18,6 +18,11 @@ from mpifl.config import FaultsConfig
 _DROPOUT_TAG = 0x64726F70
 
 
+def selection_size(clients_per_round: int, cfg: FaultsConfig) -> int:
+    """How many clients a round samples: with over-selection, (1 + o)·m rounded up, to keep the m fastest."""
+    return math.ceil(clients_per_round * (1 + cfg.over_selection))
+
+
 @dataclass(frozen=True)
 class FaultModel:
     cfg: FaultsConfig
@@ -25,7 +30,7 @@ class FaultModel:
     seed: int
 
     def selection_size(self, clients_per_round: int) -> int:
-        return math.ceil(clients_per_round * (1 + self.cfg.over_selection))
+        return selection_size(clients_per_round, self.cfg)
 
     def participants(self, round_: int, sampled: np.ndarray, wanted: int, down_bytes: int, up_bytes: int,
                      messages: int, samples: np.ndarray) -> np.ndarray:

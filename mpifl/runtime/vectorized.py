@@ -30,6 +30,8 @@ _TRIALS = 3
 class VectorizedSGD:
     """Trains groups of clients of one flat model together; decides per group size when ``auto``."""
 
+    checkpoint_derived = ("model", "faster")  # the client's workspace, and this process's timings
+
     def __init__(self, model: FlatModel, loss_fn: nn.Module, mode: bool | str):
         self.model, self.loss_fn, self.mode = model, loss_fn, mode
         module, names, shapes = model.module, model.names, model.shapes
@@ -43,17 +45,21 @@ class VectorizedSGD:
         self.gradients: Callable = vmap(grad(loss, has_aux=True))
         self.faster: dict[int, bool] = {}  # group size bucket -> vectorized was faster (auto)
 
-    def worth_it(self, group: int, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether to train ``group`` clients together: always (mode True), never (False), or as measured
-        once per power-of-two group size on one batch of stacked inputs ``x``, ``y`` ("auto")."""
+    def decided(self, group: int) -> bool | None:
+        """Whether to train ``group`` clients together, if that needs no (more) measuring: always (mode
+        True), never (False), or as measured before for this power-of-two group size ("auto")."""
         if group < 2 or self.mode is False:
             return False
         if self.mode is True:
             return True
-        bucket = 1 << (group - 1).bit_length()
-        if bucket not in self.faster:
-            self.faster[bucket] = self._measure(x, y) < 1.0
-        return self.faster[bucket]
+        return self.faster.get(_bucket(group))
+
+    def worth_it(self, group: int, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """:meth:`decided`, measuring on one batch of stacked inputs ``x``, ``y`` where it is not yet."""
+        choice = self.decided(group)
+        if choice is None:
+            choice = self.faster[_bucket(group)] = self._measure(x, y) < 1.0
+        return choice
 
     def _measure(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Seconds of one vmapped gradient over seconds of the same gradients one client at a time
@@ -89,6 +95,10 @@ class VectorizedSGD:
                 sgd_step(params[k], grads[k], None if momentum is None else momentum[k], cfg.lr, cfg)
             steps += 1
         return params, [TrainStats(steps, float(s) / max(steps, 1)) for s in loss_sums]
+
+
+def _bucket(group: int) -> int:
+    return 1 << (group - 1).bit_length()
 
 
 def _timed(fn: Callable[[], object]) -> float:
