@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mpifl.cli import main
@@ -148,6 +148,8 @@ def _load_damaged_idx(tmp_path: Path, target, cut, flips, nan, gz) -> None:
 @settings(max_examples=100, deadline=None)
 @given(kind=st.sampled_from(["cifar", "leaf"]), cut=st.integers(0, 4000),
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
+@example(kind="cifar", cut=1, flips=[(0, 80)])  # the library's message spans lines
+@example(kind="cifar", cut=9, flips=[(0, 149)])  # a damaged length asks for an impossible buffer: MemoryError
 def test_damaged_cifar_pickles_and_leaf_json_raise_config_error(kind, cut, flips):
     with tempfile.TemporaryDirectory() as tmp:
         _load_damaged_files(Path(tmp), kind, cut, flips)

@@ -183,7 +183,8 @@ def load_pickle(path: Path) -> Any:
             return _SafeUnpickler(f, encoding="bytes").load()
     except _ForbiddenGlobal as exc:
         raise ConfigError(f"data.root: {path}: refusing to unpickle global {exc} (only numpy arrays allowed)") from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError) as exc:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError,
+            MemoryError) as exc:  # MemoryError: a damaged length field asks for an impossible buffer
         raise ConfigError(f"data.root: {path}: corrupt or truncated pickle ({type(exc).__name__}: {exc})") from exc
 
 
