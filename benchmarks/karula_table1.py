@@ -128,7 +128,12 @@ def run_engine(cfg, dataset: FederatedDataset | None = None):  # noqa: ANN001, A
 
 
 def client_models(engine, kind: str) -> np.ndarray:  # noqa: ANN001
-    """Every client's final evaluated model of ``kind`` as flat float64 rows (P = 1: all clients are here)."""
+    """Every client's final evaluated model of ``kind`` as flat float64 rows (P = 1: all clients are here):
+    Karula's personalized models as its server holds them (it sent each client its row), the others from
+    the client side."""
+    final = engine.server.final_state()
+    if "personal_models" in final:
+        return np.asarray(final["personal_models"], dtype=np.float64)
     n = engine.layout.num_clients
     return np.stack([
         torch.nn.utils.parameters_to_vector(engine.client.eval_model(c, kind).parameters()).detach().double().numpy()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
 from mpifl.schema import ConfigError
 
@@ -169,26 +170,26 @@ def load_state_blob(blob: np.ndarray, obj: Any) -> None:
         read_object(f, obj)
 
 
-def load_client_blobs(blobs: list[np.ndarray], client: Any) -> None:
-    """Restore a worker's clients from the blobs of however many workers saved them.
+def client_state_blob(state: ClientState) -> np.ndarray:
+    """A worker's committed client states as an HDF5 tree: one group per client id, one array per name."""
+    return state_blob(_ClientStates(state.export()))
 
-    Per-client state lives in attributes that are dicts keyed by client id: each such dict is merged
-    from every blob, keeping this worker's clients. Everything else is the same on every worker (it
-    derives from the config), and comes from the first blob.
-    """
-    mine = set(client.data)
-    for i, blob in enumerate(blobs):
+
+def load_client_states(blobs: list[np.ndarray], state: ClientState, clients: np.ndarray) -> None:
+    """Restore ``clients``' states from the blobs of however many workers saved them (any rank count)."""
+    mine = {int(c) for c in clients}
+    for blob in blobs:
         with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
-            for attr, node in f.items():
-                current = getattr(client, attr, None)
-                if node.attrs["kind"] == "dict" and all(k.startswith("i:") for k in node):
-                    merged = current if isinstance(current, dict) else {}
-                    for key, child in node.items():
-                        if int(key[2:]) in mine:
-                            merged[int(key[2:])] = read_state(child, merged.get(int(key[2:])))
-                    setattr(client, attr, merged)
-                elif i == 0:
-                    setattr(client, attr, read_state(node, current))
+            if "states" not in f:
+                continue
+            for key, node in f["states"].items():
+                if _unkey(key) in mine:
+                    state.restore({_unkey(key): {_unkey(name): read_state(a) for name, a in node.items()}})
+
+
+@dataclasses.dataclass
+class _ClientStates:
+    states: dict[int, dict[str, np.ndarray]]
 
 
 def read_checkpoint(path: str | Path) -> Any:

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="summarize a results file, or aggregate a directory of runs over seeds")
     rep.add_argument("results", help="results file, or a directory of them (writes summary.md and summary.csv)")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
+    rep.add_argument("--select", choices=("final", "best-val"), default="final",
+                     help="report the final evaluation, or the one with the best validation accuracy of the seen "
+                          "clients (the papers' model selection; needs data.val_fraction > 0)")
     plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
     plot.add_argument("results", nargs="+")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
@@ -77,7 +80,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             from mpifl.report import aggregate, report
 
-            summary = aggregate(args.results) if Path(args.results).is_dir() else report(args.results)
+            reader = aggregate if Path(args.results).is_dir() else report
+            summary = reader(args.results, args.select)
             print(json.dumps(summary, indent=2) if args.json else summary["text"])
             return 0
         if args.command == "export":

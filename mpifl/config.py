@@ -3,7 +3,8 @@
 Top-level names (``algorithm``, ``rounds``, ``clients_per_round``, ``seed``, ``eval_every``,
 ``checkpoint_every``, ``data``, ``model``, ``client``, ``server``, ``network``) are stable so
 scripts can rely on them. Algorithm-specific options live in a section named after the
-algorithm (e.g. ``fedprox: {mu: 0.01}``), validated by that algorithm's own schema.
+algorithm (e.g. ``fedprox: {mu: 0.01}``), validated by that algorithm's own schema; a config may hold
+the sections of several algorithms (each validated), and the one named by ``algorithm`` applies.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class ClientConfig:
     batch_size: int = field(default=32, metadata=limits(ge=1))
     clip_norm: float | None = field(default=None, metadata=limits(gt=0))
     drop_last: bool = False
+    # epochs: passes over the shuffled data; fresh: each step the first batch_size of a new permutation
+    # (the PeFLL/pFedHN reference code's next(iter(loader)): always full batches)
+    batch_sampling: Literal["epochs", "fresh"] = "epochs"
+    augment: Literal["none", "crop_flip"] = "none"  # training batches: random crop (pad 4) + horizontal flip
     # Train a rank's equally sized clients as one torch.func computation (small models: linear,
     # logistic, mlp; FedAvg): true, false, or auto (where a measurement on the rank finds it faster).
     # Results are bitwise the same either way.
@@ -77,6 +82,7 @@ class FaultsConfig:
     deadline_s: float | None = field(default=None, metadata=limits(gt=0))  # drop clients expected to finish later
     over_selection: float = field(default=0.0, metadata=limits(ge=0))  # sample (1+o)·m, keep the m fastest
     nonfinite: Literal["skip", "abort"] = "skip"  # an update with NaN/Inf: drop that client, or stop the job
+    corrupt: float = field(default=0.0, metadata=limits(ge=0, le=1))  # a participant's uploads arrive as NaN
 
 
 @dataclass(frozen=True)
@@ -163,10 +169,14 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"algorithm: unknown algorithm {name!r}{hint}; known: {', '.join(known_algorithms())}")
     algo = get_algorithm(name)
-    section = raw.pop(name, None) if name not in RunConfig.__dataclass_fields__ else None
-    for other in known_algorithms():
-        if other != name and other in raw:
-            raise ConfigError(f"{other}: options for algorithm {other!r} given, but algorithm is {name!r}")
+    # A config may carry the options of several algorithms (a paper config holding every compared method's
+    # settings, picked with --set algorithm=...): each section is validated, the named algorithm's applies.
+    sections = {other: raw.pop(other) for other in known_algorithms()
+                if other in raw and other not in RunConfig.__dataclass_fields__}
+    for other, options in sections.items():
+        if other != name:
+            build(get_algorithm(other).options_type, options, other)
+    section = sections.get(name)
     if "algorithm_options" in raw:
         raise ConfigError(f"config: unknown key 'algorithm_options' (put options under '{name}:')")
     cfg = build(RunConfig, raw)

@@ -34,12 +34,34 @@ def logical_totals(results: Results) -> dict[str, dict[str, dict[str, int]]]:
     return out
 
 
-def report(path: str) -> dict[str, Any]:
+SELECTIONS = ("final", "best-val")
+
+
+def selected_row(res: Results, select: str, path: str | Path) -> int:
+    """Which evaluation row a selection reports: the last (``final``), or the one with the best validation
+    accuracy of the seen clients under the first model kind (``best-val``, the papers' model selection;
+    the earliest such row on ties)."""
+    ev = res.table("eval")
+    if not ev:
+        return -1
+    if select == "final":
+        return len(ev["round"]) - 1
+    kinds = list(res.attrs.get("eval_kinds", []))
+    key = f"{kinds[0]}.seen.val_acc_pooled" if kinds else ""
+    if key not in ev or not np.isfinite(ev[key]).any():
+        from mpifl.schema import ConfigError
+
+        raise ConfigError(f"--select best-val: {path} has no validation accuracy (run with data.val_fraction > 0)")
+    return int(np.nanargmax(ev[key]))
+
+
+def report(path: str, select: str = "final") -> dict[str, Any]:
     res = read_results(path)
     ev, rounds = res.table("eval"), res.table("rounds")
+    row = selected_row(res, select, path)
     final: dict[str, float] = {}
     if ev:
-        final = {k: float(v[-1]) for k, v in ev.items() if k not in ("round",) and np.isfinite(v[-1])}
+        final = {k: float(v[row]) for k, v in ev.items() if k not in ("round",) and np.isfinite(v[row])}
     totals = logical_totals(res)
     ranks = res.table("ranks")
     summary: dict[str, Any] = {
@@ -48,6 +70,8 @@ def report(path: str) -> dict[str, Any]:
         "status": res.attrs.get("status"),
         "world_size": res.attrs.get("world_size"),
         "rounds_completed": res.attrs.get("rounds_completed"),
+        "selection": select,
+        "selected_round": int(ev["round"][row]) if ev else None,
         "last_eval_round": int(ev["round"][-1]) if ev else None,
         "final": final,
         "logical_bytes": totals,
@@ -62,7 +86,8 @@ def report(path: str) -> dict[str, Any]:
         f"simulated {summary['simulated_time_s']:.1f} s",
     ]
     if final:
-        lines.append(f"final evaluation (round {summary['last_eval_round']}):")
+        how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy"
+        lines.append(f"{how} (round {summary['selected_round']}):")
         for key in sorted(final):
             if key != "cum_logical_bytes":
                 lines.append(f"  {key:<32} {final[key]:.4f}")
@@ -159,14 +184,28 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def aggregate(directory: str) -> dict[str, Any]:
-    """Mean ± std over seeds of every run in ``directory``: runs whose configs differ only in
-    ``seed`` (and output path) form one row; the columns that name a row are the config keys
-    that differ between rows. Writes ``summary.md`` and ``summary.csv`` into the directory."""
+def mean_2se(values: np.ndarray) -> tuple[float, float]:
+    """Mean and 2·SE (sample standard deviation over √n; NaN for one value) of finite ``values``: the
+    spread the seed papers' tables print."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    se = values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return float(values.mean()), float(2 * se)
+
+
+def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
+    """Mean ± 2·SE over seeds of every run in ``directory``: runs whose configs differ only in ``seed``
+    (and output path) form one row; the columns that name a row are the config keys that differ between
+    rows (an algorithm's own options only among that algorithm's runs). Test metrics at each run's final
+    evaluation or at its best-validation one (``select``). Writes ``summary.md`` and ``summary.csv`` into
+    the directory."""
     import csv
 
     import yaml
 
+    from mpifl.algorithms import known_algorithms
     from mpifl.schema import ConfigError
 
     files = sorted(Path(directory).glob("*.h5"))
@@ -178,31 +217,49 @@ def aggregate(directory: str) -> dict[str, Any]:
         config = _flatten(yaml.safe_load(res.attrs["config"]))
         key_config = {k: v for k, v in config.items() if k not in ("seed", "output")}
         ev = res.table("eval")
-        metrics = {k: float(v[-1]) for k, v in ev.items() if k.endswith((".acc_pooled", ".acc_mean"))}
-        metrics["train_MB"] = float(ev["cum_logical_bytes"][-1]) / 1e6 if ev else float("nan")
+        row = selected_row(res, select, path)
+        metrics = {k: float(v[row]) for k, v in ev.items()
+                   if k.endswith((".acc_pooled", ".acc_mean")) and ".val_" not in k}
+        metrics["round"] = float(ev["round"][row]) if ev else float("nan")
+        metrics["train_MB"] = float(ev["cum_logical_bytes"][row]) / 1e6 if ev else float("nan")
         groups.setdefault(yaml.safe_dump(key_config, sort_keys=True), []).append((key_config, metrics))
     configs = [runs[0][0] for runs in groups.values()]
-    varying = sorted(k for k in set().union(*configs) if len({repr(c.get(k)) for c in configs}) > 1)
-    metric_names = sorted(set().union(*(m for runs in groups.values() for _, m in runs)))
+    algorithms = set(known_algorithms())
+
+    def varies(key: str) -> bool:
+        section = key.split(".", 1)[0]
+        among = [c for c in configs if section not in algorithms or c.get("algorithm") == section]
+        return len({repr(c.get(key)) for c in among}) > 1
+
+    varying = sorted(k for k in set().union(*configs) if varies(k))
+    metric_names = sorted(set().union(*(m for runs in groups.values() for _, m in runs)) - {"round", "train_MB"})
+    metric_names += ["round", "train_MB"]
     rows = []
     for runs in groups.values():
-        row: dict[str, Any] = {k: runs[0][0].get(k) for k in varying}
+        row: dict[str, Any] = {k: runs[0][0].get(k, "–") for k in varying}
         row["seeds"] = len(runs)
         for name in metric_names:
-            values = np.array([m[name] for _, m in runs if name in m])
-            row[name] = (float(values.mean()), float(values.std())) if len(values) else (np.nan, np.nan)
+            row[name] = mean_2se(np.array([m.get(name, np.nan) for _, m in runs]))
         rows.append(row)
     header = [*varying, "seeds", *metric_names]
-    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy (seen clients)"
+    md = [f"Test metrics at each run's {how}; mean ± 2·SE over seeds (sample standard deviation).", "",
+          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [str(row[k]) for k in (*varying, "seeds")]
-        cells += [f"{row[m][0]:.4f} ± {row[m][1]:.4f}" if np.isfinite(row[m][0]) else "–" for m in metric_names]
+        cells += [_mean_2se_cell(*row[m]) for m in metric_names]
         md.append("| " + " | ".join(cells) + " |")
     text = "\n".join(md)
     (Path(directory) / "summary.md").write_text(text + "\n")
     with open(Path(directory) / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*varying, "seeds", *(f"{m}_{s}" for m in metric_names for s in ("mean", "std"))])
+        writer.writerow([*varying, "seeds", *(f"{m}_{s}" for m in metric_names for s in ("mean", "2se"))])
         for row in rows:
             writer.writerow([row[k] for k in (*varying, "seeds")] + [v for m in metric_names for v in row[m]])
-    return {"rows": rows, "text": text, "varying": varying}
+    return {"rows": rows, "text": text, "varying": varying, "selection": select}
+
+
+def _mean_2se_cell(mean: float, two_se: float) -> str:
+    if not np.isfinite(mean):
+        return "–"
+    return f"{mean:.4f} ± {two_se:.4f}" if np.isfinite(two_se) else f"{mean:.4f}"

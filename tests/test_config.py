@@ -26,7 +26,8 @@ def test_defaults_parse_and_round_trip():
         ({"data": "digits"}, "data: expected a mapping"),
         ({"network": {"up_mbps": 0}}, "network.up_mbps: must be > 0"),
         ({"eval_every": 5, "rounds": 2}, "eval_every: 5 exceeds rounds"),
-        ({"local": {"x": 1}}, "options for algorithm 'local' given, but algorithm is 'fedavg'"),
+        ({"local": {"x": 1}}, "local: unknown key 'x'"),  # another algorithm's section is validated too
+        ({"pefll": {"lambda_h": 0.1}}, "pefll.lambda_h: applies to Alg. 2's step (optimizer: paper) only"),
         ({"fedavg": {"x": 1}}, "fedavg: unknown key 'x'"),
         ({"checkpoint_every": -1}, "checkpoint_every: must be >= 0"),
         ({"device": "gpu"}, "device: 'gpu' is not one of"),
@@ -67,3 +68,12 @@ def test_load_config_errors_name_the_file(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+
+
+def test_sections_of_other_algorithms_are_kept_out_of_the_run():
+    """A paper config holds every compared method's options; --set algorithm=X picks X's section only."""
+    raw = {"algorithm": "pfedhn", "pfedhn": {"server_steps": "averaged"}, "local": {"mode": "all"}}
+    cfg = parse_config(raw)
+    assert cfg.algorithm_options.server_steps == "averaged"
+    assert "local" not in config_to_dict(cfg) and config_to_dict(cfg)["pfedhn"]["server_steps"] == "averaged"
+    assert parse_config({**raw, "algorithm": "local"}).algorithm_options.mode == "all"

@@ -24,7 +24,7 @@ class AlgorithmEntry:
 # name → options class (None: no options), server class, client class, as "module.Class" in mpifl.algorithms
 _REGISTRY: dict[str, tuple[str | None, str, str]] = {
     "fedavg": (None, "fedavg.FedAvgServer", "fedavg.FedAvgClient"),
-    "local": (None, "local.LocalServer", "local.LocalClient"),
+    "local": ("local.LocalOptions", "local.LocalServer", "local.LocalClient"),
     "fedals": ("fedals.FedALSOptions", "fedals.FedALSServer", "fedals.FedALSClient"),
     "feddeper": ("feddeper.FedDeperOptions", "feddeper.FedDeperServer", "feddeper.FedDeperClient"),
     "fedprox": ("fedprox.FedProxOptions", "fedavg.FedAvgServer", "fedprox.FedProxClient"),

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message, Step
-from mpifl.config import RunConfig
+from mpifl.config import ClientConfig, RunConfig
 from mpifl.data import ClientSplit, FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.models.norm import batch_norms, norm_statistics
 from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook, client_generator, local_sgd
+from mpifl.runtime.training import GradHook, client_generator, local_sgd, planned_samples
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,27 @@ class Protocol:
     """Message declarations and the order they move in; shared by both sides of an algorithm."""
 
     eval_kinds: tuple[str, ...] = ("global",)
+    # True: a round's clients take the train plan one after another, each walk seeing the server state the
+    # previous client's left (pFedHN's reference code); False: all of them walk it together.
+    turns: bool = False
+    setup_includes_unseen: bool = False  # walk the set-up plan among every client, not only the seen ones
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
 
+    def samples_per_round(self) -> np.ndarray:
+        """Training samples each client passes forward and backward in one round (int64, per client id): what
+        dynamic placement balances and ``network.seconds_per_sample`` charges before a deadline. The
+        configured local SGD by default; an algorithm with its own step count or extra passes says so."""
+        return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client)
+
     def train_plan(self, round_: int) -> Sequence[Step]:
         raise NotImplementedError
+
+    def eval_prelude(self) -> Sequence[Step]:
+        """Messages among every seen client that the server needs before any client's evaluation model is
+        known (e.g. FedALS's virtual average of φ), walked chunk by chunk before :meth:`eval_plan`."""
+        return ()
 
     def eval_plan(self) -> Sequence[Step]:
         """Messages that must move before clients can be evaluated (all clients take part)."""
@@ -105,26 +122,42 @@ class ServerAlgorithm:
         (e.g. PeFLL's descriptor rank correlation)."""
         return {}
 
+    def end_evaluation(self) -> None:
+        """Forget what only the evaluation that just ended needed (e.g. its evaluated model)."""
+
     def final_state(self) -> dict[str, np.ndarray]:
         """Server arrays stored in the results file at the end (e.g. the global model)."""
         return {}
 
 
 class ClientAlgorithm:
-    """Lives on each worker rank: the clients it hosts, their data and their persistent state."""
+    """Lives on each worker rank: the clients it hosts, their data, and their state in :attr:`state`.
+
+    Anything about a client that must outlive its round lives in ``state`` (the runtime's
+    :class:`ClientState`: committed or rolled back with the server's verdict, checkpointed by client id).
+    What moves between the phases of one round lives in the dict attributes named in :attr:`scratch`,
+    which the runtime empties after every training round and every evaluation.
+    """
 
     protocol_type: type[Protocol] = Protocol
     # True when nothing about a client outlives its round on a worker, so a round's clients may be
     # re-spread over the workers every round (``placement: dynamic``) without changing any result.
     stateless: bool = False
+    scratch: tuple[str, ...] = ()  # per-round dict attributes (client id -> value), emptied by end_round
 
-    def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit]):
+    def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
         self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
         self.data = data  # the clients this rank hosts, by id (a ClientStore; any mapping in tests)
+        self.state = ClientState() if state is None else state
         self.round_losses: dict[int, float] = {}
+
+    def end_round(self) -> None:
+        """Forget this round's in-flight values (also those of clients whose updates were rejected)."""
+        for name in self.scratch:
+            getattr(self, name).clear()
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +192,13 @@ class ClientAlgorithm:
         before the next call, so it may live in the shared workspace."""
         raise NotImplementedError
 
+    def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
+        """The BatchNorm statistics ``model`` evaluates with (:mod:`mpifl.models.norm`); ``None`` without
+        BatchNorm. By default estimated on the client's own training split (never its test batch)."""
+        if not batch_norms(model):
+            return None
+        return norm_statistics(model, self.data[client].x_train, self.ctx.cfg.client.batch_size)
+
     def gradient_at(self, client: int, params: np.ndarray, rows: torch.Tensor | None = None) -> np.ndarray:
         """∇ at ``params`` of ``client``'s mean loss over ``rows`` of its training split, plus the configured
         weight decay; all rows (the default) give the full-batch gradient ("clients return full gradients")."""
@@ -175,13 +215,13 @@ class ClientAlgorithm:
 
     def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None,
                         steps: int | None = None, momentum: torch.Tensor | None = None,
-                        lr: float | None = None) -> int:
-        """Run the configured local SGD on the workspace model with ``client``'s training data
-        (``steps``, ``momentum`` and ``lr`` as in :func:`local_sgd`); returns the number of steps taken."""
+                        lr: float | None = None, config: ClientConfig | None = None) -> int:
+        """Run local SGD (``config``, by default ``client.*``) on the workspace model with ``client``'s
+        training data (``steps``, ``momentum`` and ``lr`` as in :func:`local_sgd`); returns the steps taken."""
         split = self.data[client]
         gen = client_generator(self.ctx.cfg.seed, round_, client)
-        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, gen,
-                          grad_hook, lr=lr, steps=steps, momentum=momentum)
+        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, config or self.ctx.cfg.client,
+                          gen, grad_hook, lr=lr, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
         return stats.steps
 

@@ -12,10 +12,19 @@ that is 2·[(T/τ)·P_h + (T/(ατ))·P_φ] parameters over T = Rτ steps (Table
 optimizer state is never reset) and control variate between rounds; with partial participation a
 client trains on the parts it last received and uploads its progress since then.
 
+SCAFFOLD's cₖ⁺ of a part is the mean local gradient over the steps since the part's last reference (what
+option II's (reference − θₖ)/(η·steps) − c + cₖ equals under plain SGD; see :mod:`.scaffold`), so it stays
+right under momentum and ``lr_decay``.
+
 The evaluated global model is the server's, except that φ is the average of all seen clients' current
-φ in rounds that did not sync it (the paper's "virtual average"; one φ upload per client in the eval
-stage). BatchNorm keeps no running statistics here (see ``mpifl.models.zoo.norm_layer``): γ and β are
-parameters of their convolution's group and are averaged with it.
+φ in rounds that did not sync it (the paper's "virtual average"): before the evaluation every seen client
+uploads its φ (eval stage), chunk by chunk with ``eval_chunk``, and the server sums them in client-id
+order, so every client is scored on the same model. BatchNorm keeps no running statistics during
+training (``mpifl.models.zoo.norm_layer``); γ and β are parameters of their convolution's group. At
+evaluation each seen client also uploads its BatchNorm statistics (its current model on its training
+data: what its running statistics estimate), the server averages them by sample count as the authors
+average running statistics, and every client evaluates the global model in inference mode with them
+(``mpifl.models.norm``), never with its label-skewed test batch's statistics.
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgServer
-from mpifl.algorithms.scaffold import correction_hook, option_ii, population_weights, update_control
+from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
+from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
+from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.runtime.device import host_numpy
+from mpifl.runtime.training import planned_samples
 from mpifl.schema import ConfigError, limits
 
 
@@ -115,17 +127,23 @@ class FedALSProtocol(Protocol):
         self.extractor = next((p for p in self.parts if p.name == "extractor"), None)
         self.extractor_eval = Message("extractor_eval", "up", boundary) if self.extractor else None
         self.eval_msg = Message("eval_model", "down", model.numel, broadcast=True)
+        stats = norm_size(model.module)
+        self.norm_msg = Message("norm_statistics", "up", stats, "float64") if stats else None
+        self.eval_norm_msg = Message("eval_norm_statistics", "down", stats, "float64", broadcast=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         down = [m for p in self.parts if (round_ - 1) % p.period == 0 for m in p.down]
         up = [m for p in self.parts if round_ % p.period == 0 for m in p.up]
         return (*down, LOCAL, *up)
 
-    def eval_plan(self) -> Sequence[Step]:
-        return (self.extractor_eval, self.eval_msg) if self.extractor_eval else (self.eval_msg,)
+    def eval_prelude(self) -> Sequence[Step]:
+        return tuple(m for m in (self.extractor_eval, self.norm_msg) if m is not None)
 
-    def is_extractor_eval(self, msg: Message) -> bool:
-        return self.extractor_eval is not None and msg.name == self.extractor_eval.name
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_msg, self.eval_norm_msg) if self.norm_msg else (self.eval_msg,)
+
+    def samples_per_round(self) -> np.ndarray:
+        return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client, self.ctx.options.tau)
 
 
 class FedALSServer(FedAvgServer):
@@ -136,19 +154,26 @@ class FedALSServer(FedAvgServer):
         self.control = np.zeros_like(self.params)
         self.synced: dict[str, int] = {}  # part → last round it was averaged
         self.metrics: dict[str, float] = {}
-        self.eval_params = self.params
+        self.eval_params: np.ndarray | None = None
+        # the evaluation's running sums over the seen clients, chunk after chunk (client-id order)
+        self.extractor_sum: np.ndarray | None = None
+        self.norm_sum: np.ndarray | None = None
 
     def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
-        if msg.name == self.protocol.eval_msg.name:
-            return self.eval_params
-        part, kind = self.protocol.route[msg.name]
+        p = self.protocol
+        if msg.name == p.eval_msg.name:
+            return self._evaluated_model(round_)
+        if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
+            return self.norm_sum
+        part, kind = p.route[msg.name]
         return (self.params if kind == "params" else self.control)[part.span]
 
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
-        if self.protocol.is_extractor_eval(msg):
-            self._virtual_average(round_, clients, rows)
+        p = self.protocol
+        if msg.name in (getattr(p.extractor_eval, "name", None), getattr(p.norm_msg, "name", None)):
+            self._accumulate(msg, clients, rows)
             return
-        part, kind = self.protocol.route[msg.name]
+        part, kind = p.route[msg.name]
         if kind == "control":
             control = self.control.copy()
             control[part.span] = update_control(self.control[part.span], rows, population_weights(self.ctx, clients))
@@ -160,14 +185,31 @@ class FedALSServer(FedAvgServer):
         self.apply_update(mean, part.span)
         self.synced[part.name] = round_
 
-    def _virtual_average(self, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
-        """The evaluated model: φ averaged over the seen clients unless this round already synced it."""
-        self.eval_params = self.params
-        if self.synced.get("extractor") != round_:
-            seen = ~self.ctx.layout.unseen[clients]
-            self.eval_params = self.params.copy()
-            average = weighted_sum(rows[seen], self.ctx.weights(clients[seen]))
-            self.eval_params[self.protocol.extractor.span] = average.astype(np.float32)
+    def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
+        """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
+        clients: the same ordered float64 sum whatever the chunks."""
+        name = "extractor_sum" if msg.name == self.protocol.extractor_eval.name else "norm_sum"
+        total = getattr(self, name)
+        if total is None:
+            total = np.zeros(msg.numel, dtype=np.float64)
+        weights = population_weights(self.ctx, clients)
+        for w, row in zip(weights, rows):
+            total += w * row
+        setattr(self, name, total)
+
+    def _evaluated_model(self, round_: int) -> np.ndarray:
+        """The evaluated model: φ averaged over the seen clients unless this round already synced it (the
+        paper's virtual average); worked out once per evaluation, after every chunk's φ came in."""
+        if self.extractor_sum is not None:
+            self.eval_params = self.params
+            if self.synced.get("extractor") != round_:
+                self.eval_params = self.params.copy()
+                self.eval_params[self.protocol.extractor.span] = self.extractor_sum.astype(np.float32)
+            self.extractor_sum = None
+        return self.params if self.eval_params is None else self.eval_params
+
+    def end_evaluation(self) -> None:
+        self.eval_params = self.norm_sum = None
 
     def _consensus(self, part: Part, rows: np.ndarray, mean: np.ndarray, weights: np.ndarray) -> dict[str, float]:
         """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients
@@ -185,79 +227,98 @@ class FedALSServer(FedAvgServer):
         return metrics
 
 
-@dataclass
-class ClientState:
-    """What a FedALS client keeps between rounds on the rank that owns it."""
-
-    model: np.ndarray  # θₖ
-    reference: np.ndarray  # each part as last received from the server
-    momentum: np.ndarray | None
-    control: np.ndarray | None  # cₖ (scaffold)
-    global_control: np.ndarray | None  # c as last received (scaffold)
-    steps_since: dict[str, int] = field(default_factory=dict)  # local steps since each part's reference
-
-
 class FedALSClient(ClientAlgorithm):
+    """Client state: ``model`` θₖ, ``reference`` (each part as last received), ``steps`` (local steps since
+    each part's reference), and as configured ``momentum``, ``control`` cₖ, ``global_control`` (c as last
+    received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺)."""
+
     protocol_type = FedALSProtocol
+    scratch = ("gradients",)
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
-        self.states: dict[int, ClientState] = {}
+        self.gradients: dict[int, GradientMean] = {}
         self.eval_params: np.ndarray | None = None
+        self.eval_norm: np.ndarray | None = None
 
-    def state(self, client: int) -> ClientState:
-        if client not in self.states:
+    def working(self, client: int) -> StateDict:
+        """This round's state of ``client``, created at its first participation."""
+        st = self.state.edit(client)
+        if not st:
             opts, cfg = self.ctx.options, self.ctx.cfg.client
-            zeros = np.zeros_like(self.initial)
-            self.states[client] = ClientState(
-                self.initial.copy(), self.initial.copy(),
-                zeros.copy() if opts.persistent_momentum and cfg.momentum > 0 else None,
-                zeros.copy() if opts.scaffold else None, zeros.copy() if opts.scaffold else None,
-                {p.name: 0 for p in self.protocol.parts},
-            )
-        return self.states[client]
+            st.update(model=self.initial.copy(), reference=self.initial.copy(),
+                      steps=np.zeros(len(self.protocol.parts), dtype=np.int64))
+            if opts.persistent_momentum and cfg.momentum > 0:
+                st["momentum"] = np.zeros_like(self.initial)
+            if opts.scaffold:
+                st.update(control=np.zeros_like(self.initial), global_control=np.zeros_like(self.initial),
+                          gradient_sum=np.zeros(self.initial.shape, dtype=np.float64))
+        return st
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
-        if msg.name == self.protocol.eval_msg.name:
+        p = self.protocol
+        if msg.name == p.eval_msg.name:
             self.eval_params = row
             return
-        part, kind = self.protocol.route[msg.name]
-        st = self.state(client)
-        if kind == "control":
-            st.global_control[part.span] = row
+        if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
+            self.eval_norm = row
             return
-        st.model[part.span] = row
-        st.reference[part.span] = row
-        st.steps_since[part.name] = 0
+        part, kind = p.route[msg.name]
+        st = self.working(client)
+        if kind == "control":
+            st["global_control"][part.span] = row
+            return
+        st["model"][part.span] = row
+        st["reference"][part.span] = row
+        st["steps"][p.parts.index(part)] = 0
+        if "gradient_sum" in st:
+            st["gradient_sum"][part.span] = 0.0
 
     def compute(self, round_: int, client: int) -> None:
-        st = self.state(client)
-        self.workspace.load(st.model)
-        hook = correction_hook(st.global_control - st.control, self.device) if st.control is not None else None
-        momentum = torch.from_numpy(st.momentum).to(self.device) if st.momentum is not None else None
+        st = self.working(client)
+        self.workspace.load(st["model"])
+        hook = None
+        if "control" in st:
+            self.gradients[client] = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
+            hook = correction_hook(st["global_control"] - st["control"], self.device, self.gradients[client])
+        momentum = torch.from_numpy(st["momentum"]).to(self.device) if "momentum" in st else None
         opts = self.ctx.options
         steps = self.train_workspace(round_, client, hook, steps=opts.tau, momentum=momentum,
                                      lr=round_lr(self.ctx.cfg.client.lr, opts, round_))
-        st.model[:] = self.workspace.numpy()
-        if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st.momentum
-            st.momentum[:] = host_numpy(momentum)
-        for name in st.steps_since:
-            st.steps_since[name] += steps
+        st["model"][:] = self.workspace.numpy()
+        if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st["momentum"]
+            st["momentum"][:] = host_numpy(momentum)
+        st["steps"] += steps
+        if hook is not None:
+            st["gradient_sum"] += host_numpy(self.gradients.pop(client).total)
 
     def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
-        st = self.state(client)
-        if self.protocol.is_extractor_eval(msg):
-            return st.model[self.protocol.extractor.span]
-        part, kind = self.protocol.route[msg.name]
+        p = self.protocol
+        if msg.name == getattr(p.extractor_eval, "name", None):
+            return self.current_model(client)[p.extractor.span]
+        if msg.name == getattr(p.norm_msg, "name", None):
+            self.workspace.load(self.current_model(client))
+            split = self.data[client]
+            return norm_statistics(self.workspace.module, split.x_train, self.ctx.cfg.client.batch_size)
+        part, kind = p.route[msg.name]
+        st = self.working(client)
         span = part.span
         if kind == "params":
-            return st.model[span] - st.reference[span]
-        own = st.control[span].copy()
-        st.control[span] = option_ii(own, st.global_control[span], st.reference[span] - st.model[span],
-                                     self.ctx.cfg.client.lr, st.steps_since[part.name])
-        return st.control[span] - own
+            return st["model"][span] - st["reference"][span]
+        own = st["control"][span].copy()  # option II: cₖ⁺ = the mean local gradient since the part's reference
+        steps = max(int(st["steps"][p.parts.index(part)]), 1)
+        st["control"][span] = (st["gradient_sum"][span] / steps).astype(np.float32)
+        return st["control"][span] - own
+
+    def current_model(self, client: int) -> np.ndarray:
+        """θₖ as its last round left it (the initial model before its first participation)."""
+        model = self.state.get(client, "model")
+        return self.initial if model is None else model
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.eval_params)
         return self.workspace.module
+
+    def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
+        return self.eval_norm

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.runtime.device import host_numpy
 from mpifl.runtime.training import GradHook, client_generator
@@ -64,15 +65,17 @@ class FedAvgServer(ServerAlgorithm):
 class FedAvgClient(ClientAlgorithm):
     protocol_type = FedAvgProtocol
     stateless = True
+    scratch = ("start", "deltas")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
         cls, mode = type(self), ctx.cfg.client.vectorize
         plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
         self.vectorizer = None
+        plain_sgd = plain_sgd and ctx.cfg.client.augment == "none"
         if plain_sgd and mode is not False and ctx.cfg.model.name in VECTORIZABLE_MODELS:
             self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
         self.trained_together = 0

@@ -23,7 +23,8 @@ from torch import nn
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
-from mpifl.runtime.training import batch_schedule, client_generator, sgd_step
+from mpifl.algorithms.state import ClientState
+from mpifl.runtime.training import client_generator, sgd_step, training_batches
 from mpifl.schema import limits
 
 
@@ -36,6 +37,9 @@ class FedDeperOptions:
 class FedDeperProtocol(FedAvgProtocol):
     eval_kinds = ("global", "personal")
 
+    def samples_per_round(self) -> np.ndarray:
+        return 2 * super().samples_per_round()  # every step takes a gradient at y and one at v
+
 
 class FedDeperServer(FedAvgServer):
     protocol_type = FedDeperProtocol
@@ -43,27 +47,25 @@ class FedDeperServer(FedAvgServer):
 
 class FedDeperClient(FedAvgClient):
     protocol_type = FedDeperProtocol
-    stateless = False  # per-client state persists across rounds
+    stateless = False  # vᵢ persists across rounds (client state "personal")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
         self.personal_model = ctx.new_model(ctx.device)
-        self.personal: dict[int, np.ndarray] = {}  # vᵢ after mixing, persistent per owned client
 
     def compute(self, round_: int, client: int) -> None:
         cfg, opts = self.ctx.cfg.client, self.ctx.options
         start = self.start.pop(client)
         y, v = self.workspace, self.personal_model
         y.load(start)
-        v.load(self.personal.get(client, self.initial))
+        v.load(self.personal(client))
         twice_x = 2 * torch.tensor(start, device=self.device)
         momenta = [torch.zeros_like(y.params) if cfg.momentum > 0 else None for _ in range(2)]
         split = self.data[client]
         gen = client_generator(self.ctx.cfg.seed, round_, client)
         loss_sum, steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
-        for idx in batch_schedule(len(split.x_train), cfg, gen):
-            xb, yb = split.x_train[idx], split.y_train[idx]
+        for xb, yb in training_batches(split.x_train, split.y_train, cfg, gen):
             loss = self.loss_fn(y.module(xb), yb)
             y.compute_gradient(loss)
             y.grads.add_(v.params + y.params - twice_x, alpha=opts.rho / cfg.lr)
@@ -73,11 +75,17 @@ class FedDeperClient(FedAvgClient):
             loss_sum += loss.detach()
             steps += 1
         self.round_losses[client] = float(loss_sum) / max(steps, 1)
-        self.personal[client] = ((1 - opts.mixing) * v.numpy() + opts.mixing * y.numpy()).astype(np.float32)
+        mixed = (1 - opts.mixing) * v.numpy() + opts.mixing * y.numpy()
+        self.state.edit(client)["personal"] = mixed.astype(np.float32)
         self.deltas[client] = y.numpy() - start
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         if kind == "global":
             return super().eval_model(client, kind)
-        self.workspace.load(self.personal.get(client, self.initial))
+        self.workspace.load(self.personal(client))
         return self.workspace.module
+
+    def personal(self, client: int) -> np.ndarray:
+        """vᵢ after its last mixing; the initial model for a client not yet sampled."""
+        own = self.state.get(client, "personal")
+        return self.initial if own is None else own

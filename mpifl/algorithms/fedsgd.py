@@ -24,6 +24,9 @@ class FedSGDProtocol(FedAvgProtocol):
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, LOCAL, self.grad_msg)
 
+    def samples_per_round(self) -> np.ndarray:
+        return self.ctx.layout.train_sizes.copy()  # one full-batch gradient
+
 
 class FedSGDServer(FedAvgServer):
     protocol_type = FedSGDProtocol

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import limits
@@ -38,6 +39,10 @@ class IFCAProtocol(Protocol):
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.models_msg, LOCAL, self.cluster_msg, self.delta_msg)
 
+    def samples_per_round(self) -> np.ndarray:
+        """Local SGD, plus every cluster model's loss on the whole training split to pick the cluster."""
+        return super().samples_per_round() + self.k * self.ctx.layout.train_sizes
+
     def eval_plan(self) -> Sequence[Step]:
         return (self.eval_msg,)
 
@@ -51,18 +56,19 @@ class IFCAServer(ServerAlgorithm):
         self.params = np.stack([
             FlatModel(build_model(ctx.cfg.model, ctx.layout, int(s))).numpy() for s in seeds
         ]).astype(np.float32)
-        self.assignment = np.zeros(0, dtype=np.int64)
+        self.assignment: dict[int, int] = {}  # this round's cluster of each client that reported one
 
     def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
         return self.params.reshape(-1)
 
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
         if msg.name == self.protocol.cluster_msg.name:
-            self.assignment = rows[:, 0].astype(np.int64)
+            self.assignment = dict(zip(clients.tolist(), rows[:, 0].tolist()))
             return
+        assignment = np.array([self.assignment[c] for c in clients.tolist()])  # the clients whose delta was accepted
         params = self.params.copy()  # a new array: clients on this rank may hold views of the old one
-        for j in np.unique(self.assignment):
-            members = self.assignment == j
+        for j in np.unique(assignment):
+            members = assignment == j
             step = weighted_sum(rows[members], self.ctx.weights(clients[members]))
             params[j] = (params[j] + self.ctx.cfg.server.lr * step).astype(np.float32)
         self.params = params
@@ -74,9 +80,10 @@ class IFCAServer(ServerAlgorithm):
 class IFCAClient(ClientAlgorithm):
     protocol_type = IFCAProtocol
     stateless = True
+    scratch = ("outbox",)
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.models: np.ndarray | None = None
         self.outbox: dict[tuple[str, int], np.ndarray] = {}
 

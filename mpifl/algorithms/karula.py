@@ -38,6 +38,7 @@ from mpifl.algorithms.dissimilarity import (
     reference_set,
 )
 from mpifl.algorithms.projection import Projector, Solver, pair_indices
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
@@ -112,6 +113,11 @@ class KarulaProtocol(Protocol):
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, LOCAL, self.grad_msg)
+
+    def samples_per_round(self) -> np.ndarray:
+        """One gradient: the whole training split, or one batch."""
+        sizes = self.ctx.layout.train_sizes
+        return sizes.copy() if self.ctx.options.full_batch else np.minimum(self.ctx.cfg.client.batch_size, sizes)
 
     def eval_plan(self) -> Sequence[Step]:
         return (self.eval_msg,)
@@ -199,9 +205,10 @@ class KarulaServer(ServerAlgorithm):
 
 class KarulaClient(ClientAlgorithm):
     protocol_type = KarulaProtocol
+    scratch = ("models", "outbox")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.opts: KarulaOptions = ctx.options
         self.initial = self.workspace.numpy().copy()
         p, _ = point_dims(ctx.layout)

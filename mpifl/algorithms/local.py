@@ -1,24 +1,58 @@
 """Local training: every client trains its own model from the common initialization, never communicating.
 
-The lower reference point of personalized FL; a sampled client trains once per round.
+The lower reference point of personalized FL. Two schedules (``local.mode``):
+
+* ``rounds`` (default): each round the sampled seen clients train (``client.*``) their own model further;
+  unseen clients never train, so they are evaluated with the initial model.
+* ``all``: PeFLL's Local (spec §4.2): before round 1 every client, seen and unseen, trains its own model for
+  ``local.epochs`` epochs (200 in the paper); the rounds then only evaluate. This is the protocol the PeFLL
+  paper reports for unseen clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Step
+from mpifl.config import ClientConfig
+from mpifl.schema import limits
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    mode: Literal["rounds", "all"] = "rounds"
+    epochs: int = field(default=200, metadata=limits(ge=1))  # mode all: each client's epochs before round 1
 
 
 class LocalProtocol(Protocol):
     eval_kinds = ("local",)
 
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.upfront = ctx.options.mode == "all"
+        self.setup_includes_unseen = self.upfront
+
+    def setup_plan(self) -> Sequence[Step]:
+        return (LOCAL,) if self.upfront else ()
+
     def train_plan(self, round_: int) -> Sequence[Step]:
-        return (LOCAL,)
+        return () if self.upfront else (LOCAL,)
+
+    def samples_per_round(self) -> np.ndarray:
+        sizes = self.ctx.layout.train_sizes
+        return np.zeros(len(sizes), dtype=np.int64) if self.upfront else super().samples_per_round()
+
+    def upfront_config(self) -> ClientConfig:
+        """``client.*`` with ``local.epochs`` passes in place of the configured steps or epochs."""
+        return dataclasses.replace(self.ctx.cfg.client, steps=None, epochs=self.ctx.options.epochs)
 
 
 class LocalServer(ServerAlgorithm):
@@ -29,17 +63,22 @@ class LocalServer(ServerAlgorithm):
 
 class LocalClient(ClientAlgorithm):
     protocol_type = LocalProtocol
+    stateless = False  # each client's own model (client state "model")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
-        self.models: dict[int, np.ndarray] = {}
 
     def compute(self, round_: int, client: int) -> None:
-        self.workspace.load(self.models.get(client, self.initial))
-        self.train_workspace(round_, client)
-        self.models[client] = self.workspace.numpy().copy()
+        self.workspace.load(self.model(client))
+        config = self.protocol.upfront_config() if round_ == 0 else None
+        self.train_workspace(round_, client, config=config)
+        self.state.edit(client)["model"] = self.workspace.numpy().copy()
+
+    def model(self, client: int) -> np.ndarray:
+        own = self.state.get(client, "model")
+        return self.initial if own is None else own
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.models.get(client, self.initial))
+        self.workspace.load(self.model(client))
         return self.workspace.module

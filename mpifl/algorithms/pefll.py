@@ -28,6 +28,7 @@ from scipy.stats import rankdata
 from torch import nn
 
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
@@ -60,14 +61,27 @@ class PeFLLOptions(HyperOptions):
     descriptor_batch: int = field(default=32, metadata=limits(ge=1))
     standardize: bool = True  # (v − m)/s, scalars m, s frozen from round 1's first descriptor (lowest id; code)
     optimizer: Literal["adam", "paper"] = "adam"
-    lr: float = field(default=2e-4, metadata=limits(gt=0))  # Adam
-    beta: float = field(default=1.265e-3, metadata=limits(ge=0))  # Alg. 2's β (2√c/(k√T), c=5, k=50, T=5000)
-    lambda_h: float = field(default=1e-3, metadata=limits(ge=0))  # Alg. 2's decay (1 − 2βλ_h) of η_h
-    lambda_v: float = field(default=1e-3, metadata=limits(ge=0))
+    lr: float | None = field(default=None, metadata=limits(gt=0))  # Adam's rate; none: 2e-4 (the code's)
+    # Alg. 2's step (optimizer: paper): β (none: 2√c/(k√T) = 1.265e-3 for c=5, k=50, T=5000), and the decays
+    # (1 − 2βλ) of η_h and η_v (none: 1e-3). The authors' Adam has no weight decay: they do not apply there.
+    beta: float | None = field(default=None, metadata=limits(ge=0))
+    lambda_h: float | None = field(default=None, metadata=limits(ge=0))
+    lambda_v: float | None = field(default=None, metadata=limits(ge=0))
 
     def __post_init__(self) -> None:
         if self.embedding == "linear" and not self.embed_labels:
             raise ConfigError("pefll.embed_labels: the linear embedding sees labels only; use embedding: cnn")
+        paper = {"beta": self.beta, "lambda_h": self.lambda_h, "lambda_v": self.lambda_v}
+        given = [k for k, v in paper.items() if v is not None]
+        if self.optimizer == "adam" and given:
+            raise ConfigError(f"pefll.{given[0]}: applies to Alg. 2's step (optimizer: paper) only; the default "
+                              "optimizer (adam, the authors' code) has no weight decay")
+        if self.optimizer == "paper" and self.lr is not None:
+            raise ConfigError("pefll.lr: is Adam's rate; Alg. 2's step (optimizer: paper) takes pefll.beta")
+        defaults = {"lr": 2e-4} if self.optimizer == "adam" else {"beta": 1.265e-3, "lambda_h": 1e-3, "lambda_v": 1e-3}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
 
 def rowwise(hyper: nn.Module, v: torch.Tensor) -> torch.Tensor:
@@ -115,6 +129,11 @@ class PeFLLProtocol(HyperProtocol):
         return (self.embed_msg, self.descriptor_msg, self.model_msg, LOCAL, self.delta_msg,
                 self.descriptor_grad_msg, self.embed_grad_msg)
 
+    def samples_per_round(self) -> np.ndarray:
+        """Local SGD, plus the descriptor batch twice through φ (forward, then backward with Δv)."""
+        batch = np.minimum(self.ctx.options.descriptor_batch, self.ctx.layout.train_sizes)
+        return super().samples_per_round() + 2 * batch
+
     def eval_plan(self) -> Sequence[Step]:
         return (self.eval_embed_msg, self.eval_descriptor_msg, self.eval_model_msg)
 
@@ -153,6 +172,7 @@ class PeFLLServer(ServerAlgorithm):
         self.adam = torch.optim.Adam(self.joint.module.parameters(), lr=opts.lr) if opts.optimizer == "adam" else None
         self.shift, self.scale = 0.0, 1.0
         self.standardizer_frozen = not opts.standardize
+        self.described: np.ndarray | None = None  # clients whose v_i the server holds this round (id order)
         self.descriptors: torch.Tensor | None = None  # this round's stacked v_i (leaf of the VJP)
         self.models: torch.Tensor | None = None  # h(v_i), with its graph until Δθ arrives
         self.scalars: dict[str, float] = {}
@@ -163,7 +183,7 @@ class PeFLLServer(ServerAlgorithm):
         if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
-            return self.descriptors.grad.numpy()
+            return self.descriptors.grad[self._rows_of(clients)].numpy()
         models = self.models.detach().numpy()
         if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
             self.models = None
@@ -176,21 +196,27 @@ class PeFLLServer(ServerAlgorithm):
                 first = torch.from_numpy(rows[0].copy())
                 self.shift, self.scale = float(first.mean()), float(first.std())
                 self.standardizer_frozen = True
+            self.described = clients
             self.descriptors = torch.tensor(rows, requires_grad=True)
             self.models = self.hyper((self.descriptors - self.shift) / self.scale)
         elif msg.name == p.eval_descriptor_msg.name:
             with torch.no_grad():
                 self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
             self.eval_descriptors.update(zip(clients.tolist(), rows.copy()))
-        elif msg.name == p.delta_msg.name:
+        elif msg.name == p.delta_msg.name:  # only the clients whose Δθ was accepted: their rows of h(V)
             self.joint.grads.zero_()
-            self.models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+            models = self.models if len(clients) == len(self.described) else self.models[self._rows_of(clients)]
+            models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+            self.joint.grads[self.split :] /= len(clients)
             self.models = None
         else:
             grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
-            grads[self.split :] /= len(clients)
             grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(clients), 1 / len(clients))))
             self.step(grads)
+
+    def _rows_of(self, clients: np.ndarray) -> torch.Tensor:
+        """Where ``clients`` sit among this round's described clients (a rejected update drops a client)."""
+        return torch.from_numpy(np.searchsorted(self.described, clients))
 
     def step(self, mean_delta: torch.Tensor) -> None:
         """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
@@ -266,9 +292,10 @@ class HyperClient(ClientAlgorithm):
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 
     stateless = True
+    scratch = ("start", "deltas", "eval_models")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.eval_models: dict[int, np.ndarray] = {}
@@ -298,9 +325,10 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
 
 class PeFLLClient(HyperClient):
     protocol_type = PeFLLProtocol
+    scratch = (*HyperClient.scratch, "batches", "descriptor_grads")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.embed = FlatModel(self.protocol.new_embedding().to(self.device))
         self.batches: dict[int, torch.Tensor] = {}
         self.descriptor_grads: dict[int, np.ndarray] = {}

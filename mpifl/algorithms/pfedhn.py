@@ -2,9 +2,15 @@
 server holds h and one learned embedding e_i ∈ R^l per client; client i's model is θ_i = h(e_i).
 
 Messages per sampled client and round: θ_i down (d floats, per client), Δθ_i = θ_i^new − θ_i up (d floats)
-after k local steps. The embeddings never travel. The server backpropagates all Δθ_i through h at once and
-steps on the pseudo-gradient mean_i J_iᵀ(θ_i − θ_i^new) (SGD with momentum and weight decay by default, as
-the code). Before each evaluation, every client never seen in training gets a fresh random embedding that
+after k local steps. The embeddings never travel. ``pfedhn.server_steps`` says how the server steps (SGD
+with momentum and weight decay by default, as the code):
+
+* ``per_client`` (the authors' code and FL-Bench): the round's clients take turns, one hypernetwork step
+  on J_iᵀ(θ_i − θ_i^new) per client, so the next client's θ comes from the updated h (c steps per round);
+* ``averaged``: all c clients get their θ from the same h and the server makes one step on the mean
+  pseudo-gradient (1/c)Σ_i J_iᵀ(θ_i − θ_i^new): c times fewer server steps at the same learning rate.
+
+Before each evaluation, every client never seen in training gets a fresh random embedding that
 is optimized with h frozen over ``new_client_rounds`` round trips (PeFLL spec §4.2), each θ down and Δθ
 up (d + d floats) after local training; then every client gets θ_i = h(e_i) for evaluation (d floats).
 The engine may walk both plans ``eval_chunk`` clients at a time: each chunk of new clients adapts its own
@@ -23,6 +29,7 @@ from torch import nn
 
 from mpifl.algorithms.base import RunContext, ServerAlgorithm
 from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rowwise
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
@@ -42,11 +49,13 @@ class PFedHNOptions(HyperOptions):
     embed_lr: float | None = field(default=None, metadata=limits(gt=0))  # the embeddings' lr; none: lr
     new_client_rounds: int = field(default=20, metadata=limits(ge=0))
     new_client_lr: float = field(default=1e-2, metadata=limits(gt=0))  # SGD (with ``momentum``) on new embeddings
+    server_steps: Literal["per_client", "averaged"] = "per_client"
 
 
 class PFedHNProtocol(HyperProtocol):
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        self.turns = ctx.options.server_steps == "per_client"
         d = self.model_numel
         self.model_msg = Message("model", "down", d)
         self.delta_msg = Message("delta", "up", d)
@@ -88,6 +97,7 @@ class PFedHNServer(ServerAlgorithm):
         self.newcomers: torch.Tensor | None = None  # the adapting chunk's embeddings (leaf of the VJP)
         self.newcomer_velocity: torch.Tensor | None = None
         self.newcomer_steps = 0
+        self.sent: np.ndarray | None = None  # the clients whose h(e_i) self.models holds (id order)
         self.models: torch.Tensor | None = None
         self.scalars: dict[str, float] = {}
 
@@ -95,6 +105,7 @@ class PFedHNServer(ServerAlgorithm):
         p = self.protocol
         if msg.name == p.model_msg.name:
             self.models = self.hyper(self.table(torch.from_numpy(clients)))
+            self.sent = clients
         elif msg.name == p.newcomer_model_msg.name:
             if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
                 self.newcomers = self.newcomer_init[torch.tensor(clients)]
@@ -111,9 +122,12 @@ class PFedHNServer(ServerAlgorithm):
 
     def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
         cotangent = -torch.from_numpy(rows.copy())  # θ_i − θ_i^new
-        if msg.name == self.protocol.delta_msg.name:
+        if msg.name == self.protocol.delta_msg.name:  # only the accepted clients' rows of h(E)
             self.joint.grads.zero_()
-            self.models.backward(cotangent / len(clients))
+            models = self.models
+            if len(clients) < len(self.sent):
+                models = models[torch.from_numpy(np.searchsorted(self.sent, clients))]
+            models.backward(cotangent / len(clients))
             self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
             self.optimizer.step()
         else:  # each new client's embedding follows its own gradient; h stays frozen
@@ -136,10 +150,11 @@ class PFedHNServer(ServerAlgorithm):
 
 class PFedHNClient(HyperClient):
     protocol_type = PFedHNProtocol
+    scratch = (*HyperClient.scratch, "newcomer_steps")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
-        self.newcomer_steps: dict[int, int] = {}
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
+        self.newcomer_steps: dict[int, int] = {}  # a new client's adaptation step within this evaluation
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
         p = self.protocol

@@ -5,11 +5,19 @@ Each local step draws a batch and approximately solves θ_i = argmin f_i(θ; bat
 code), then moves the local model w_i ← w_i − η·λ(w_i − θ_i) (η = client.lr). The server averages the
 local models' deltas through FedAvg's server optimizer, whose lr is pFedMe's β. The personalized model
 evaluated is a client's last θ_i (the global model for a client that never trained).
+
+``pfedme.personalize`` says who updates θ_i in a round: ``sampled`` (default, as FL-Bench, which PeFLL's
+baselines ran on) only the sampled clients; ``all``, Algorithm 1 and the authors' code: the server sends w
+to every seen client, every one of them trains (so no personal model goes stale), and only the sampled
+clients upload. ``all`` costs w's bytes for every seen client each round and every client's computation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -17,8 +25,9 @@ from torch import nn
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
 from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import batch_schedule, client_generator
+from mpifl.runtime.training import client_generator, training_batches
 from mpifl.schema import limits
 
 
@@ -27,10 +36,23 @@ class PFedMeOptions:
     lam: float = field(default=15.0, metadata=limits(ge=0))
     personal_lr: float = field(default=0.01, metadata=limits(gt=0))
     inner_steps: int = field(default=5, metadata=limits(ge=1))
+    personalize: Literal["sampled", "all"] = "sampled"
 
 
 class PFedMeProtocol(FedAvgProtocol):
     eval_kinds = ("personal", "global")
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        if ctx.options.personalize == "all":  # every seen client receives w and trains; the sampled upload
+            self.model_msg = dataclasses.replace(self.model_msg, everyone=True)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        local = EVERYONE_LOCAL if self.model_msg.everyone else LOCAL
+        return (self.model_msg, local, self.delta_msg)
+
+    def samples_per_round(self) -> np.ndarray:
+        return self.ctx.options.inner_steps * super().samples_per_round()
 
 
 class PFedMeServer(FedAvgServer):
@@ -41,11 +63,7 @@ class PFedMeServer(FedAvgServer):
 
 class PFedMeClient(FedAvgClient):
     protocol_type = PFedMeProtocol
-    stateless = False  # per-client state persists across rounds
-
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
-        self.personal: dict[int, np.ndarray] = {}
+    stateless = False  # θ_i persists across rounds (client state "personal")
 
     def compute(self, round_: int, client: int) -> None:
         opts: PFedMeOptions = self.ctx.options
@@ -57,9 +75,9 @@ class PFedMeClient(FedAvgClient):
         theta, grads = self.workspace.params, self.workspace.grads
         losses = []
         gen = client_generator(self.ctx.cfg.seed, round_, client)
-        for idx in batch_schedule(len(split.x_train), cfg, gen):
+        for xb, yb in training_batches(split.x_train, split.y_train, cfg, gen):
             for _ in range(opts.inner_steps):
-                loss = self.loss_fn(self.workspace.module(split.x_train[idx]), split.y_train[idx])
+                loss = self.loss_fn(self.workspace.module(xb), yb)
                 self.workspace.compute_gradient(loss)
                 with torch.no_grad():
                     grads.add_(theta, alpha=cfg.weight_decay).add_(theta - local, alpha=opts.lam)
@@ -67,9 +85,10 @@ class PFedMeClient(FedAvgClient):
             losses.append(float(loss.detach()))
             local.add_(local - theta, alpha=-cfg.lr * opts.lam)
         self.round_losses[client] = float(np.mean(losses))
-        self.personal[client] = host_numpy(theta).copy()
+        self.state.edit(client)["personal"] = host_numpy(theta).copy()
         self.deltas[client] = host_numpy(local) - start
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.personal.get(client, self.global_params) if kind == "personal" else self.global_params)
+        own = self.state.get(client, "personal") if kind == "personal" else None
+        self.workspace.load(self.global_params if own is None else own)
         return self.workspace.module

@@ -1,10 +1,20 @@
 """SCAFFOLD (Karimireddy et al. 2020), option II, as the FedALS and FedDeper papers use it as a baseline.
 
 Each client keeps a control variate cᵢ; the server keeps c = Σᵢ wᵢcᵢ over all clients (wᵢ = nᵢ/n, i.e.
-1/N for equal shards). Local steps descend g − cᵢ + c; afterwards cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K·η) for K
-local steps of rate η. Clients upload Δyᵢ and Δcᵢ = cᵢ⁺ − cᵢ; the server applies the FedAvg update to
-x and c ← c + Σ_{i∈S} wᵢΔcᵢ. Control variates travel with the model both ways, so every round costs
-exactly twice FedAvg's bytes (the ledger's ``control``/``control_delta`` rows).
+1/N for equal shards). Local steps descend g − cᵢ + c. Afterwards option II sets
+
+    cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K·η),
+
+which for K plain SGD steps of rate η is exactly the mean of the K local gradients, (1/K)Σₖ gₖ (the
+correction cancels). mpifl computes that mean directly: gₖ is the gradient of the client's local
+objective (loss plus weight decay) at its k-th iterate, before the correction, clipping and momentum.
+With plain SGD the two agree to rounding (tested); under momentum β the displacement x − yᵢ grows
+about 1/(1 − β) times faster than the gradients, so the printed formula would make cᵢ ten times too
+large at β = 0.9 and the run diverge, while the mean gradient stays what option II estimates. Clients
+upload Δyᵢ and Δcᵢ = cᵢ⁺ − cᵢ; the server applies the FedAvg update to x and c ← c + Σ_{i∈S} wᵢΔcᵢ.
+A client whose update is rejected keeps its old cᵢ (the runtime discards its state edits), so c = Σᵢ wᵢcᵢ
+holds under every fault. Control variates travel with the model both ways, so every round costs exactly
+twice FedAvg's bytes (the ledger's ``control``/``control_delta`` rows).
 """
 
 from __future__ import annotations
@@ -16,23 +26,42 @@ import torch
 
 from mpifl.algorithms.base import RunContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.training import GradHook, planned_steps
+from mpifl.runtime.device import host_numpy
+from mpifl.runtime.training import GradHook
 
 
-def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu") -> GradHook:
-    """g ← g + (c − cᵢ): SCAFFOLD's drift correction of every local gradient (computed on ``device``)."""
+class GradientMean:
+    """Sums the local objective's gradients of one client's steps (float64), for option II's cᵢ⁺."""
+
+    def __init__(self, numel: int, weight_decay: float, device: torch.device | str = "cpu"):
+        self.total = torch.zeros(numel, dtype=torch.float64, device=device)
+        self.weight_decay = weight_decay
+        self.steps = 0
+
+    def add(self, params: torch.Tensor, grads: torch.Tensor) -> None:
+        self.total += grads
+        if self.weight_decay:
+            self.total += self.weight_decay * params.double()
+        self.steps += 1
+
+    def mean(self, part: slice = slice(None), steps: int | None = None) -> np.ndarray:
+        return host_numpy((self.total[part] / max(steps or self.steps, 1)).float()).copy()
+
+
+def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu",
+                    gradients: GradientMean | None = None) -> GradHook:
+    """g ← g + (c − cᵢ): SCAFFOLD's drift correction of every local gradient (computed on ``device``),
+    after handing the uncorrected gradient to ``gradients``."""
     shift = torch.from_numpy(np.ascontiguousarray(correction)).to(device)
 
     def hook(params: torch.Tensor, grads: torch.Tensor) -> None:
+        if gradients is not None:
+            gradients.add(params, grads)
         grads.add_(shift)
 
     return hook
-
-
-def option_ii(own: np.ndarray, mean: np.ndarray, start_minus_end: np.ndarray, lr: float, steps: int) -> np.ndarray:
-    """cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K·η), element by element (so a slice of it equals the slice's update)."""
-    return (own - mean + start_minus_end / (lr * steps)).astype(np.float32)
 
 
 def population_weights(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
@@ -76,12 +105,13 @@ class ScaffoldServer(FedAvgServer):
 
 class ScaffoldClient(FedAvgClient):
     protocol_type = ScaffoldProtocol
-    stateless = False  # per-client state persists across rounds
+    stateless = False  # cᵢ persists across rounds (client state "control")
+    scratch = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
 
-    def __init__(self, ctx: RunContext, data):  # noqa: ANN001
-        super().__init__(ctx, data)
-        self.controls: dict[int, np.ndarray] = {}  # cᵢ, persistent on the rank that owns client i
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
         self.global_control: dict[int, np.ndarray] = {}
+        self.gradients: dict[int, GradientMean] = {}
         self.control_deltas: dict[int, np.ndarray] = {}
 
     def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
@@ -91,19 +121,20 @@ class ScaffoldClient(FedAvgClient):
             super().receive(msg, round_, client, row)
 
     def own_control(self, client: int) -> np.ndarray:
-        return self.controls.get(client, np.zeros(self.workspace.numel, dtype=np.float32))
+        own = self.state.get(client, "control")
+        return np.zeros(self.workspace.numel, dtype=np.float32) if own is None else own
 
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook:
-        return correction_hook(self.global_control[client] - self.own_control(client), self.device)
+        self.gradients[client] = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
+        return correction_hook(self.global_control.pop(client) - self.own_control(client), self.device,
+                               self.gradients[client])
 
     def compute(self, round_: int, client: int) -> None:
         super().compute(round_, client)
-        cfg = self.ctx.cfg.client
-        steps = planned_steps(len(self.data[client].x_train), cfg)
         own = self.own_control(client)
-        new = option_ii(own, self.global_control.pop(client), -self.deltas[client], cfg.lr, steps)
+        new = self.gradients.pop(client).mean()
         self.control_deltas[client] = new - own
-        self.controls[client] = new
+        self.state.edit(client)["control"] = new
 
     def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
         if msg.name == self.protocol.control_delta_msg.name:

@@ -18,7 +18,9 @@ class Message:
     ``Bcast``); the others carry one row per client (``Scatterv``/``Gatherv``). ``logical``
     messages are what a real deployment would send and go into the ledger; the simulator's own
     bookkeeping (evaluation metrics, compute timings) is marked ``logical=False`` and only shows
-    up as physical MPI traffic.
+    up as physical MPI traffic. An ``everyone`` step of a training plan reaches every seen client
+    that is up this round, not only the sampled participants (pFedMe's Algorithm 1: all clients
+    receive w and train, the sampled ones upload); only down messages and local steps can be.
     """
 
     name: str
@@ -27,10 +29,13 @@ class Message:
     dtype: str = "float32"
     broadcast: bool = False
     logical: bool = True
+    everyone: bool = False
 
     def __post_init__(self) -> None:
         if self.broadcast and self.direction != "down":
             raise ValueError(f"message {self.name}: only down messages can be broadcast")
+        if self.everyone and self.direction != "down":
+            raise ValueError(f"message {self.name}: only down messages can reach every client")
         if self.numel < 0:
             raise ValueError(f"message {self.name}: negative size")
 
@@ -49,7 +54,9 @@ class LocalCompute:
     """A protocol step with no traffic: every participating client runs its local computation."""
 
     name: str = "local"
+    everyone: bool = False  # every seen client computes, not only the participants (see Message)
 
 
 LOCAL = LocalCompute()
+EVERYONE_LOCAL = LocalCompute(everyone=True)
 Step = Message | LocalCompute

@@ -29,6 +29,7 @@ class Tag(enum.IntEnum):
     RIDGE_THETA = 8
     RIDGE_SAMPLES = 9
     GAUSS_SIZES = 10
+    UNSEEN = 11
 
 
 def make_rng(seed: int, *keys: int) -> np.random.Generator:
@@ -91,13 +92,18 @@ class FederatedDataset(ABC):
         """Materialize exactly these (valid, distinct) clients."""
 
 
-def unseen_mask(num_clients: int, unseen_fraction: float) -> np.ndarray:
-    """PeFLL's convention: the last ``round(fraction·n)`` client ids never train."""
+def unseen_mask(num_clients: int, unseen_fraction: float, rng: np.random.Generator | None = None) -> np.ndarray:
+    """The ``round(fraction·n)`` clients that never train: PeFLL's convention, the last client ids, where
+    client ids are already random (a partition of pooled data); a choice drawn from ``rng`` where they are
+    not (LEAF's writers)."""
     n_unseen = int(round(unseen_fraction * num_clients))
     if n_unseen >= num_clients:
         raise ConfigError(f"data.unseen_fraction: {unseen_fraction} of {num_clients} clients leaves no seen client")
     mask = np.zeros(num_clients, dtype=bool)
-    mask[num_clients - n_unseen :] = True
+    if rng is None:
+        mask[num_clients - n_unseen :] = True
+    else:
+        mask[rng.choice(num_clients, n_unseen, replace=False)] = True
     return mask
 
 

@@ -45,7 +45,7 @@ def build_federated_dataset(cfg: DataConfig, seed: int) -> FederatedDataset:
     if cfg.dataset in POOLS:
         return PooledDataset(cfg, seed, POOLS[cfg.dataset](cfg))
     if cfg.dataset in LEAF_DATASETS:
-        return LeafDataset(cfg, dataset_root(cfg, "LEAF's train/ and test/ folders"))
+        return LeafDataset(cfg, dataset_root(cfg, "LEAF's train/ and test/ folders"), seed)
     if cfg.dataset == "gaussian_images":
         return GaussianImagesDataset(cfg, seed)
     if cfg.dataset == "leaf_synthetic":

@@ -18,8 +18,10 @@ from mpifl.data.base import (
     ClientSplit,
     FederatedDataset,
     FederatedLayout,
+    Tag,
     empty_rows,
     image_transform,
+    make_rng,
     padded_shape,
     require_training_samples,
     unseen_mask,
@@ -109,9 +111,11 @@ def _index(directory: Path, fmt: LeafFormat) -> tuple[list[Path], dict[str, tupl
 
 
 class LeafDataset(FederatedDataset):
-    """Clients are the LEAF users sorted by id (the first ``max_clients`` when set)."""
+    """Clients are the LEAF users sorted by id (the first ``max_clients`` when set). Unseen clients are a
+    seeded random choice of users (as PeFLL's code shuffles FEMNIST's writers), not the last ids: writer
+    ids are ordered by how the data was collected."""
 
-    def __init__(self, cfg: DataConfig, root: Path):
+    def __init__(self, cfg: DataConfig, root: Path, seed: int):
         self.fmt = LEAF_FORMATS[cfg.dataset]
         self.pad_to = cfg.pad_to
         shape = padded_shape(self.fmt.sample_shape, cfg.pad_to, cfg.dataset)
@@ -134,7 +138,7 @@ class LeafDataset(FederatedDataset):
         self.layout = FederatedLayout(
             num_clients=len(self.users),
             train_sizes=self.train_sizes,
-            unseen=unseen_mask(len(self.users), cfg.unseen_fraction),
+            unseen=unseen_mask(len(self.users), cfg.unseen_fraction, make_rng(seed, Tag.UNSEEN)),
             input_shape=shape,
             num_classes=self.fmt.num_classes,
             task="classification",

@@ -19,11 +19,13 @@ import torch
 from mpifl import __version__
 from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
-from mpifl.checkpoint import load_client_blobs, load_state_blob, read_checkpoint, state_blob
+from mpifl.algorithms.state import ClientState
+from mpifl.checkpoint import client_state_blob, load_client_states, load_state_blob, read_checkpoint, state_blob
 from mpifl.comm import LocalCompute, Message, Placement, Step, Transport
 from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout, build_federated_dataset
+from mpifl.models.norm import normalized_with
 from mpifl.results import Table, write_atomically
 from mpifl.runtime.device import rank_device
 from mpifl.runtime.faults import FaultModel, selection_size
@@ -75,6 +77,9 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     if selected > seen:
         raise ConfigError(f"faults.over_selection: selecting {selected} clients per round exceeds the {seen} seen "
                           "clients of the data")
+    if cfg.client.augment != "none" and len(layout.input_shape) != 3:
+        raise ConfigError(f"client.augment: {cfg.client.augment!r} crops and flips images; the data's samples have "
+                          f"shape {layout.input_shape}")
     entry = get_algorithm(cfg.algorithm)
     if cfg.placement == "dynamic" and not entry.client.stateless:
         raise ConfigError(f"placement: 'dynamic' moves clients between workers every round, but {cfg.algorithm} "
@@ -122,16 +127,17 @@ class Engine:
         self.client: ClientAlgorithm | None = None
         if self.size == 1 or self.rank > 0:
             self.store = ClientStore(dataset, self.placement.clients_of(self.rank), self.device)
-            self.client = entry.client(ctx, self.store)
+            self.client = entry.client(ctx, self.store, ClientState())
         self.protocol = (self.server or self.client).protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
-        steps = cfg.client.steps
-        batch = np.minimum(cfg.client.batch_size, layout.train_sizes)
-        self.samples_per_round = steps * batch if steps else cfg.client.epochs * layout.train_sizes
+        self.samples_per_round = self.protocol.samples_per_round()
         kinds = len(self.protocol.eval_kinds)
         self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
-        self.eval_msg = Message("eval_metrics", "up", kinds * len(EVAL_FIELDS), "float64", logical=False)
+        # every model kind on the test split, and on the validation split where the data has one (model selection)
+        self.eval_splits = ("test", "val") if cfg.data.val_fraction > 0 else ("test",)
+        fields = kinds * len(self.eval_splits) * len(EVAL_FIELDS)
+        self.eval_msg = Message("eval_metrics", "up", fields, "float64", logical=False)
         self.rounds_table, self.eval_table = Table(), Table()
         self.final_rows: np.ndarray | None = None
         self.started = time.time()
@@ -183,7 +189,8 @@ class Engine:
         """The protocol's one-time set-up plan, as round 0 with every seen client (ledger stage "setup")."""
         plan = self.protocol.setup_plan()
         if plan:
-            self.run_plan(0, "setup", plan, self.seen)
+            everyone = np.arange(self.layout.num_clients) if self.protocol.setup_includes_unseen else self.seen
+            self.run_plan(0, "setup", plan, everyone)
 
     def train_round(self, round_: int) -> None:
         start = time.perf_counter()
@@ -203,8 +210,16 @@ class Engine:
         with self.transport.placed(placement):
             if self.client is not None:
                 self.store.visit(self.transport.local_clients(clients))
-            compute_s, local, clients = self.run_plan(round_, "train", plan, clients)
+            if self.protocol.turns:  # one client after another, each seeing the server state the last one left
+                walks = [self.run_plan(round_, "train", plan, clients[i : i + 1]) for i in range(len(clients))]
+                compute_s, local, clients = (np.concatenate(parts) for parts in zip(*walks)) if walks else \
+                    (np.zeros(0), clients, clients)
+            else:
+                everyone = any(step.everyone for step in plan)  # every seen client that is up this round
+                audience = np.setdiff1d(self.seen, np.setdiff1d(sampled, clients)) if everyone else None
+                compute_s, local, clients = self.run_plan(round_, "train", plan, clients, audience)
             if self.client is not None:
+                self.client.end_round()
                 self.store.end_visits()
             rows = np.empty((len(local), len(TELEMETRY_FIELDS)))
             rows[:, 0] = compute_s
@@ -222,9 +237,10 @@ class Engine:
             telemetry[:, 0],
         )
         totals = self.transport.ledger.round_totals(round_)
+        clients_s = per_client_s.sum() if self.protocol.turns else per_client_s.max(initial=0.0)
         self.rounds_table.append({
             "round": round_,
-            "sim_time_s": server_s + float(per_client_s.max(initial=0.0)),
+            "sim_time_s": server_s + float(clients_s),
             "wall_time_s": time.perf_counter() - start,
             "server_time_s": server_s,
             "client_compute_time_s": float(telemetry[:, 0].sum()),  # ÷ workers: the round's ideal time
@@ -243,42 +259,60 @@ class Engine:
         work = work[1:] if self.size > 1 else work
         return float(work.max() / work.mean()) if work.sum() else 1.0
 
-    def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Move every step of ``plan`` among ``clients``. Returns this rank's local clients with their
-        compute seconds, and the clients still taking part at the end (training drops a client whose
-        update is not finite)."""
+    def run_plan(self, round_: int, stage: str, plan: tuple[Step, ...], clients: np.ndarray,
+                 audience: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Move every step of ``plan`` among ``clients`` (its ``everyone`` steps among ``audience``, a superset).
+        Returns this rank's local clients with their compute seconds, and the clients still taking part at
+        the end: training drops a client whose update is not finite, and the plan ends where no client is
+        left (an algorithm never steps on nothing). The state edits of the clients still in are then
+        committed (of the whole audience), those of dropped clients discarded."""
+        audience = clients if audience is None else audience
         local = self.transport.local_clients(clients) if self.client else clients[:0]
+        reached = self.transport.local_clients(audience) if self.client else clients[:0]
+        started = reached
         seconds = np.zeros(len(local))
-        if len(local):
+        if len(reached):
             start = time.perf_counter()
-            self.store.stage(local)
+            self.store.stage(reached)
             self.clock.data += time.perf_counter() - start
-        for position, step in enumerate(plan):
+        corrupt = self.faults.corrupted(round_, local) if stage == "train" else np.zeros(len(local), dtype=bool)
+        for step in plan:
+            if len(clients) == 0:
+                break
+            targets, hosted = (audience, reached) if step.everyone else (clients, local)
+            mine = np.searchsorted(hosted, local)  # where each local participant sits among ``hosted``
             if isinstance(step, LocalCompute):
-                if len(local):
+                if len(hosted):
                     start = time.perf_counter()
-                    seconds += self.client.compute_clients(round_, local)
+                    seconds += self.client.compute_clients(round_, hosted)[mine]
                     self._charge_compute(start)
             elif step.direction == "down":
-                payload = self._timed_server(self.server.payload, step, round_, clients) if self.server else None
-                rows = self.transport.down(round_, stage, step, payload, clients)
-                for i, client in enumerate(local):
-                    seconds[i] += self._timed_client(self.client.receive, step, round_, int(client), rows[i])
+                payload = self._timed_server(self.server.payload, step, round_, targets) if self.server else None
+                rows = self.transport.down(round_, stage, step, payload, targets)
+                spent = np.array([self._timed_client(self.client.receive, step, round_, int(c), rows[i])
+                                  for i, c in enumerate(hosted)])
+                seconds += spent[mine] if len(spent) else 0.0
             else:
                 rows = np.empty((len(local), step.numel), dtype=step.dtype)
                 for i, client in enumerate(local):
                     start = time.perf_counter()
                     rows[i] = self.client.send(step, round_, int(client))
                     seconds[i] += self._charge_compute(start)
+                if rows.dtype.kind == "f":
+                    rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
                 gathered = self.transport.up(round_, stage, step, rows, clients)
                 accepted = self._screen(round_, stage, step, clients, gathered) if self.server else None
                 if accepted is not None and accepted.any():
                     self._timed_server(self.server.consume, step, round_, clients[accepted], gathered[accepted])
-                if stage == "train" and any(isinstance(s, Message) for s in plan[position + 1 :]):
+                if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
                     accepted = self._share_acceptance(round_, accepted, len(clients))
                     keep = np.isin(local, clients[accepted])
-                    clients, local, seconds = clients[accepted], local[keep], seconds[keep]
+                    audience = np.setdiff1d(audience, clients[~accepted])
+                    reached = reached[np.isin(reached, audience)]
+                    clients, local, seconds, corrupt = clients[accepted], local[keep], seconds[keep], corrupt[keep]
+        if self.client is not None:
+            self.client.state.commit(reached)
+            self.client.state.discard(np.setdiff1d(started, reached))
         return seconds, local, clients
 
     def _screen(self, round_: int, stage: str, step: Message, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -325,19 +359,31 @@ class Engine:
         unseen = np.flatnonzero(self.layout.unseen)
         for chunk in self._chunks(unseen):
             self.run_plan(round_, "eval", self.protocol.newcomer_plan(), chunk)
+        prelude = self.protocol.eval_prelude()
+        for chunk in self._chunks(self.seen) if prelude else ():
+            self.run_plan(round_, "eval", prelude, chunk)
         blocks = [self._evaluate_clients(round_, chunk) for chunk in self._chunks(np.arange(self.layout.num_clients))]
+        if self.client is not None:
+            self.client.end_round()
         if self.server is None:
             return
         self.final_rows = gathered = np.concatenate(blocks)
         row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(self.transport.ledger.train_bytes)}
         regression = self.layout.task == "regression"
-        for j, kind in enumerate(self.protocol.eval_kinds):
-            block = gathered[:, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)]
+        for (kind, split), block in self._eval_blocks(gathered):
+            prefix = "" if split == "test" else f"{split}_"
             for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
                 for name, value in summarize(block[mask], regression).items():
-                    row[f"{kind}.{group}.{name}"] = value
+                    row[f"{kind}.{group}.{prefix}{name}"] = value
         row.update(self.server.eval_metrics())
+        self.server.end_evaluation()
         self.eval_table.append(row)
+
+    def _eval_blocks(self, rows: np.ndarray) -> list[tuple[tuple[str, str], np.ndarray]]:
+        """The :data:`EVAL_FIELDS` columns of each (model kind, data split) in evaluation rows."""
+        pairs = [(kind, split) for kind in self.protocol.eval_kinds for split in self.eval_splits]
+        width = len(EVAL_FIELDS)
+        return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(pairs)]
 
     def _chunks(self, clients: np.ndarray) -> list[np.ndarray]:
         size = self.cfg.eval_chunk or max(len(clients), 1)
@@ -350,13 +396,17 @@ class Engine:
         kinds = self.protocol.eval_kinds
         rows = np.zeros((len(local), self.eval_msg.numel))
         start = time.perf_counter()
+        width = len(EVAL_FIELDS)
         for i, client in enumerate(local):
-            split = self.client.data[int(client)]
+            data = self.client.data[int(client)]
             for j, kind in enumerate(kinds):
                 model = self.client.eval_model(int(client), kind)
-                rows[i, j * len(EVAL_FIELDS) : (j + 1) * len(EVAL_FIELDS)] = evaluate(
-                    model, split.x_test, split.y_test, self.client.loss_fn
-                )
+                stats = self.client.eval_norm_statistics(int(client), kind, model)
+                with normalized_with(model, stats) if stats is not None else contextlib.nullcontext():
+                    for s, split in enumerate(self.eval_splits):
+                        at = (j * len(self.eval_splits) + s) * width
+                        x, y = getattr(data, f"x_{split}"), getattr(data, f"y_{split}")
+                        rows[i, at : at + width] = evaluate(model, x, y, self.client.loss_fn)
         self.clock.evaluation += time.perf_counter() - start
         return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
@@ -380,7 +430,7 @@ class Engine:
         """Every rank serializes its state (server, or its clients) and rank 0 keeps the blobs, which go
         into every results file written from now on. A collective on every rank, at a round boundary."""
         start = time.perf_counter()
-        mine = state_blob(self.client) if self.client is not None else np.zeros(0, dtype=np.uint8)
+        mine = client_state_blob(self.client.state) if self.client is not None else np.zeros(0, dtype=np.uint8)
         self.clock.serialization += time.perf_counter() - start
         gathered = self.transport.gather_bytes(round_, "checkpoint", mine)
         blobs = {f"worker_{r}": blob for r, blob in enumerate(gathered) if self.size == 1 or r > 0}
@@ -412,7 +462,7 @@ class Engine:
             self.checkpoint_blobs, self.checkpoint_round = dict(blobs), round_
         if self.client is not None:
             workers = sorted((k for k in blobs if k.startswith("worker_")), key=lambda k: int(k.split("_")[1]))
-            load_client_blobs([blobs[k] for k in workers], self.client)
+            load_client_states([blobs[k] for k in workers], self.client.state, self.placement.clients_of(self.rank))
         self.start_round = round_ + 1
         if self.server is None:  # the tables and the ledger are the server's alone
             return
@@ -533,9 +583,9 @@ class Engine:
             "owner": self.placement.owner,
         }
         if self.final_rows is not None:
-            width = len(EVAL_FIELDS)
-            for j, kind in enumerate(self.protocol.eval_kinds):
-                block = self.final_rows[:, j * width : (j + 1) * width]
+            for (kind, split), block in self._eval_blocks(self.final_rows):
+                if split != "test":
+                    continue
                 n = np.maximum(block[:, 0], 1)
                 table[f"{kind}.n_test"] = block[:, 0]
                 table[f"{kind}.loss"] = block[:, 2] / n

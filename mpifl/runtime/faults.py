@@ -1,4 +1,4 @@
-"""Emulated client faults: drop-out, deadlines with over-selection, and non-finite updates.
+"""Emulated client faults: drop-out, deadlines with over-selection, and broken (non-finite) updates.
 
 Which clients survive a round is decided before it starts, from (seed, round, client) and the
 network model's *expected* times (transfers plus ``seconds_per_sample`` × samples), never from
@@ -16,6 +16,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.config import FaultsConfig
 
 _DROPOUT_TAG = 0x64726F70
+_CORRUPT_TAG = 0x636F7272
 
 
 def selection_size(clients_per_round: int, cfg: FaultsConfig) -> int:
@@ -51,3 +52,12 @@ class FaultModel:
             clients, expected = clients[expected <= self.cfg.deadline_s], expected[expected <= self.cfg.deadline_s]
         first = np.lexsort((clients, expected))[:wanted]
         return np.sort(clients[first])
+
+    def corrupted(self, round_: int, clients: np.ndarray) -> np.ndarray:
+        """Which of ``clients`` send NaN in place of this round's training uploads (``faults.corrupt``: a
+        diverged or faulty client, to exercise ``faults.nonfinite``)."""
+        if not self.cfg.corrupt:
+            return np.zeros(len(clients), dtype=bool)
+        draws = np.array([np.random.default_rng([self.seed, _CORRUPT_TAG, round_, int(c)]).random()
+                          for c in clients])
+        return draws < self.cfg.corrupt

@@ -62,8 +62,8 @@ def local_sgd(
         momentum = torch.zeros_like(params)
     loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
     done = 0
-    for idx in batch_schedule(len(x), cfg, generator, steps):
-        loss = loss_fn(model.module(x[idx]), y[idx])
+    for xb, yb in training_batches(x, y, cfg, generator, steps):
+        loss = loss_fn(model.module(xb), yb)
         model.compute_gradient(loss)
         loss_sum += loss.detach()
         if grad_hook is not None:
@@ -73,13 +73,48 @@ def local_sgd(
     return TrainStats(done, float(loss_sum) / max(done, 1))
 
 
+def training_batches(x: torch.Tensor, y: torch.Tensor, cfg: ClientConfig, generator: torch.Generator,
+                     steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each local step's batch (:func:`batch_schedule`), augmented as ``cfg.augment`` says (shared by
+    algorithms with their own loop)."""
+    for idx in batch_schedule(len(x), cfg, generator, steps):
+        xb = x[idx]
+        if cfg.augment == "crop_flip":
+            xb = crop_flip(xb, generator)
+        yield xb, y[idx]
+
+
+def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Random crop of each image from its ``pad``-zero-padded copy, then a horizontal flip with probability
+    ½ (torchvision's RandomCrop(size, padding=4) and RandomHorizontalFlip, as the FedALS authors train on
+    CIFAR and SVHN). mpifl's images are normalized when loaded, so the padding is the channel mean (0)
+    rather than black."""
+    b, _, h, w = x.shape
+    padded = nn.functional.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
+    flip = (torch.rand(b, generator=generator) < 0.5).to(x.device)
+    rows = dy[:, None] + torch.arange(h, device=x.device)
+    cols = dx[:, None] + torch.arange(w, device=x.device)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch = torch.arange(b, device=x.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
+
+
 def batch_schedule(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None
                    ) -> Iterator[torch.Tensor]:
     """The sample indices of each local step: ``steps`` (or ``cfg.steps``) batches, else ``cfg.epochs``
-    passes, each pass a fresh permutation from ``generator`` (shared by algorithms with their own loop)."""
+    passes. ``cfg.batch_sampling: epochs`` walks passes over the data, each a fresh permutation from
+    ``generator``; ``fresh`` draws every step's batch as the first ``batch_size`` of a new permutation
+    (full batches, sampled without replacement within a batch and with replacement across steps: the
+    PeFLL/pFedHN reference code's ``next(iter(loader))``)."""
     batch = min(cfg.batch_size, n)
     per_epoch = n // batch if cfg.drop_last else math.ceil(n / batch)
     total = planned_steps(n, cfg, steps)
+    if cfg.batch_sampling == "fresh":
+        for _ in range(total):
+            yield torch.randperm(n, generator=generator)[:batch]
+        return
     done = 0
     while done < total:
         order = torch.randperm(n, generator=generator)
@@ -94,6 +129,20 @@ def planned_steps(n: int, cfg: ClientConfig, steps: int | None = None) -> int:
     """How many local steps :func:`batch_schedule` yields for ``n`` training samples."""
     batch = min(cfg.batch_size, n)
     return steps or cfg.steps or cfg.epochs * (n // batch if cfg.drop_last else math.ceil(n / batch))
+
+
+def planned_samples(sizes: np.ndarray, cfg: ClientConfig, steps: int | None = None) -> np.ndarray:
+    """How many samples :func:`batch_schedule` yields in total for clients of ``sizes`` training samples:
+    whole passes, then the first batches (always full) of one more."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    batch = np.minimum(cfg.batch_size, np.maximum(sizes, 1))
+    per_epoch = sizes // batch if cfg.drop_last else -(-sizes // batch)
+    total = np.full(len(sizes), steps or cfg.steps) if (steps or cfg.steps) else cfg.epochs * per_epoch
+    per_pass = per_epoch * batch if cfg.drop_last else sizes
+    if cfg.batch_sampling == "fresh":
+        return (total * batch).astype(np.int64)
+    passes, rest = np.divmod(total, np.maximum(per_epoch, 1))
+    return (passes * per_pass + rest * batch).astype(np.int64)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ def test_personal_models_mix_and_persist_only_for_sampled_clients(tmp_path):
     engine.setup()
     engine.run(progress=False)
     client = engine.client
-    sampled = sorted(client.personal)
+    sampled = client.state.clients()
     assert len(sampled) == 2
     for c in range(cfg.data.num_clients):
         client.eval_model(c, "personal")

@@ -22,7 +22,7 @@ def test_server_control_is_the_population_mean_of_client_controls(tmp_path):
     engine.setup()
     engine.run(progress=False)
     sizes = engine.layout.train_sizes / engine.layout.train_sizes.sum()
-    controls = engine.client.controls
+    controls = {c: s["control"] for c, s in engine.client.state.export().items()}
     assert 2 <= len(controls) < cfg.data.num_clients  # partial participation: some cᵢ are still zero
     expected = sum(w * controls[c].astype(np.float64) for c, w in enumerate(sizes) if c in controls)
     assert np.allclose(engine.server.control, expected, atol=1e-5)

@@ -1,0 +1,85 @@
+"""Per-client state owned by the runtime: ``state[client][name]`` is a numpy array.
+
+An algorithm keeps nothing about a client between rounds except here. During a round it edits a
+client's working copy; the runtime then decides the client's fate: the edits are committed when the
+server accepted every update the client sent, and discarded when one was rejected (a non-finite
+update), so a client whose update never reached the server keeps exactly the state it had before the
+round. That is what keeps SCAFFOLD's c = Σᵢ wᵢcᵢ exact under rejections. The runtime checkpoints the
+committed states by client id and restores them on any rank count, so no algorithm writes checkpoint
+code, and an algorithm that never writes state is stateless by observation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+StateDict = dict[str, np.ndarray]
+
+
+class ClientState:
+    """The states of the clients one rank hosts: committed (what survives rounds) and this round's edits."""
+
+    def __init__(self) -> None:
+        self._committed: dict[int, StateDict] = {}
+        self._working: dict[int, StateDict] = {}
+
+    def read(self, client: int) -> Mapping[str, np.ndarray]:
+        """``client``'s state as this round left it so far (read-only arrays; empty if it has none)."""
+        if client in self._working:
+            return {name: _read_only(value) for name, value in self._working[client].items()}
+        return self._committed.get(client, {})
+
+    def get(self, client: int, name: str) -> np.ndarray | None:
+        return self.read(client).get(name)
+
+    def edit(self, client: int) -> StateDict:
+        """``client``'s working copy for this round, created from its committed state on first use: the
+        algorithm may change its arrays in place and add or replace entries until the round ends."""
+        if client not in self._working:
+            self._working[client] = {name: value.copy() for name, value in self._committed.get(client, {}).items()}
+        return self._working[client]
+
+    def commit(self, clients: Iterable[int]) -> None:
+        """Keep these clients' edits of this round."""
+        for client in clients:
+            edits = self._working.pop(int(client), None)
+            if edits is not None:
+                self._committed[int(client)] = {name: _frozen(name, value) for name, value in edits.items()}
+
+    def discard(self, clients: Iterable[int]) -> None:
+        """Forget these clients' edits of this round: their state is what it was before it."""
+        for client in clients:
+            self._working.pop(int(client), None)
+
+    @property
+    def editing(self) -> list[int]:
+        """Clients with uncommitted edits (empty between rounds)."""
+        return sorted(self._working)
+
+    def clients(self) -> list[int]:
+        """Clients that have committed state, in id order."""
+        return sorted(self._committed)
+
+    def export(self, clients: Iterable[int] | None = None) -> dict[int, StateDict]:
+        """Committed states (all, or of ``clients``) by client id, e.g. for a checkpoint."""
+        ids = self.clients() if clients is None else [int(c) for c in clients if int(c) in self._committed]
+        return {c: dict(self._committed[c]) for c in ids}
+
+    def restore(self, states: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+        """Take these committed states (e.g. read back from a checkpoint), replacing what was there."""
+        for client, state in states.items():
+            self._committed[int(client)] = {name: _frozen(name, np.asarray(value)) for name, value in state.items()}
+
+
+def _frozen(name: str, value: np.ndarray) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"client state {name!r} must be a numpy array, got {type(value).__name__}")
+    return _read_only(value)
+
+
+def _read_only(value: np.ndarray) -> np.ndarray:
+    view = value.view()
+    view.setflags(write=False)
+    return view
