@@ -24,7 +24,7 @@ def test_feddeper_personal_models_stay_on_their_owner(tmp_path):
         assert engine.client is None  # the server hosts no client, hence no vᵢ
         return
     owned = set(engine.placement.clients_of(engine.rank).tolist())
-    assert engine.client.personal and set(engine.client.personal) <= owned
+    assert engine.client.state.clients() and set(engine.client.state.clients()) <= owned
 
 
 @pytest.mark.mpi(min_size=3)
@@ -32,7 +32,7 @@ def test_fedals_state_and_ledger(tmp_path):
     rounds, alpha = 4, 2
     engine = run_engine(tmp_path, {"algorithm": "fedals", "rounds": rounds, "fedals": {"alpha": alpha}})
     if engine.rank > 0:
-        assert set(engine.client.states) == set(engine.placement.clients_of(engine.rank).tolist())
+        assert set(engine.client.state.clients()) == set(engine.placement.clients_of(engine.rank).tolist())
         return
     protocol = engine.protocol
     head, = (p for p in protocol.parts if p.name == "head")
