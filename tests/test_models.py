@@ -53,13 +53,16 @@ def test_flat_gradient_equals_autograd():
     assert torch.equal(flat.grads, expected)
 
 
-def test_regression_model_outputs_one_value_per_sample():
-    model = build_model(ModelConfig(name="linear"), layout((5,), 0, "regression"), seed=0)
+@pytest.mark.parametrize("name", ["linear", "mlp"])
+def test_regression_model_outputs_one_value_per_sample(name):
+    model = build_model(ModelConfig(name=name), layout((5,), 0, "regression"), seed=0)
     assert model(torch.zeros(3, 5)).shape == (3,)
 
 
 def test_model_task_mismatch_is_a_config_error():
     with pytest.raises(ConfigError, match="linear"):
-        build_model(ModelConfig(name="mlp"), layout((5,), 0, "regression"), seed=0)
+        build_model(ModelConfig(name="logistic"), layout((5,), 0, "regression"), seed=0)
+    with pytest.raises(ConfigError, match="regression"):
+        build_model(ModelConfig(name="linear"), layout((5,)), seed=0)
     with pytest.raises(ConfigError, match="image"):
         build_model(ModelConfig(name="lenet"), layout((64,)), seed=0)

@@ -19,10 +19,10 @@ def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Modu
     regression = layout.task == "regression"
     out = 0 if regression else layout.num_classes
     shape = tuple(layout.input_shape)
-    if (cfg.name == "linear") != regression:
+    if (cfg.name == "linear" and not regression) or (regression and cfg.name not in ("linear", "mlp")):
         raise ConfigError(
             f"model.name: {cfg.name!r} does not fit a {layout.task} dataset"
-            + (" (use 'linear')" if regression else " ('linear' is for regression; use 'logistic')")
+            + (" (use 'linear' or 'mlp')" if regression else " ('linear' is for regression; use 'logistic')")
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -10,7 +10,11 @@ import pytest
 import torch
 import yaml
 
-from mpifl.data import FederatedDataset
+from mpifl.algorithms import get_algorithm
+from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
+from mpifl.comm.messages import LocalCompute
+from mpifl.config import parse_config
+from mpifl.data import FederatedDataset, build_federated_dataset
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
 from tests.conftest import _merge, rank_dependent, run_config
@@ -71,3 +75,37 @@ def assert_rank_invariant(run_algo, tmp_path: Path, algorithm: str, overrides: d
     assert one.keys() == three.keys()
     for key, value in one.items():
         assert np.array_equal(value, three[key], equal_nan=value.dtype.kind == "f"), key
+
+
+def both_sides(config: dict) -> tuple[RunContext, ServerAlgorithm, ClientAlgorithm]:
+    """An algorithm's server and a client side hosting every client, in one process, without the engine."""
+    cfg = parse_config(config)
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    ctx = RunContext(cfg, dataset.layout)
+    entry = get_algorithm(cfg.algorithm)
+    return ctx, entry.server(ctx), entry.client(ctx, hosting_all(dataset))
+
+
+def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, clients: np.ndarray,  # noqa: ANN001
+         audience: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The engine's walk of a plan without MPI or faults (``everyone`` steps among ``audience``), then the
+    round's end: every state edit committed. Returns every message's rows by name."""
+    audience = clients if audience is None else audience
+    seen = {}
+    for step in plan:
+        targets = audience if step.everyone else clients
+        if isinstance(step, LocalCompute):
+            for c in targets:
+                client.compute(round_, int(c))
+            continue
+        if step.direction == "down":
+            payload = server.payload(step, round_, targets)
+            rows = np.broadcast_to(payload, (len(targets), step.numel)) if step.broadcast else payload
+            for c, row in zip(targets, rows):
+                client.receive(step, round_, int(c), row)
+        else:
+            rows = np.stack([np.array(client.send(step, round_, int(c))) for c in targets])
+            server.consume(step, round_, targets, rows)
+        seen[step.name] = np.array(rows)
+    client.state.commit(np.union1d(clients, audience))
+    return seen

@@ -20,12 +20,12 @@ from mpifl.algorithms.pefll import (
     descriptor_correlations,
     descriptor_rows,
 )
-from mpifl.comm.messages import LocalCompute, Message
+from mpifl.comm.messages import Message
 from mpifl.config import load_config, parse_config
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.models import FlatModel
 from mpifl.schema import ConfigError
-from tests.algorithms.conftest import hosting_all
+from tests.algorithms.conftest import hosting_all, walk
 from tests.conftest import REPO, _merge, rank_dependent
 
 PEFLL = {
@@ -48,26 +48,6 @@ def build(overrides: dict | None = None) -> tuple[RunContext, PeFLLServer, PeFLL
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     ctx = RunContext(cfg, dataset.layout)
     return ctx, PeFLLServer(ctx), PeFLLClient(ctx, hosting_all(dataset))
-
-
-def walk(server: PeFLLServer, client: PeFLLClient, plan, round_: int, clients: np.ndarray) -> dict[str, np.ndarray]:
-    """The engine's walk of a plan without MPI; returns every message's rows by name."""
-    seen = {}
-    for step in plan:
-        if isinstance(step, LocalCompute):
-            for c in clients:
-                client.compute(round_, int(c))
-            continue
-        if step.direction == "down":
-            payload = server.payload(step, round_, clients)
-            rows = np.broadcast_to(payload, (len(clients), step.numel)) if step.broadcast else payload
-            for c, row in zip(clients, rows):
-                client.receive(step, round_, int(c), row)
-        else:
-            rows = np.stack([np.array(client.send(step, round_, int(c))) for c in clients])
-            server.consume(step, round_, clients, rows)
-        seen[step.name] = np.array(rows)
-    return seen
 
 
 def evaluate_in_chunks(server, client, chunk: int, round_: int = 1) -> tuple[np.ndarray, dict[str, float]]:  # noqa: ANN001
