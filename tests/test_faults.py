@@ -10,11 +10,12 @@ import h5py
 import numpy as np
 import pytest
 
+from mpifl.algorithms import known_algorithms
 from mpifl.cli import main
 from mpifl.config import parse_config
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, mpi_env, mpirun_cmd, run_mpifl
-from tests.test_checkpoint import assert_same, deterministic
+from tests.test_checkpoint import CONFIGS, assert_same, deterministic
 
 
 def run(write_config, tmp_path, overrides, name="r"):
@@ -61,10 +62,26 @@ def test_non_finite_updates_are_rejected_or_abort(write_config, tmp_path, capsys
     res = run(write_config, tmp_path, {"rounds": 3, "client": {"lr": 1e12}}, "skip")
     assert res.table("rounds")["rejected_updates"].sum() > 0
     assert "rejected non-finite delta" in capsys.readouterr().err
-    out = tmp_path / "abort.h5"
+    out = tmp_path / "abort.h5"  # a real 3-rank job: the server's abort ends every rank, with one message
     config = write_config({"rounds": 3, "client": {"lr": 1e12}, "faults": {"nonfinite": "abort"}}, name="abort.yaml")
-    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 1
-    assert "is not finite" in capsys.readouterr().err
+    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=3)
+    assert proc.returncode != 0 and proc.stderr.count("is not finite") == 1
+    assert "mpifl: error: rank 0 of 3 failed: FloatingPointError: round 1: delta of client(s)" in proc.stderr
+
+
+@pytest.mark.parametrize("algorithm", sorted(set(known_algorithms()) - {"local"}))  # Local uploads nothing
+def test_nonfinite_abort_stops_every_algorithm_at_the_first_broken_update(algorithm, tmp_path):
+    """``faults.nonfinite: abort``: the first broken upload ends the run with an error naming it, before the
+    server uses any of it (in one process; the 3-rank job's abort path is the test above's)."""
+    from mpi4py import MPI
+
+    from mpifl.runtime.engine import Engine
+
+    cfg = parse_config(_merge(CONFIGS[algorithm], {"rounds": 3, "faults": {"nonfinite": "abort", "corrupt": 0.5}}))
+    engine = Engine(cfg, MPI.COMM_SELF, tmp_path / "r.h5")
+    engine.setup()
+    with pytest.raises(FloatingPointError, match=r"round \d+: .* of client\(s\) \[\d+.*\] is not finite"):
+        engine.run(progress=False)
 
 
 def test_a_killed_worker_ends_the_job_quickly_and_keeps_the_results(write_config, tmp_path):

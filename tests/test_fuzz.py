@@ -150,6 +150,7 @@ def _load_damaged_idx(tmp_path: Path, target, cut, flips, nan, gz) -> None:
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
 @example(kind="cifar", cut=1, flips=[(0, 80)])  # the library's message spans lines
 @example(kind="cifar", cut=9, flips=[(0, 149)])  # a damaged length asks for an impossible buffer: MemoryError
+@example(kind="cifar", cut=52, flips=[(40, 1)])  # a damaged string encoding name: LookupError
 def test_damaged_cifar_pickles_and_leaf_json_raise_config_error(kind, cut, flips):
     with tempfile.TemporaryDirectory() as tmp:
         _load_damaged_files(Path(tmp), kind, cut, flips)

@@ -183,8 +183,10 @@ def load_pickle(path: Path) -> Any:
             return _SafeUnpickler(f, encoding="bytes").load()
     except _ForbiddenGlobal as exc:
         raise ConfigError(f"data.root: {path}: refusing to unpickle global {exc} (only numpy arrays allowed)") from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError,
-            MemoryError) as exc:  # MemoryError: a damaged length field asks for an impossible buffer
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, LookupError,
+            OSError, MemoryError, RecursionError) as exc:
+        # MemoryError: a damaged length field asks for an impossible buffer; LookupError: a damaged
+        # string encoding name (or memo key); RecursionError: damaged nesting
         raise ConfigError(f"data.root: {path}: corrupt or truncated pickle ({type(exc).__name__}: {exc})") from exc
 
 

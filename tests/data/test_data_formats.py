@@ -246,7 +246,10 @@ def test_femnist_natural_partition(tmp_path: Path) -> None:
     lay = ds.layout
     assert (lay.num_clients, lay.num_classes, lay.input_shape) == (3, 62, (1, 28, 28))
     np.testing.assert_array_equal(lay.train_sizes, [18, 9, 4])  # users sorted: f_a, f_b, f_c; last 10% -> val
-    np.testing.assert_array_equal(lay.unseen, [False, False, True])
+    assert lay.unseen.sum() == 1  # a seeded random writer, not the last id
+    np.testing.assert_array_equal(lay.unseen, build_federated_dataset(cfg, 0).layout.unseen)
+    assert {tuple(build_federated_dataset(cfg, s).layout.unseen) for s in range(8)} == {
+        (True, False, False), (False, True, False), (False, False, True)}
     for client, user in enumerate(["f_a", "f_b", "f_c"]):
         np.testing.assert_array_equal(
             lay.class_counts[client], np.bincount(train[user][1][: lay.train_sizes[client]], minlength=62)
