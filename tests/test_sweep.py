@@ -2,10 +2,13 @@
 
 import csv
 
+import numpy as np
 import pytest
 import yaml
 
 from mpifl.cli import main
+from mpifl.report import report
+from mpifl.results import read_results
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
 
@@ -38,7 +41,40 @@ def test_sweep_runs_and_report_aggregates_over_seeds(write_config, tmp_path, cap
         rows = list(csv.DictReader(f))
     by_algo = {r["algorithm"]: r for r in rows}
     assert float(by_algo["local"]["train_MB_mean"]) == 0 and float(by_algo["fedavg"]["train_MB_mean"]) > 0
-    assert 0 <= float(by_algo["fedavg"]["global.seen.acc_pooled_mean"]) <= 1
+    finals = [read_results(f).table("eval")["global.seen.acc_pooled"][-1]
+              for f in sorted((tmp_path / "out").glob("algorithm=fedavg*.h5"))]
+    assert len(finals) == 2 and finals[0] != finals[1]
+    # mean ± 2·SE with the sample standard deviation (ddof = 1), as the seed papers' tables
+    assert float(by_algo["fedavg"]["global.seen.acc_pooled_mean"]) == pytest.approx(np.mean(finals))
+    assert float(by_algo["fedavg"]["global.seen.acc_pooled_2se"]) == pytest.approx(
+        2 * np.std(finals, ddof=1) / np.sqrt(2))
+
+
+def test_report_selects_the_best_validation_round(write_config, tmp_path, capsys):
+    """``--select best-val`` reports every run at its evaluation with the best validation accuracy of the seen
+    clients (the PeFLL and pFedHN papers' model selection), for one file and over seeds."""
+    config = write_config({"rounds": 6, "eval_every": 1, "data": {"val_fraction": 0.2}, "client": {"lr": 0.3}})
+    sweep = write_sweep(tmp_path, config, {"client.lr": [0.3]})
+    assert main(["sweep", str(sweep)]) == 0
+    files = sorted((tmp_path / "out").glob("*.h5"))
+    chosen = []
+    for path in files:
+        ev = read_results(path).table("eval")
+        best = int(np.argmax(ev["global.seen.val_acc_pooled"]))
+        chosen.append(ev["global.seen.acc_pooled"][best])
+        summary = report(str(path), "best-val")
+        assert summary["selected_round"] == ev["round"][best]
+        assert summary["final"]["global.seen.acc_pooled"] == ev["global.seen.acc_pooled"][best]
+    assert len(set(chosen)) > 1 or len(files) == 1
+    assert main(["report", str(tmp_path / "out"), "--select", "best-val"]) == 0
+    assert "best validation accuracy" in capsys.readouterr().out
+    with open(tmp_path / "out" / "summary.csv") as f:
+        row, = csv.DictReader(f)
+    assert float(row["global.seen.acc_pooled_mean"]) == pytest.approx(np.mean(chosen))
+    plain = tmp_path / "plain.h5"
+    assert main(["run", str(write_config({"rounds": 2})), "--out", str(plain), "--quiet"]) == 0
+    assert main(["report", str(plain), "--select", "best-val"]) == 2
+    assert "has no validation accuracy (run with data.val_fraction > 0)" in capsys.readouterr().err
 
 
 def test_slurm_array_script(write_config, tmp_path):
