@@ -205,7 +205,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
 
     import yaml
 
-    from mpifl.algorithms import known_algorithms
+    from mpifl.registry import known_algorithms
     from mpifl.schema import ConfigError
 
     files = sorted(Path(directory).glob("*.h5"))

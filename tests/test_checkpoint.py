@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from mpifl.algorithms import get_algorithm, known_algorithms
 from mpifl.cli import main
+from mpifl.registry import get_algorithm, known_algorithms
 from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL

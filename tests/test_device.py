@@ -10,9 +10,9 @@ from mpi4py import MPI
 
 from mpifl.config import parse_config
 from mpifl.models import FlatModel
-from mpifl.runtime.device import LOCAL_RANK_VARIABLES, host_numpy, local_rank, pick_device
 from mpifl.runtime.engine import Engine
 from mpifl.schema import ConfigError
+from mpifl.training.device import LOCAL_RANK_VARIABLES, host_numpy, local_rank, pick_device
 from tests.conftest import _merge, run_mpifl
 from tests.test_checkpoint import CONFIGS
 

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import RunContext
-from mpifl.config import ClientConfig, parse_config
+from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.runtime.training import batch_schedule, crop_flip, planned_samples
+from mpifl.registry import get_algorithm
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge
 from tests.test_checkpoint import CONFIGS

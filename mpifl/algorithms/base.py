@@ -20,12 +20,14 @@ from torch import nn
 
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message, Step
-from mpifl.config import ClientConfig, RunConfig
-from mpifl.data import ClientSplit, FederatedLayout
+from mpifl.config import RunConfig
+from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.norm import batch_norms, norm_statistics
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook, client_generator, local_sgd, planned_samples
+from mpifl.training.config import ClientConfig
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook, client_generator, local_sgd, planned_samples
+from mpifl.training.tensors import TensorSplit
 
 
 @dataclass(frozen=True)
@@ -224,21 +226,6 @@ class ClientAlgorithm:
                           gen, grad_hook, lr=lr, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
         return stats.steps
-
-
-@dataclass(frozen=True)
-class TensorSplit:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-def as_tensors(split: ClientSplit, device: torch.device | str = "cpu") -> TensorSplit:
-    fields = TensorSplit.__dataclass_fields__
-    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))).to(device) for f in fields))
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:

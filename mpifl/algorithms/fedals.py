@@ -44,9 +44,9 @@ from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.norm import norm_size, norm_statistics
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import planned_samples
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import planned_samples
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from torch import nn
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook, client_generator
-from mpifl.runtime.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook, client_generator
+from mpifl.training.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
 
 
 class FedAvgProtocol(Protocol):

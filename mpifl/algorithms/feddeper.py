@@ -24,8 +24,8 @@ from torch import nn
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
-from mpifl.runtime.training import client_generator, sgd_step, training_batches
 from mpifl.schema import limits
+from mpifl.training.sgd import client_generator, sgd_step, training_batches
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import client_generator
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import client_generator
 
 
 @dataclass(frozen=True)

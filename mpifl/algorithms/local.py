@@ -22,8 +22,8 @@ from torch import nn
 from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Step
-from mpifl.config import ClientConfig
 from mpifl.schema import limits
+from mpifl.training.config import ClientConfig
 
 
 @dataclass(frozen=True)

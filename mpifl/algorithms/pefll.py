@@ -32,9 +32,9 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import TrainStats, client_generator, local_sgd
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import TrainStats, client_generator, local_sgd
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
 DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)

@@ -33,8 +33,8 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
-from mpifl.runtime.training import client_generator
 from mpifl.schema import limits
+from mpifl.training.sgd import client_generator
 
 TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
 NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's adaptation steps

@@ -26,9 +26,9 @@ from torch import nn
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import client_generator, training_batches
 from mpifl.schema import limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import client_generator, training_batches
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from mpifl.algorithms.base import RunContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook
 
 
 class GradientMean:

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from mpifl import __version__
-from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
 from mpifl.algorithms.state import ClientState
 from mpifl.checkpoint import client_state_blob, load_client_states, load_state_blob, read_checkpoint, state_blob
@@ -26,14 +25,15 @@ from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.models.norm import normalized_with
+from mpifl.registry import get_algorithm
 from mpifl.results import Table, write_atomically
-from mpifl.runtime.device import rank_device
 from mpifl.runtime.faults import FaultModel, selection_size
 from mpifl.runtime.metrics import summarize
 from mpifl.runtime.sampling import sample_clients
 from mpifl.runtime.store import ClientStore
-from mpifl.runtime.training import EVAL_FIELDS, evaluate
 from mpifl.schema import ConfigError
+from mpifl.training.device import rank_device
+from mpifl.training.sgd import EVAL_FIELDS, evaluate
 
 TELEMETRY_FIELDS = ("compute_s", "train_loss")
 

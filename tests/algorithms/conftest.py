@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
 from mpifl.comm.messages import LocalCompute
 from mpifl.config import parse_config
 from mpifl.data import FederatedDataset, build_federated_dataset
+from mpifl.registry import get_algorithm
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
 from tests.conftest import _merge, rank_dependent, run_config

@@ -6,8 +6,9 @@ import pytest
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, layer_groups, round_lr
 from mpifl.comm import Message
-from mpifl.config import ModelConfig, RunConfig
+from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
+from mpifl.models.config import ModelConfig
 from mpifl.report import logical_totals
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, _merge, assert_rank_invariant, both_sides, walk

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mpifl.models.norm import norm_size, norm_statistics, normalized_with
-from mpifl.runtime.training import evaluate
+from mpifl.training.sgd import evaluate
 from tests.algorithms.conftest import both_sides, walk
 from tests.conftest import _merge
 

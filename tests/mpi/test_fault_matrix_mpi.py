@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpifl.algorithms import known_algorithms
 from mpifl.config import parse_config
+from mpifl.registry import known_algorithms
 from mpifl.runtime.engine import Engine
 from tests.conftest import _merge, rank_dependent
 from tests.test_checkpoint import CONFIGS
