@@ -1,6 +1,8 @@
 """Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
 
-An algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
+A worker's state is its clients' committed states (:class:`~mpifl.algorithms.state.ClientState`), one group
+per client id, so a resume hands each client's state to whichever worker hosts it now. A server
+algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
 (``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``write_object``
 turns that object graph into a tree of arrays and scalars; ``read_object`` writes it back into a
 freshly built algorithm: modules and optimizers load in place; a class lists attributes derived
@@ -175,16 +177,26 @@ def client_state_blob(state: ClientState) -> np.ndarray:
     return state_blob(_ClientStates(state.export()))
 
 
+def worker_states(blob: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+    """The client states one worker saved, by client id."""
+    with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+        if "states" not in f:
+            return {}
+        return {_unkey(key): {_unkey(name): read_state(a) for name, a in node.items()}
+                for key, node in f["states"].items()}
+
+
+def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+    """Every worker's client states in the last checkpoint of a results file: {"worker_R": {client: state}}."""
+    blobs = read_checkpoint(path).tables["checkpoint"]
+    return {name: worker_states(blob) for name, blob in blobs.items() if name.startswith("worker_")}
+
+
 def load_client_states(blobs: list[np.ndarray], state: ClientState, clients: np.ndarray) -> None:
     """Restore ``clients``' states from the blobs of however many workers saved them (any rank count)."""
     mine = {int(c) for c in clients}
     for blob in blobs:
-        with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
-            if "states" not in f:
-                continue
-            for key, node in f["states"].items():
-                if _unkey(key) in mine:
-                    state.restore({_unkey(key): {_unkey(name): read_state(a) for name, a in node.items()}})
+        state.restore({c: s for c, s in worker_states(blob).items() if c in mine})
 
 
 @dataclasses.dataclass

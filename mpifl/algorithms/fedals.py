@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, weighted_sum
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgServer
 from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
 from mpifl.algorithms.state import ClientState, StateDict
@@ -159,31 +159,32 @@ class FedALSServer(FedAvgServer):
         self.extractor_sum: np.ndarray | None = None
         self.norm_sum: np.ndarray | None = None
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         p = self.protocol
         if msg.name == p.eval_msg.name:
-            return self._evaluated_model(round_)
+            return self._evaluated_model(step.round)
         if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
             return self.norm_sum
         part, kind = p.route[msg.name]
         return (self.params if kind == "params" else self.control)[part.span]
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         p = self.protocol
         if msg.name in (getattr(p.extractor_eval, "name", None), getattr(p.norm_msg, "name", None)):
-            self._accumulate(msg, clients, rows)
+            self._accumulate(msg, step.clients, rows)
             return
         part, kind = p.route[msg.name]
         if kind == "control":
             control = self.control.copy()
-            control[part.span] = update_control(self.control[part.span], rows, population_weights(self.ctx, clients))
+            weights = population_weights(self.ctx, step.clients)
+            control[part.span] = update_control(self.control[part.span], rows, weights)
             self.control = control
             return
-        weights = self.ctx.weights(clients)
+        weights = self.ctx.weights(step.clients)
         mean = weighted_sum(rows, weights)
         self.metrics.update(self._consensus(part, rows, mean, weights))
         self.apply_update(mean, part.span)
-        self.synced[part.name] = round_
+        self.synced[part.name] = step.round
 
     def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
         """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
@@ -256,7 +257,7 @@ class FedALSClient(ClientAlgorithm):
                           gradient_sum=np.zeros(self.initial.shape, dtype=np.float64))
         return st
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         p = self.protocol
         if msg.name == p.eval_msg.name:
             self.eval_params = row
@@ -275,7 +276,7 @@ class FedALSClient(ClientAlgorithm):
         if "gradient_sum" in st:
             st["gradient_sum"][part.span] = 0.0
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         st = self.working(client)
         self.workspace.load(st["model"])
         hook = None
@@ -284,8 +285,8 @@ class FedALSClient(ClientAlgorithm):
             hook = correction_hook(st["global_control"] - st["control"], self.device, self.gradients[client])
         momentum = torch.from_numpy(st["momentum"]).to(self.device) if "momentum" in st else None
         opts = self.ctx.options
-        steps = self.train_workspace(round_, client, hook, steps=opts.tau, momentum=momentum,
-                                     lr=round_lr(self.ctx.cfg.client.lr, opts, round_))
+        steps = self.train_workspace(step, client, hook, steps=opts.tau, momentum=momentum,
+                                     lr=round_lr(self.ctx.cfg.client.lr, opts, step.round))
         st["model"][:] = self.workspace.numpy()
         if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st["momentum"]
             st["momentum"][:] = host_numpy(momentum)
@@ -293,7 +294,7 @@ class FedALSClient(ClientAlgorithm):
         if hook is not None:
             st["gradient_sum"] += host_numpy(self.gradients.pop(client).total)
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol
         if msg.name == getattr(p.extractor_eval, "name", None):
             return self.current_model(client)[p.extractor.span]

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, weighted_sum
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.training.device import host_numpy
@@ -43,11 +43,11 @@ class FedAvgServer(ServerAlgorithm):
         self.params = ctx.new_model().numpy().copy()
         self.velocity = np.zeros(self.params.shape, dtype=np.float64)
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         return self.params
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
-        self.apply_update(weighted_sum(rows, self.ctx.weights(clients)))
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+        self.apply_update(weighted_sum(rows, self.ctx.weights(step.clients)))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"global_model": self.params}
@@ -64,7 +64,6 @@ class FedAvgServer(ServerAlgorithm):
 
 class FedAvgClient(ClientAlgorithm):
     protocol_type = FedAvgProtocol
-    stateless = True
     scratch = ("start", "deltas")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
@@ -80,35 +79,35 @@ class FedAvgClient(ClientAlgorithm):
             self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
         self.trained_together = 0
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         if msg.name == self.protocol.eval_msg.name:
             self.global_params = row
         else:
             self.start[client] = row
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         start = self.start.pop(client)
         self.workspace.load(start)
-        self.train_workspace(round_, client, self.grad_hook(client, start))
+        self.train_workspace(step, client, self.grad_hook(client, start))
         self.deltas[client] = self.workspace.numpy() - start
 
-    def compute_clients(self, round_: int, clients: np.ndarray) -> np.ndarray:
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """Plain FedAvg may train clients with equally many samples together (``client.vectorize``);
         each then reports an equal share of its group's seconds."""
         if self.vectorizer is None:
-            return super().compute_clients(round_, clients)
+            return super().compute_clients(step, clients)
         seconds = np.empty(len(clients))
         sizes = np.array([len(self.data[int(c)].x_train) for c in clients])
         for size in np.unique(sizes):
             members = np.flatnonzero(sizes == size)
             start = time.perf_counter()
-            if self._train_together(round_, clients[members]):
+            if self._train_together(step, clients[members]):
                 seconds[members] = (time.perf_counter() - start) / len(members)
             else:
-                seconds[members] = super().compute_clients(round_, clients[members])
+                seconds[members] = super().compute_clients(step, clients[members])
         return seconds
 
-    def _train_together(self, round_: int, group: np.ndarray) -> bool:
+    def _train_together(self, step: StepContext, group: np.ndarray) -> bool:
         """Train ``group`` as one computation if they share their start and the vectorizer says so."""
         start = self.start[int(group[0])]
         if not all(np.array_equal(self.start[int(c)], start) for c in group[1:]):
@@ -123,7 +122,7 @@ class FedAvgClient(ClientAlgorithm):
             return False
         seed = self.ctx.cfg.seed
         params, stats = self.vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
-                                              [client_generator(seed, round_, int(c)) for c in group],
+                                              [client_generator(seed, step.round, int(c)) for c in group],
                                               self.ctx.cfg.client)
         for k, client in enumerate(group):
             self.start.pop(int(client))
@@ -139,7 +138,7 @@ class FedAvgClient(ClientAlgorithm):
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""
         return None
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)
 
     def eval_model(self, client: int, kind: str) -> nn.Module:

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Step
 from mpifl.schema import limits
@@ -63,16 +63,15 @@ class LocalServer(ServerAlgorithm):
 
 class LocalClient(ClientAlgorithm):
     protocol_type = LocalProtocol
-    stateless = False  # each client's own model (client state "model")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         self.workspace.load(self.model(client))
-        config = self.protocol.upfront_config() if round_ == 0 else None
-        self.train_workspace(round_, client, config=config)
+        config = self.protocol.upfront_config() if step.stage == "setup" else None
+        self.train_workspace(step, client, config=config)
         self.state.edit(client)["model"] = self.workspace.numpy().copy()
 
     def model(self, client: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
 from mpifl.schema import limits
@@ -63,9 +63,8 @@ class PFedMeServer(FedAvgServer):
 
 class PFedMeClient(FedAvgClient):
     protocol_type = PFedMeProtocol
-    stateless = False  # θ_i persists across rounds (client state "personal")
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         opts: PFedMeOptions = self.ctx.options
         cfg = self.ctx.cfg.client
         start = self.start.pop(client)
@@ -74,7 +73,7 @@ class PFedMeClient(FedAvgClient):
         self.workspace.load(start)
         theta, grads = self.workspace.params, self.workspace.grads
         losses = []
-        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        gen = client_generator(self.ctx.cfg.seed, step.round, client)
         for xb, yb in training_batches(split.x_train, split.y_train, cfg, gen):
             for _ in range(opts.inner_steps):
                 loss = self.loss_fn(self.workspace.module(xb), yb)

@@ -123,6 +123,27 @@ class Transport:
                              time.perf_counter() - start)
         return [recv[d : d + n] for d, n in zip(displs, sizes)] if self.is_server else []
 
+    def exchange(self, round_: int, name: str, outgoing: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Every rank sends each rank in ``outgoing`` its uint8 buffer and gets back what the others sent it,
+        by source rank (sizes first with ``Alltoall``, then the bytes with ``Ialltoallv``). Simulator traffic
+        (e.g. a visiting client's state), recorded as physical bytes only. A collective on every rank."""
+        if self.size == 1:
+            return {r: blob for r, blob in outgoing.items() if r == 0}
+        send_counts = np.zeros(self.size, dtype=np.int32)
+        for rank, blob in outgoing.items():
+            send_counts[rank] = blob.size
+        recv_counts = np.zeros(self.size, dtype=np.int32)
+        self.comm.Alltoall(send_counts, recv_counts)
+        send = np.concatenate([outgoing.get(r, np.zeros(0, np.uint8)) for r in range(self.size)]).astype(np.uint8)
+        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        send_displs = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int32)
+        recv_displs = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(np.int32)
+        byte = _mpi_type(Message(name, "up", 0, "uint8", logical=False))
+        request = self.comm.Ialltoallv([send, send_counts, send_displs, byte], [recv, recv_counts, recv_displs, byte])
+        self._timed(round_, Message(name, "up", 0, "uint8", logical=False), "alltoallv",
+                    int(send_counts.sum() + recv_counts.sum()), request)
+        return {r: recv[d : d + n] for r, (d, n) in enumerate(zip(recv_displs, recv_counts)) if n}
+
     @staticmethod
     def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> None:
         if payload is None or payload.dtype != np.dtype(msg.dtype) or payload.size != rows * msg.numel:
