@@ -49,7 +49,7 @@ def _unkey(name: str) -> int | str:
 
 
 def _skip(value: Any) -> bool:
-    frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen
+    frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen  # type: ignore[attr-defined]
     return frozen or isinstance(value, (Message, torch.nn.modules.loss._Loss))
 
 
@@ -122,9 +122,9 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
     if kind == "json":
         return json.loads(node[()])
     if kind == "np_generator":
-        gen = existing if isinstance(existing, np.random.Generator) else np.random.default_rng()
-        gen.bit_generator.state = json.loads(node[()])
-        return gen
+        rng = existing if isinstance(existing, np.random.Generator) else np.random.default_rng()
+        rng.bit_generator.state = json.loads(node[()])
+        return rng
     if kind == "torch_generator":
         gen = existing if isinstance(existing, torch.Generator) else torch.Generator()
         gen.set_state(torch.from_numpy(np.array(node[()])))
@@ -140,8 +140,8 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
         old = existing if isinstance(existing, dict) else {}
         return {_unkey(k): read_state(v, old.get(_unkey(k))) for k, v in node.items()}
     if kind in ("list", "tuple"):
-        old = list(existing) if isinstance(existing, (list, tuple)) else []
-        items = [read_state(node[str(i)], old[i] if i < len(old) else None) for i in range(len(node))]
+        before = list(existing) if isinstance(existing, (list, tuple)) else []
+        items = [read_state(node[str(i)], before[i] if i < len(before) else None) for i in range(len(node))]
         return tuple(items) if kind == "tuple" else items
     if kind == "object":
         module, qualname = node.attrs["class"].split(":")
@@ -182,7 +182,7 @@ def worker_states(blob: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
     with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
         if "states" not in f:
             return {}
-        return {_unkey(key): {_unkey(name): read_state(a) for name, a in node.items()}
+        return {int(_unkey(key)): {str(_unkey(name)): read_state(a) for name, a in node.items()}
                 for key, node in f["states"].items()}
 
 

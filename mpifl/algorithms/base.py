@@ -15,7 +15,7 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -63,6 +63,15 @@ class RunContext:
 
 
 Stage = Literal["setup", "train", "newcomer", "eval_prelude", "eval"]
+T = TypeVar("T")
+
+
+def require(value: T | None, what: str) -> T:
+    """``value``, which an earlier step of the plan must have set; ``None`` means the steps came out of
+    order (an algorithm bug, reported as such)."""
+    if value is None:
+        raise RuntimeError(f"{what} is missing: the plan's steps came out of order")
+    return value
 
 
 @dataclass(frozen=True)

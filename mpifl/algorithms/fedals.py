@@ -37,8 +37,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, StepContext, weighted_sum
-from mpifl.algorithms.fedavg import FedAvgServer
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
+from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
 from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -65,7 +73,8 @@ def layer_groups(model: FlatModel) -> list[slice]:
     """Spans of the flat parameter vector, one per layer as the FedALS code groups them: a layer starts
     at each weight with two or more dimensions outside a residual shortcut and takes in what follows
     (bias, norm γ/β, shortcut). ResNet-20 has 20 groups (19 convolutions and fc), an MLP one per Linear."""
-    starts, offset = [], 0
+    starts: list[int] = []
+    offset = 0
     for name, size, shape in zip(model.names, model.segment_sizes(), model.shapes, strict=True):
         if (len(shape) >= 2 and "shortcut" not in name) or not starts:
             starts.append(offset)
@@ -146,25 +155,27 @@ class FedALSProtocol(Protocol):
         return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client, self.ctx.options.tau)
 
 
-class FedALSServer(FedAvgServer):
-    protocol_type = FedALSProtocol
+class FedALSServer(ServerAlgorithm):
+    protocol_type: type[FedALSProtocol] = FedALSProtocol
+    protocol: FedALSProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        self.model = GlobalModel(ctx)
         self.control = np.zeros_like(self.params)
         self.synced: dict[str, int] = {}  # part → last round it was averaged
         self.metrics: dict[str, float] = {}
         self.eval_params: np.ndarray | None = None
-        # the evaluation's running sums over the seen clients, chunk after chunk (client-id order)
-        self.extractor_sum: np.ndarray | None = None
-        self.norm_sum: np.ndarray | None = None
+        # the evaluation's running sums over the seen clients by message (φ, BatchNorm statistics), chunk after
+        # chunk in client-id order
+        self.sums: dict[str, np.ndarray] = {}
 
     def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         p = self.protocol
         if msg.name == p.eval_msg.name:
             return self._evaluated_model(step.round)
         if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
-            return self.norm_sum
+            return require(self.sums.get(p.norm_msg.name), "the clients' BatchNorm statistics")
         part, kind = p.route[msg.name]
         return (self.params if kind == "params" else self.control)[part.span]
 
@@ -183,34 +194,31 @@ class FedALSServer(FedAvgServer):
         weights = self.ctx.weights(step.clients)
         mean = weighted_sum(rows, weights)
         self.metrics.update(self._consensus(part, rows, mean, weights))
-        self.apply_update(mean, part.span)
+        self.model.step(mean, part.span)
         self.synced[part.name] = step.round
 
     def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
         """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
         clients: the same ordered float64 sum whatever the chunks."""
-        name = "extractor_sum" if msg.name == self.protocol.extractor_eval.name else "norm_sum"
-        total = getattr(self, name)
-        if total is None:
-            total = np.zeros(msg.numel, dtype=np.float64)
-        weights = population_weights(self.ctx, clients)
-        for w, row in zip(weights, rows):
+        total = self.sums.setdefault(msg.name, np.zeros(msg.numel, dtype=np.float64))
+        for w, row in zip(population_weights(self.ctx, clients), rows):
             total += w * row
-        setattr(self, name, total)
 
     def _evaluated_model(self, round_: int) -> np.ndarray:
         """The evaluated model: φ averaged over the seen clients unless this round already synced it (the
         paper's virtual average); worked out once per evaluation, after every chunk's φ came in."""
-        if self.extractor_sum is not None:
+        extractor, message = self.protocol.extractor, self.protocol.extractor_eval
+        average = self.sums.pop(message.name, None) if message is not None else None
+        if extractor is not None and average is not None:
             self.eval_params = self.params
             if self.synced.get("extractor") != round_:
                 self.eval_params = self.params.copy()
-                self.eval_params[self.protocol.extractor.span] = self.extractor_sum.astype(np.float32)
-            self.extractor_sum = None
+                self.eval_params[extractor.span] = average.astype(np.float32)
         return self.params if self.eval_params is None else self.eval_params
 
     def end_evaluation(self) -> None:
-        self.eval_params = self.norm_sum = None
+        self.eval_params = None
+        self.sums = {}
 
     def _consensus(self, part: Part, rows: np.ndarray, mean: np.ndarray, weights: np.ndarray) -> dict[str, float]:
         """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients
@@ -223,6 +231,14 @@ class FedALSServer(FedAvgServer):
             total += w * np.add.reduceat((row - mean) ** 2, starts)
         return {f"consensus_layer{g + 1:02d}": float(d) for g, d in zip(part.groups, total / sizes, strict=True)}
 
+    @property
+    def params(self) -> np.ndarray:
+        return self.model.params
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        control = {"control": self.control} if self.ctx.options.scaffold else {}
+        return {"global_model": self.params, **control}
+
     def round_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
@@ -233,8 +249,9 @@ class FedALSClient(ClientAlgorithm):
     each part's reference), and as configured ``momentum``, ``control`` cₖ, ``global_control`` (c as last
     received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺)."""
 
-    protocol_type = FedALSProtocol
-    scratch = ("gradients",)
+    protocol_type: type[FedALSProtocol] = FedALSProtocol
+    protocol: FedALSProtocol
+    scratch: tuple[str, ...] = ("gradients",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -297,7 +314,7 @@ class FedALSClient(ClientAlgorithm):
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol
         if msg.name == getattr(p.extractor_eval, "name", None):
-            return self.current_model(client)[p.extractor.span]
+            return self.current_model(client)[require(p.extractor, "the extractor part").span]
         if msg.name == getattr(p.norm_msg, "name", None):
             self.workspace.load(self.current_model(client))
             split = self.data[client]
@@ -318,7 +335,7 @@ class FedALSClient(ClientAlgorithm):
         return self.initial if model is None else model
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.eval_params)
+        self.workspace.load(require(self.eval_params, "the evaluated model"))
         return self.workspace.module
 
     def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:

@@ -42,11 +42,13 @@ class FedDeperProtocol(FedAvgProtocol):
 
 
 class FedDeperServer(FedAvgServer):
-    protocol_type = FedDeperProtocol
+    protocol_type: type[FedDeperProtocol] = FedDeperProtocol
+    protocol: FedDeperProtocol
 
 
 class FedDeperClient(FedAvgClient):
-    protocol_type = FedDeperProtocol
+    protocol_type: type[FedDeperProtocol] = FedDeperProtocol
+    protocol: FedDeperProtocol
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

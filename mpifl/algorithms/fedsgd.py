@@ -29,14 +29,16 @@ class FedSGDProtocol(FedAvgProtocol):
 
 
 class FedSGDServer(FedAvgServer):
-    protocol_type = FedSGDProtocol
+    protocol_type: type[FedSGDProtocol] = FedSGDProtocol
+    protocol: FedSGDProtocol
 
     def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        self.apply_update(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(step.clients)))
+        self.model.step(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(step.clients)))
 
 
 class FedSGDClient(FedAvgClient):
-    protocol_type = FedSGDProtocol
+    protocol_type: type[FedSGDProtocol] = FedSGDProtocol
+    protocol: FedSGDProtocol
 
     def compute(self, step: StepContext, client: int) -> None:
         self.deltas[client] = self.gradient_at(client, self.start.pop(client))

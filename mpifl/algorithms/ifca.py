@@ -12,7 +12,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, weighted_sum
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
@@ -48,7 +56,8 @@ class IFCAProtocol(Protocol):
 
 
 class IFCAServer(ServerAlgorithm):
-    protocol_type = IFCAProtocol
+    protocol_type: type[IFCAProtocol] = IFCAProtocol
+    protocol: IFCAProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -79,16 +88,21 @@ class IFCAServer(ServerAlgorithm):
 
 
 class IFCAClient(ClientAlgorithm):
-    protocol_type = IFCAProtocol
-    scratch = ("outbox",)
+    protocol_type: type[IFCAProtocol] = IFCAProtocol
+    protocol: IFCAProtocol
+    scratch: tuple[str, ...] = ("outbox",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        self.models: np.ndarray | None = None
+        self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
         self.outbox: dict[tuple[str, int], np.ndarray] = {}
 
     def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.models = row.reshape(self.protocol.k, -1)
+        self.received = row.reshape(self.protocol.k, -1)
+
+    @property
+    def models(self) -> np.ndarray:
+        return require(self.received, "the cluster models")
 
     @torch.no_grad()
     def best_cluster(self, client: int) -> int:

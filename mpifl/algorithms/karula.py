@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.dissimilarity import (
     Metric,
     data_points,
@@ -126,7 +126,8 @@ class KarulaProtocol(Protocol):
 class KarulaServer(ServerAlgorithm):
     """θ (n×d), the gradient table, D and the projection solver; all float64."""
 
-    protocol_type = KarulaProtocol
+    protocol_type: type[KarulaProtocol] = KarulaProtocol
+    protocol: KarulaProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -185,7 +186,7 @@ class KarulaServer(ServerAlgorithm):
         """θ ← Π_𝒦^δ(θ − ην) for all n clients, logging the solver's certificate."""
         target = self.theta - self.opts.lr * self.direction(clients, grads)
         start = time.perf_counter()
-        result = self.projector(target)
+        result = require(self.projector, "the projector (set up from the dissimilarities)")(target)
         self.theta = result.theta
         self.metrics = {
             "proj_iterations": float(result.iterations),
@@ -200,12 +201,14 @@ class KarulaServer(ServerAlgorithm):
         return dict(self.metrics)
 
     def final_state(self) -> dict[str, np.ndarray]:
-        return {"personal_models": self.theta, "dissimilarity": self.dissimilarity}
+        dissimilarity = {} if self.dissimilarity is None else {"dissimilarity": self.dissimilarity}
+        return {"personal_models": self.theta, **dissimilarity}
 
 
 class KarulaClient(ClientAlgorithm):
-    protocol_type = KarulaProtocol
-    scratch = ("models", "outbox")
+    protocol_type: type[KarulaProtocol] = KarulaProtocol
+    protocol: KarulaProtocol
+    scratch: tuple[str, ...] = ("models", "outbox")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -237,7 +240,7 @@ class KarulaClient(ClientAlgorithm):
         proto = self.protocol
         if step.stage == "setup":
             mean, std = np.split(self.standardizer, 2)
-            embedding = lot_embedding(self.reference, (self.points(client) - mean) / std)
+            embedding = lot_embedding(require(self.reference, "the reference set"), (self.points(client) - mean) / std)
             self.outbox[proto.embedding_msg.name, client] = embedding.astype(np.float32).reshape(-1)
             self.outbox[proto.initial_grad_msg.name, client] = self.gradient(step.round, client, self.initial)
         else:

@@ -58,11 +58,13 @@ class LocalProtocol(Protocol):
 class LocalServer(ServerAlgorithm):
     """Nothing to hold: no global state exists."""
 
-    protocol_type = LocalProtocol
+    protocol_type: type[LocalProtocol] = LocalProtocol
+    protocol: LocalProtocol
 
 
 class LocalClient(ClientAlgorithm):
-    protocol_type = LocalProtocol
+    protocol_type: type[LocalProtocol] = LocalProtocol
+    protocol: LocalProtocol
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

@@ -27,7 +27,15 @@ from scipy.spatial.distance import cdist
 from scipy.stats import rankdata
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, weighted_sum
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
@@ -160,7 +168,8 @@ def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
 
 
 class PeFLLServer(ServerAlgorithm):
-    protocol_type = PeFLLProtocol
+    protocol_type: type[PeFLLProtocol] = PeFLLProtocol
+    protocol: PeFLLProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -183,8 +192,9 @@ class PeFLLServer(ServerAlgorithm):
         if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
-            return self.descriptors.grad[self._rows_of(step.clients)].numpy()
-        models = self.models.detach().numpy()
+            gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
+            return gradient[self._rows_of(step.clients)].numpy()
+        models = require(self.models, "the clients' models").detach().numpy()
         if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
             self.models = None
         return models
@@ -205,8 +215,9 @@ class PeFLLServer(ServerAlgorithm):
             self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
         elif msg.name == p.delta_msg.name:  # only the clients whose Δθ was accepted: their rows of h(V)
             self.joint.grads.zero_()
-            accepted = step.clients
-            models = self.models if len(accepted) == len(self.described) else self.models[self._rows_of(accepted)]
+            accepted, models = step.clients, require(self.models, "the round's models")
+            if len(accepted) < len(require(self.described, "the described clients")):
+                models = models[self._rows_of(accepted)]
             models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
             self.joint.grads[self.split :] /= len(accepted)
             self.models = None
@@ -217,7 +228,7 @@ class PeFLLServer(ServerAlgorithm):
 
     def _rows_of(self, clients: np.ndarray) -> torch.Tensor:
         """Where ``clients`` sit among this round's described clients (a rejected update drops a client)."""
-        return torch.from_numpy(np.searchsorted(self.described, clients))
+        return torch.from_numpy(np.searchsorted(require(self.described, "the described clients"), clients))
 
     def step(self, mean_delta: torch.Tensor) -> None:
         """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
@@ -292,7 +303,7 @@ class HyperClient(ClientAlgorithm):
     """A stateless client of a hypernetwork algorithm: trains the personal model it is sent and returns
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 
-    scratch = ("start", "deltas", "eval_models")
+    scratch: tuple[str, ...] = ("start", "deltas", "eval_models")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -324,8 +335,9 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
 
 
 class PeFLLClient(HyperClient):
-    protocol_type = PeFLLProtocol
-    scratch = (*HyperClient.scratch, "batches", "descriptor_grads")
+    protocol_type: type[PeFLLProtocol] = PeFLLProtocol
+    protocol: PeFLLProtocol
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "descriptor_grads")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

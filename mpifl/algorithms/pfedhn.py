@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext
+from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rowwise
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -74,7 +74,8 @@ class PFedHNProtocol(HyperProtocol):
 
 
 class PFedHNServer(ServerAlgorithm):
-    protocol_type = PFedHNProtocol
+    protocol_type: type[PFedHNProtocol] = PFedHNProtocol
+    protocol: PFedHNProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -110,8 +111,8 @@ class PFedHNServer(ServerAlgorithm):
             if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
                 self.newcomers = self.newcomer_init[torch.tensor(step.clients)]
                 self.newcomer_velocity = torch.zeros_like(self.newcomers)
-            self.newcomers.requires_grad_(True)
-            self.models = rowwise(self.hyper, self.newcomers)
+            newcomers = require(self.newcomers, "the new clients' embeddings").requires_grad_(True)
+            self.models = rowwise(self.hyper, newcomers)
         else:
             with torch.no_grad():
                 ids = torch.tensor(step.clients)
@@ -124,18 +125,20 @@ class PFedHNServer(ServerAlgorithm):
         cotangent = -torch.from_numpy(rows.copy())  # θ_i − θ_i^new
         if msg.name == self.protocol.delta_msg.name:  # only the accepted clients' rows of h(E)
             self.joint.grads.zero_()
-            models = self.models
-            if len(step.clients) < len(self.sent):
-                models = models[torch.from_numpy(np.searchsorted(self.sent, step.clients))]
+            models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
+            if len(step.clients) < len(sent):
+                models = models[torch.from_numpy(np.searchsorted(sent, step.clients))]
             models.backward(cotangent / len(step.clients))
             self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
             self.optimizer.step()
         else:  # each new client's embedding follows its own gradient; h stays frozen
             opts = self.ctx.options
-            (grad,) = torch.autograd.grad(self.models, self.newcomers, cotangent)
+            newcomers = require(self.newcomers, "the new clients' embeddings")
+            velocity = require(self.newcomer_velocity, "their momentum")
+            (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, cotangent)
             with torch.no_grad():
-                self.newcomer_velocity.mul_(opts.momentum).add_(grad)
-                self.newcomers = self.newcomers.detach() - opts.new_client_lr * self.newcomer_velocity
+                velocity.mul_(opts.momentum).add_(grad)
+                self.newcomers = newcomers.detach() - opts.new_client_lr * velocity
                 self.adapted[torch.tensor(step.clients)] = self.newcomers
             self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
         self.models = None
@@ -149,8 +152,9 @@ class PFedHNServer(ServerAlgorithm):
 
 
 class PFedHNClient(HyperClient):
-    protocol_type = PFedHNProtocol
-    scratch = (*HyperClient.scratch, "newcomer_steps")
+    protocol_type: type[PFedHNProtocol] = PFedHNProtocol
+    protocol: PFedHNProtocol
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "newcomer_steps")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

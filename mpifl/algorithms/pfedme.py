@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, StepContext
+from mpifl.algorithms.base import RunContext, StepContext, require
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
 from mpifl.schema import limits
@@ -58,11 +58,13 @@ class PFedMeProtocol(FedAvgProtocol):
 class PFedMeServer(FedAvgServer):
     """FedAvg's server (β = server.lr) with pFedMe's protocol, so both sides agree on what is evaluated."""
 
-    protocol_type = PFedMeProtocol
+    protocol_type: type[PFedMeProtocol] = PFedMeProtocol
+    protocol: PFedMeProtocol
 
 
 class PFedMeClient(FedAvgClient):
-    protocol_type = PFedMeProtocol
+    protocol_type: type[PFedMeProtocol] = PFedMeProtocol
+    protocol: PFedMeProtocol
 
     def compute(self, step: StepContext, client: int) -> None:
         opts: PFedMeOptions = self.ctx.options
@@ -89,5 +91,5 @@ class PFedMeClient(FedAvgClient):
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         own = self.state.get(client, "personal") if kind == "personal" else None
-        self.workspace.load(self.global_params if own is None else own)
+        self.workspace.load(require(self.global_params, "the global model") if own is None else own)
         return self.workspace.module

@@ -87,7 +87,8 @@ class ScaffoldProtocol(FedAvgProtocol):
 
 
 class ScaffoldServer(FedAvgServer):
-    protocol_type = ScaffoldProtocol
+    protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
+    protocol: ScaffoldProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -107,8 +108,9 @@ class ScaffoldServer(FedAvgServer):
 
 
 class ScaffoldClient(FedAvgClient):
-    protocol_type = ScaffoldProtocol
-    scratch = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
+    protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
+    protocol: ScaffoldProtocol
+    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

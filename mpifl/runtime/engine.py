@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage
+from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, require
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message, Placement, Step, Transport
 from mpifl.comm.network import NetworkModel
@@ -94,7 +95,7 @@ class Engine:
             store = ClientStore(dataset, self.placement.clients_of(self.rank), device)
             self.client = entry.client(ctx, store, ClientState())
         state = self.client.state if self.client is not None else None
-        self.protocol = (self.server or self.client).protocol
+        self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
         self.samples_per_round = self.protocol.samples_per_round()
@@ -199,7 +200,7 @@ class Engine:
             rows[:, 0] = walk.seconds
             rows[:, 1] = [self.client.take_train_loss(int(c)) for c in walk.local] if self.client else []
             telemetry = self.transport.up(round_, "train", self.telemetry_msg, rows, walk.clients)
-        if self.server is None:
+        if self.server is None or telemetry is None:
             return
         clients = walk.clients
         server_s = self.clock.server - server_before
@@ -228,7 +229,7 @@ class Engine:
             **self.server.round_metrics(),
         })
 
-    def _walk_training(self, round_: int, plan: tuple[Step, ...], sampled: np.ndarray, clients: np.ndarray) -> Walk:
+    def _walk_training(self, round_: int, plan: Sequence[Step], sampled: np.ndarray, clients: np.ndarray) -> Walk:
         """The round's training plan among its participants: all together, or one after another (``turns``)."""
         if self.protocol.turns:  # each client sees the server state the previous one left
             walks = [self.walker.walk(round_, "train", plan, clients[i : i + 1]) for i in range(len(clients))]
@@ -259,11 +260,12 @@ class Engine:
         self._end_round()
         if self.server is None:
             return
-        self.recorder.record_evaluation(round_, np.concatenate(blocks), self.transport.ledger.train_bytes,
+        rows = np.concatenate([require(block, "the gathered evaluation") for block in blocks])
+        self.recorder.record_evaluation(round_, rows, self.transport.ledger.train_bytes,
                                         self.server.eval_metrics())
         self.server.end_evaluation()
 
-    def _walk_chunks(self, round_: int, stage: Stage, plan: tuple[Step, ...], clients: np.ndarray) -> None:
+    def _walk_chunks(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray) -> None:
         for chunk in self._chunks(clients) if plan else ():
             self.walker.walk(round_, stage, plan, chunk)
 
@@ -276,8 +278,9 @@ class Engine:
         local = self.walker.walk(round_, "eval", self.protocol.eval_plan(), clients).local  # nobody drops out
         start = time.perf_counter()
         rows = np.zeros((len(local), self.eval_msg.numel))
-        for i, client in enumerate(local):
-            rows[i] = self.client.evaluate(int(client), self.eval_splits)
+        if self.client is not None:
+            for i, client in enumerate(local):
+                rows[i] = self.client.evaluate(int(client), self.eval_splits)
         self.clock.evaluation += time.perf_counter() - start
         return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
@@ -312,13 +315,13 @@ class Engine:
         per_rank = self.comm.gather((mine, rows), root=0) if self.size > 1 else [(mine, rows)]
         if self.server is None:
             return
-        names = dict.fromkeys(name for r in per_rank for name in r[0])  # the server has no client counters
-        final = {"ranks": {name: np.array([r[0].get(name, 0) for r in per_rank]) for name in names},
+        counters = dict.fromkeys(name for r in per_rank for name in r[0])  # the server has no client counters
+        final = {"ranks": {name: np.array([r[0].get(name, 0) for r in per_rank]) for name in counters},
                  "model": self.server.final_state()}
         if self.profile:
             rows = np.concatenate([r[1] for r in per_rank])
-            names = ("round", "wall_seconds", *(f"{part}_seconds" for part in TIME_PARTS), "rank")
-            profile = {name: rows[:, j] for j, name in enumerate(names)}
+            columns = ("round", "wall_seconds", *(f"{part}_seconds" for part in TIME_PARTS), "rank")
+            profile = {name: rows[:, j] for j, name in enumerate(columns)}
             for name in ("round", "rank"):
                 profile[name] = profile[name].astype(np.int64)
             final["profile"] = profile

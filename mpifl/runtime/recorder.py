@@ -79,8 +79,9 @@ class Recorder:
         """Start from a results file's rows up to ``round_`` (resuming a run)."""
         for table, target in (("rounds", self.rounds), ("eval", self.evaluations)):
             columns = saved.table(table)
-            keep = columns["round"] <= round_ if columns else []
-            target.extend({k: v[keep] for k, v in columns.items()})
+            if columns:
+                keep = columns["round"] <= round_
+                target.extend({k: v[keep] for k, v in columns.items()})
 
     # ---------------------------------------------------------------------------------- file
     def write(self, status: str, ledger: Ledger, physical: PhysicalLog, checkpoint: dict[str, Any] | None = None,
@@ -153,8 +154,9 @@ class Recorder:
             self.pending_write = None
 
     def client_table(self) -> dict[str, np.ndarray]:
+        """The final per-client metrics (test split) of every model kind."""
         layout = self.layout
-        table = {
+        table: dict[str, np.ndarray] = {
             "client": np.arange(layout.num_clients),
             "unseen": layout.unseen.astype(np.int8),
             "train_size": layout.train_sizes,

@@ -68,7 +68,8 @@ class Visits:
         self.clock.serialization += time.perf_counter() - start
         incoming = self.transport.exchange(round_, name, outgoing)
         start = time.perf_counter()
-        for blob in incoming.values():
-            self.state.restore(unpack_states(blob))
+        if self.state is not None:
+            for blob in incoming.values():
+                self.state.restore(unpack_states(blob))
         self.clock.serialization += time.perf_counter() - start
         return sent

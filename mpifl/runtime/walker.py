@@ -51,12 +51,13 @@ class PlanWalker:
         """Move every step of ``plan`` among ``clients`` (its ``everyone`` steps among ``audience``, a superset).
         Training drops a client whose upload is not finite; the plan ends where no client is left. The state
         edits of the clients still in are committed (of the whole audience), those of dropped ones discarded."""
+        server, client = self.server, self.client
         audience = clients if audience is None else audience
         local = self._hosted(clients)
         reached = self._hosted(audience)
         started = reached
         seconds = np.zeros(len(local))
-        if len(reached):
+        if len(reached) and self.store is not None:
             start = time.perf_counter()
             self.store.stage(reached)
             self.clock.data += time.perf_counter() - start
@@ -69,38 +70,42 @@ class PlanWalker:
             mine = np.searchsorted(hosted, local)  # where each local participant sits among ``hosted``
             here = context.with_clients(targets)
             if isinstance(step, LocalCompute):
-                if len(hosted):
+                if client is not None and len(hosted):
                     start = time.perf_counter()
-                    seconds += self.client.compute_clients(context.with_clients(hosted), hosted)[mine]
+                    seconds += client.compute_clients(context.with_clients(hosted), hosted)[mine]
                     self._charge_compute(start)
             elif step.direction == "down":
-                payload = self._server(self.server.payload, step, here) if self.server else None
+                payload = self._server(server.payload, step, here) if server is not None else None
                 rows = self.transport.down(round_, LEDGER_STAGES[stage], step, payload, targets)
-                spent = np.array([self._client(self.client.receive, step, here, int(c), rows[i])
-                                  for i, c in enumerate(hosted)])
-                seconds += spent[mine] if len(spent) else 0.0
+                if client is not None and len(hosted):
+                    spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
+                                      for i, c in enumerate(hosted)])
+                    seconds += spent[mine]
             else:
                 rows = np.empty((len(local), step.numel), dtype=step.dtype)
-                for i, client in enumerate(local):
-                    start = time.perf_counter()
-                    rows[i] = self.client.send(step, here, int(client))
-                    seconds[i] += self._charge_compute(start)
+                if client is not None:
+                    for i, c in enumerate(local):
+                        start = time.perf_counter()
+                        rows[i] = client.send(step, here, int(c))
+                        seconds[i] += self._charge_compute(start)
                 if rows.dtype.kind == "f":
                     rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
                 gathered = self.transport.up(round_, LEDGER_STAGES[stage], step, rows, clients)
-                accepted = self._screen(round_, stage, step, clients, gathered) if self.server else None
-                if accepted is not None and accepted.any():
-                    self._server(self.server.consume, step, context.with_clients(clients[accepted]),
-                                 gathered[accepted])
+                accepted = None
+                if server is not None and gathered is not None:
+                    accepted = self._screen(round_, stage, step, clients, gathered)
+                    if accepted.any():
+                        self._server(server.consume, step, context.with_clients(clients[accepted]),
+                                     gathered[accepted])
                 if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
                     accepted = self._share_acceptance(round_, accepted, len(clients))
                     keep = np.isin(local, clients[accepted])
                     audience = np.setdiff1d(audience, clients[~accepted])
                     reached = reached[np.isin(reached, audience)]
                     clients, local, seconds, corrupt = clients[accepted], local[keep], seconds[keep], corrupt[keep]
-        if self.client is not None:
-            self.client.state.commit(reached)
-            self.client.state.discard(np.setdiff1d(started, reached))
+        if client is not None:
+            client.state.commit(reached)
+            client.state.discard(np.setdiff1d(started, reached))
         return Walk(local, seconds, clients)
 
     def _hosted(self, clients: np.ndarray) -> np.ndarray:
