@@ -1,14 +1,16 @@
 """Balanced rounds with unequal clients: round time vs the ideal (total client work / workers).
 
-    python benchmarks/bench_balance.py [--rounds 20] [--sigma 1.0] [--ranks 3] [--write]
+    python benchmarks/bench_balance.py [--rounds 20] [--sigma 1.0] [--ranks 3] [--algorithms ...] [--write]
 
 B1 (configs/b1.yaml) with log-normal client sizes (``data.synthetic.size_sigma``, FEMNIST-like
-spread; mean 64 training samples) and FedAvg, under static ownership and under dynamic placement
-(each round's clients re-spread over the workers by their work). Per round, the ideal time is the
+spread; mean 64 training samples), for FedAvg and for the stateful SCAFFOLD (cᵢ per client) and FedDeper
+(vᵢ per client), under static ownership and under dynamic placement (each round's clients re-spread over the
+workers by their work; a visiting client's state goes to its host and back). Per round, the ideal time is the
 sum of the round's client compute seconds divided by the workers; reported is the median over
 rounds 2..R of wall time / ideal, the mean load imbalance (busiest worker's planned samples over the
-mean worker's) and the median seconds per round. Both runs give bitwise the same model
-(tests/test_mpi_jobs.py checks it), so only time differs.
+mean worker's), the median seconds per round, and what moving the visitors' state cost (states moved,
+bytes and the ranks' MPI seconds per round). Both placements give bitwise the same model
+(tests/test_mpi_jobs.py, tests/mpi/test_fault_matrix_mpi.py check it), so only time differs.
 """
 
 from __future__ import annotations
@@ -28,25 +30,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--algorithms", nargs="+", default=["fedavg", "scaffold", "feddeper"])
     parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     workers = args.ranks - 1
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for placement in ("static", "dynamic"):
-            overrides = [f"rounds={args.rounds}", f"eval_every={args.rounds}", f"placement={placement}",
-                         f"data.synthetic.size_sigma={args.sigma}"]
-            rounds = mpifl_job(CONFIG, args.ranks, Path(tmp) / f"{placement}.h5", overrides).table("rounds")
-            wall, ideal = rounds["wall_time_s"][1:], rounds["client_compute_time_s"][1:] / workers
-            rows.append(f"| {placement} | {np.median(wall):.3f} | {np.median(wall / ideal):.3f} | "
-                        f"{rounds['load_imbalance'].mean():.3f} |")
+        for algorithm in args.algorithms:
+            for placement in ("static", "dynamic"):
+                overrides = [f"algorithm={algorithm}", f"rounds={args.rounds}", f"eval_every={args.rounds}",
+                             f"placement={placement}", f"data.synthetic.size_sigma={args.sigma}"]
+                res = mpifl_job(CONFIG, args.ranks, Path(tmp) / f"{algorithm}_{placement}.h5", overrides)
+                rounds, ranks = res.table("rounds"), res.table("ranks")
+                wall, ideal = rounds["wall_time_s"][1:], rounds["client_compute_time_s"][1:] / workers
+                moved = ranks["visitor_states_moved"].sum() / args.rounds
+                kib = ranks["visitor_state_bytes"].sum() / 2 / 1024 / args.rounds  # each byte: sent once, received once
+                wait = ranks["visitor_state_wait"].max() / args.rounds
+                rows.append(f"| {algorithm} | {placement} | {np.median(wall):.3f} | {np.median(wall / ideal):.3f} | "
+                            f"{rounds['load_imbalance'].mean():.3f} | {moved:.1f} | {kib:.0f} | {wait * 1e3:.1f} |")
     record([
-        heading(f"Balanced rounds, log-normal client sizes (σ={args.sigma}), FedAvg B1, P={args.ranks}"),
+        heading(f"Balanced rounds, log-normal client sizes (σ={args.sigma}), B1, P={args.ranks}"),
         "",
-        f"`python benchmarks/bench_balance.py --rounds {args.rounds} --sigma {args.sigma} --ranks {args.ranks}`",
+        f"`python benchmarks/bench_balance.py --rounds {args.rounds} --sigma {args.sigma} --ranks {args.ranks} "
+        f"--algorithms {' '.join(args.algorithms)}`",
         "",
-        "| placement | median s/round | median round time / ideal (target ≤ 1.15) | mean load imbalance |",
-        "|---|---|---|---|",
+        "| algorithm | placement | median s/round | median round time / ideal (target ≤ 1.10) | mean load imbalance "
+        "| client states moved / round | state KiB moved / round | state transfer ms / round (slowest rank) |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ], args.write)
 

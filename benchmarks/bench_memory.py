@@ -46,7 +46,7 @@ BASELINES = {  # label: statement
     "a rank's imports before the algorithm (torch, mpi4py.MPI, h5py, mpifl.cli, mpifl.runtime.engine)":
         RANK_IMPORTS,
     "... + `get_algorithm('fedavg')` (imports FedAvg only)":
-        f"{RANK_IMPORTS}\nfrom mpifl.algorithms import get_algorithm\nget_algorithm('fedavg')",
+        f"{RANK_IMPORTS}\nfrom mpifl.registry import get_algorithm\nget_algorithm('fedavg')",
 }
 
 

@@ -69,16 +69,20 @@ def karula_fit(a: list[np.ndarray], y: list[np.ndarray], alpha: np.ndarray, weig
 
 
 def dissimilarity(raw: dict) -> np.ndarray:
-    """Dᵢⱼ as mpifl's Karula set-up computes it (the set-up plan run in this process)."""
+    """Dᵢⱼ as mpifl's Karula set-up computes it (a one-round run in this process; its results file keeps D)."""
+    import tempfile
+
     from mpi4py import MPI
 
+    from mpifl.results import read_results
     from mpifl.runtime.engine import Engine
 
-    engine = Engine(parse_config({**raw, "algorithm": "karula", "rounds": 1, "eval_every": 1}), MPI.COMM_SELF,
-                    Path("unused.h5"))
-    engine.setup()
-    engine.run_setup()
-    return engine.server.dissimilarity
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = parse_config({**raw, "algorithm": "karula", "rounds": 1, "eval_every": 1})
+        engine = Engine(cfg, MPI.COMM_SELF, Path(tmp) / "d.h5")
+        engine.setup()
+        engine.run(progress=False)
+        return read_results(Path(tmp) / "d.h5").table("model")["dissimilarity"]
 
 
 def pooled_r2(models: np.ndarray, tests: list[tuple[np.ndarray, np.ndarray]]) -> float:

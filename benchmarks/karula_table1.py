@@ -28,14 +28,16 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpifl.checkpoint import read_client_states  # noqa: E402
 from mpifl.config import load_raw, parse_config  # noqa: E402
 from mpifl.data import ClientSplit, build_federated_dataset  # noqa: E402
 from mpifl.data.base import FederatedDataset  # noqa: E402
+from mpifl.models import FlatModel, build_model  # noqa: E402
+from mpifl.results import Results, read_results  # noqa: E402
 
 STRATEGIES = ("local", "fedsgd", "fedavg", "pfedme", "ifca", "karula")
 LABELS = {"local": "Local", "fedsgd": "FedSGD", "fedavg": "FedAvg", "pfedme": "pFedMe", "ifca": "IFCA",
@@ -98,7 +100,8 @@ class FoldDataset(FederatedDataset):
 def strategy_config(base: dict, strategy: str, seed: int, rounds: int, option: tuple[str, str, float] | None):
     raw = copy.deepcopy(base)
     karula = raw.pop("karula", {})
-    raw.update(algorithm=strategy, seed=seed, rounds=rounds, eval_every=rounds)
+    # a checkpoint at the end keeps the clients' own models (Local, pFedMe) in the results file
+    raw.update(algorithm=strategy, seed=seed, rounds=rounds, eval_every=rounds, checkpoint_every=rounds)
     for section, values in OVERRIDES[strategy].items():
         raw[section] = {**raw.get(section, {}), **values}
     if strategy == "karula":
@@ -109,36 +112,51 @@ def strategy_config(base: dict, strategy: str, seed: int, rounds: int, option: t
     return parse_config(raw)
 
 
-def run_engine(cfg, dataset: FederatedDataset | None = None):  # noqa: ANN001, ANN201
-    """Run ``cfg`` in this process (P = 1) and return the engine; ``dataset`` replaces the one the config
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a run left in its results file: the tables, and each client's state at the end."""
+
+    results: Results
+    states: dict[int, dict[str, np.ndarray]]
+
+
+def run_engine(cfg, dataset: FederatedDataset | None = None) -> Run:  # noqa: ANN001
+    """Run ``cfg`` in this process (P = 1) and read its results file; ``dataset`` replaces the one the config
     would build (a CV fold view)."""
     from mpi4py import MPI
 
     from mpifl.runtime import engine as engine_module
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = engine_module.Engine(cfg, MPI.COMM_SELF, Path(tmp) / "run.h5")
+        path = Path(tmp) / "run.h5"
+        engine = engine_module.Engine(cfg, MPI.COMM_SELF, path)
         if dataset is None:
             engine.setup()
         else:
             with mock.patch.object(engine_module, "build_federated_dataset", lambda *_: dataset):
                 engine.setup()
         engine.run(progress=False)
-    return engine
+        states = {c: s for worker in read_client_states(path).values() for c, s in worker.items()}
+        return Run(read_results(path), states)
 
 
-def client_models(engine, kind: str) -> np.ndarray:  # noqa: ANN001
-    """Every client's final evaluated model of ``kind`` as flat float64 rows (P = 1: all clients are here):
-    Karula's personalized models as its server holds them (it sent each client its row), the others from
-    the client side."""
-    final = engine.server.final_state()
-    if "personal_models" in final:
+def client_models(run: Run, cfg, dataset: FederatedDataset) -> np.ndarray:  # noqa: ANN001
+    """Every client's final evaluated model as flat float64 rows (a linear model: weights, then the bias)."""
+    n = dataset.layout.num_clients
+    final = run.results.table("model")
+    if cfg.algorithm == "karula":
         return np.asarray(final["personal_models"], dtype=np.float64)
-    n = engine.layout.num_clients
-    return np.stack([
-        torch.nn.utils.parameters_to_vector(engine.client.eval_model(c, kind).parameters()).detach().double().numpy()
-        for c in range(n)
-    ])
+    if cfg.algorithm == "ifca":  # each client's cluster: the one with the lowest loss on its training split
+        clusters = np.asarray(final["cluster_models"], dtype=np.float64)
+        splits = dataset.load_clients(range(n))
+        losses = [[np.mean((s.x_train @ m[:-1] + m[-1] - s.y_train) ** 2) for m in clusters] for s in splits.values()]
+        return clusters[np.argmin(losses, axis=1)]
+    if cfg.algorithm in ("local", "pfedme"):  # their own models; a client that never trained keeps its start
+        name = {"local": "model", "pfedme": "personal"}[cfg.algorithm]
+        start = final["global_model"] if "global_model" in final else \
+            FlatModel(build_model(cfg.model, dataset.layout, cfg.seed)).numpy()
+        return np.stack([run.states.get(c, {}).get(name, start) for c in range(n)]).astype(np.float64)
+    return np.tile(np.asarray(final["global_model"], dtype=np.float64), (n, 1))
 
 
 def truth_of(dataset: FederatedDataset) -> np.ndarray:
@@ -152,10 +170,10 @@ def estimation_error(models: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean(np.sum((models - truth) ** 2, axis=1)))
 
 
-def scores(engine, truth: np.ndarray) -> dict[str, float]:  # noqa: ANN001
-    kind = engine.protocol.eval_kinds[0]
-    last = {k: v[-1] for k, v in engine.eval_table.arrays().items()}
-    return {"error": estimation_error(client_models(engine, kind), truth),
+def scores(run: Run, cfg, dataset: FederatedDataset, truth: np.ndarray) -> dict[str, float]:  # noqa: ANN001
+    kind = run.results.attrs["eval_kinds"][0]
+    last = {k: v[-1] for k, v in run.results.table("eval").items()}
+    return {"error": estimation_error(client_models(run, cfg, dataset), truth),
             "r2_pooled": float(last[f"{kind}.seen.acc_pooled"]), "r2_mean": float(last[f"{kind}.seen.acc_mean"]),
             "mse": float(last[f"{kind}.seen.loss"])}
 
@@ -172,10 +190,10 @@ def cross_validate(base: dict, strategy: str, seed: int, rounds: int, folds: int
         sse = count = 0.0
         for fold in range(folds):
             view = FoldDataset(dataset, folds, fold, seed)
-            engine = run_engine(cfg, view)
-            kind = engine.protocol.eval_kinds[0]
+            results = run_engine(cfg, view).results
+            kind = results.attrs["eval_kinds"][0]
             n_held = float((dataset.layout.train_sizes - view.layout.train_sizes).sum())
-            sse += engine.eval_table.arrays()[f"{kind}.seen.loss"][-1] * n_held
+            sse += results.table("eval")[f"{kind}.seen.loss"][-1] * n_held
             count += n_held
         losses.append(sse / count)
         log(f"  cv seed {seed} {strategy} {key}={value:g}: held-out MSE {losses[-1]:.3f}")
@@ -229,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     start = time.process_time()
     for seed in range(args.repeats):
-        truth = truth_of(build_federated_dataset(strategy_config(base, "local", seed, rounds, None).data, seed))
+        dataset = build_federated_dataset(strategy_config(base, "local", seed, rounds, None).data, seed)
+        truth = truth_of(dataset)
         for s in strategies:
             value = None
             if s == "karula" or args.cv_baselines:
@@ -237,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             option = (GRIDS[s][0], GRIDS[s][1], value) if value is not None else None
             if value is not None:
                 chosen[s].append(value)
-            r = scores(run_engine(strategy_config(base, s, seed, rounds, option)), truth)
+            cfg = strategy_config(base, s, seed, rounds, option)
+            r = scores(run_engine(cfg), cfg, dataset, truth)
             results[s].append(r)
             print(f"seed {seed} {s:7s} error {r['error']:8.3f}  R² pooled {r['r2_pooled']:.4f}  "
                   f"mean {r['r2_mean']:.4f}" + (f"  ({GRIDS[s][1]}={value:g})" if value is not None else ""),

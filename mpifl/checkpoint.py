@@ -1,6 +1,8 @@
 """Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
 
-An algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
+A worker's state is its clients' committed states (:class:`~mpifl.algorithms.state.ClientState`), one group
+per client id, so a resume hands each client's state to whichever worker hosts it now. A server
+algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
 (``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``write_object``
 turns that object graph into a tree of arrays and scalars; ``read_object`` writes it back into a
 freshly built algorithm: modules and optimizers load in place; a class lists attributes derived
@@ -47,7 +49,7 @@ def _unkey(name: str) -> int | str:
 
 
 def _skip(value: Any) -> bool:
-    frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen
+    frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen  # type: ignore[attr-defined]
     return frozen or isinstance(value, (Message, torch.nn.modules.loss._Loss))
 
 
@@ -120,9 +122,9 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
     if kind == "json":
         return json.loads(node[()])
     if kind == "np_generator":
-        gen = existing if isinstance(existing, np.random.Generator) else np.random.default_rng()
-        gen.bit_generator.state = json.loads(node[()])
-        return gen
+        rng = existing if isinstance(existing, np.random.Generator) else np.random.default_rng()
+        rng.bit_generator.state = json.loads(node[()])
+        return rng
     if kind == "torch_generator":
         gen = existing if isinstance(existing, torch.Generator) else torch.Generator()
         gen.set_state(torch.from_numpy(np.array(node[()])))
@@ -138,8 +140,8 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
         old = existing if isinstance(existing, dict) else {}
         return {_unkey(k): read_state(v, old.get(_unkey(k))) for k, v in node.items()}
     if kind in ("list", "tuple"):
-        old = list(existing) if isinstance(existing, (list, tuple)) else []
-        items = [read_state(node[str(i)], old[i] if i < len(old) else None) for i in range(len(node))]
+        before = list(existing) if isinstance(existing, (list, tuple)) else []
+        items = [read_state(node[str(i)], before[i] if i < len(before) else None) for i in range(len(node))]
         return tuple(items) if kind == "tuple" else items
     if kind == "object":
         module, qualname = node.attrs["class"].split(":")
@@ -175,16 +177,26 @@ def client_state_blob(state: ClientState) -> np.ndarray:
     return state_blob(_ClientStates(state.export()))
 
 
+def worker_states(blob: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+    """The client states one worker saved, by client id."""
+    with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+        if "states" not in f:
+            return {}
+        return {int(_unkey(key)): {str(_unkey(name)): read_state(a) for name, a in node.items()}
+                for key, node in f["states"].items()}
+
+
+def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+    """Every worker's client states in the last checkpoint of a results file: {"worker_R": {client: state}}."""
+    blobs = read_checkpoint(path).tables["checkpoint"]
+    return {name: worker_states(blob) for name, blob in blobs.items() if name.startswith("worker_")}
+
+
 def load_client_states(blobs: list[np.ndarray], state: ClientState, clients: np.ndarray) -> None:
     """Restore ``clients``' states from the blobs of however many workers saved them (any rank count)."""
     mine = {int(c) for c in clients}
     for blob in blobs:
-        with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
-            if "states" not in f:
-                continue
-            for key, node in f["states"].items():
-                if _unkey(key) in mine:
-                    state.restore({_unkey(key): {_unkey(name): read_state(a) for name, a in node.items()}})
+        state.restore({c: s for c, s in worker_states(blob).items() if c in mine})
 
 
 @dataclasses.dataclass

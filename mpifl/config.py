@@ -16,42 +16,11 @@ from typing import Any, Literal
 
 import yaml
 
+from mpifl.comm.config import NetworkConfig
 from mpifl.data.config import DataConfig
+from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError, build, limits, to_dict
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: Literal["lenet", "mlp", "cnn", "convnet", "resnet20", "linear", "logistic", "char_lstm"] = "mlp"
-    hidden: tuple[int, ...] = (64,)
-    channels: tuple[int, ...] = (16, 32)
-    kernel_size: int = field(default=5, metadata=limits(ge=1))  # convnet
-    batch_norm: bool = False  # resnet20
-    fc_hidden: int = field(default=128, metadata=limits(ge=1))
-    embed_dim: int = field(default=8, metadata=limits(ge=1))
-    lstm_hidden: int = field(default=128, metadata=limits(ge=1))
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Local optimizer of every client (plain SGD with the usual options)."""
-
-    lr: float = field(default=0.05, metadata=limits(gt=0))
-    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
-    weight_decay: float = field(default=0.0, metadata=limits(ge=0))
-    epochs: int = field(default=1, metadata=limits(ge=1))
-    steps: int | None = field(default=None, metadata=limits(ge=1))
-    batch_size: int = field(default=32, metadata=limits(ge=1))
-    clip_norm: float | None = field(default=None, metadata=limits(gt=0))
-    drop_last: bool = False
-    # epochs: passes over the shuffled data; fresh: each step the first batch_size of a new permutation
-    # (the PeFLL/pFedHN reference code's next(iter(loader)): always full batches)
-    batch_sampling: Literal["epochs", "fresh"] = "epochs"
-    augment: Literal["none", "crop_flip"] = "none"  # training batches: random crop (pad 4) + horizontal flip
-    # Train a rank's equally sized clients as one torch.func computation (small models: linear,
-    # logistic, mlp; FedAvg): true, false, or auto (where a measurement on the rank finds it faster).
-    # Results are bitwise the same either way.
-    vectorize: bool | Literal["auto"] = "auto"
+from mpifl.training.config import ClientConfig
 
 
 @dataclass(frozen=True)
@@ -60,18 +29,6 @@ class ServerConfig:
 
     lr: float = field(default=1.0, metadata=limits(gt=0))
     momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
-
-
-@dataclass(frozen=True)
-class NetworkConfig:
-    """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value."""
-
-    latency_s: float = field(default=0.05, metadata=limits(ge=0))
-    up_mbps: float = field(default=10.0, metadata=limits(gt=0))
-    down_mbps: float = field(default=50.0, metadata=limits(gt=0))
-    distribution: Literal["fixed", "lognormal"] = "fixed"
-    sigma: float = field(default=0.5, metadata=limits(ge=0))
-    seconds_per_sample: float = field(default=0.0, metadata=limits(ge=0))  # expected compute, for deadlines
 
 
 @dataclass(frozen=True)
@@ -158,7 +115,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a raw mapping into a :class:`RunConfig` (static checks only, no data access)."""
-    from mpifl.algorithms import get_algorithm, known_algorithms
+    from mpifl.registry import get_algorithm, known_algorithms
 
     raw = dict(raw)
     name = raw.get("algorithm", RunConfig.algorithm)

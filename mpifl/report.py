@@ -108,7 +108,7 @@ def time_breakdown(ranks: dict[str, np.ndarray]) -> list[dict[str, float]]:
     parts = [k for k in ranks if k.endswith("_seconds") and not k.startswith(("loop_", "setup_"))]
     out = []
     for i in range(len(ranks["rank"])):
-        row = {"rank": int(ranks["rank"][i]), "clients": int(ranks["clients"][i])}
+        row: dict[str, float] = {"rank": int(ranks["rank"][i]), "clients": int(ranks["clients"][i])}
         row.update({k.removesuffix("_seconds"): float(ranks[k][i]) for k in parts})
         row["other"] = float(ranks["loop_wall_seconds"][i]) - sum(row[k.removesuffix("_seconds")] for k in parts)
         row["wall"] = float(ranks["loop_wall_seconds"][i])
@@ -205,7 +205,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
 
     import yaml
 
-    from mpifl.algorithms import known_algorithms
+    from mpifl.registry import known_algorithms
     from mpifl.schema import ConfigError
 
     files = sorted(Path(directory).glob("*.h5"))
@@ -217,11 +217,11 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         config = _flatten(yaml.safe_load(res.attrs["config"]))
         key_config = {k: v for k, v in config.items() if k not in ("seed", "output")}
         ev = res.table("eval")
-        row = selected_row(res, select, path)
-        metrics = {k: float(v[row]) for k, v in ev.items()
+        at = selected_row(res, select, path)
+        metrics = {k: float(v[at]) for k, v in ev.items()
                    if k.endswith((".acc_pooled", ".acc_mean")) and ".val_" not in k}
-        metrics["round"] = float(ev["round"][row]) if ev else float("nan")
-        metrics["train_MB"] = float(ev["cum_logical_bytes"][row]) / 1e6 if ev else float("nan")
+        metrics["round"] = float(ev["round"][at]) if ev else float("nan")
+        metrics["train_MB"] = float(ev["cum_logical_bytes"][at]) / 1e6 if ev else float("nan")
         groups.setdefault(yaml.safe_dump(key_config, sort_keys=True), []).append((key_config, metrics))
     configs = [runs[0][0] for runs in groups.values()]
     algorithms = set(known_algorithms())

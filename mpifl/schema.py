@@ -78,7 +78,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     if tp is Any:
         return value

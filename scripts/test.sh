@@ -18,6 +18,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 ruff check mpifl tests benchmarks
+lint-imports  # the layers and the absence of import cycles (pyproject: [tool.importlinter])
+mypy          # type-checks mpifl (pyproject: [tool.mypy])
 echo "== pytest-mpi on 3 ranks"
 timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
 echo "== pytest-mpi on 4 ranks (transport and engine)"

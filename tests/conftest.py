@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import yaml
 
@@ -83,3 +85,39 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def run_engine(cfg, comm, out: Path, resume: bool = False) -> Path:  # noqa: ANN001
+    """Run ``cfg`` (a RunConfig or a raw mapping) on communicator ``comm`` in this process; returns the results
+    file, which is how tests look at a run (never the engine's insides)."""
+    from mpifl.config import parse_config
+    from mpifl.runtime.engine import Engine
+
+    engine = Engine(cfg if not isinstance(cfg, dict) else parse_config(cfg), comm, out, resume=resume)
+    engine.setup()
+    engine.run(progress=False)
+    return Path(out)
+
+
+def deterministic(path) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Everything a run computes, from its results file: the server's final state, every evaluation, the
+    rounds' deterministic columns and the ledger (in (round, stage, message, client) order, as evaluation
+    chunks record their rows in turn); not timings, rank placement or load balance."""
+    out = {}
+    with h5py.File(path) as f:
+        for table in ("model", "eval"):
+            for key in f[table]:
+                out[f"{table}/{key}"] = f[table][key][()]
+        order = np.lexsort([f["ledger"][k][()] for k in ("client", "message", "stage", "round")])
+        for key in f["ledger"]:
+            out[f"ledger/{key}"] = f["ledger"][key][()][order]
+        for key in f["rounds"]:
+            if not rank_dependent(key):
+                out[f"rounds/{key}"] = f["rounds"][key][()]
+    return out
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f"), key

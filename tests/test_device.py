@@ -10,10 +10,11 @@ from mpi4py import MPI
 
 from mpifl.config import parse_config
 from mpifl.models import FlatModel
-from mpifl.runtime.device import LOCAL_RANK_VARIABLES, host_numpy, local_rank, pick_device
+from mpifl.results import read_results
 from mpifl.runtime.engine import Engine
 from mpifl.schema import ConfigError
-from tests.conftest import _merge, run_mpifl
+from mpifl.training.device import LOCAL_RANK_VARIABLES, host_numpy, local_rank, pick_device
+from tests.conftest import _merge, run_engine, run_mpifl
 from tests.test_checkpoint import CONFIGS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,11 +85,9 @@ def test_job_with_cuda_but_no_gpu_fails_with_one_line(write_config, tmp_path):
 
 
 def _final(algorithm: str, device: str, tmp_path, **overrides) -> tuple[dict, dict]:
-    cfg = parse_config(_merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1, "device": device, **overrides}))
-    engine = Engine(cfg, MPI.COMM_SELF, tmp_path / f"{algorithm}_{device}.h5")
-    engine.setup()
-    engine.run(progress=False)
-    return engine.server.final_state(), engine.eval_table.arrays()
+    raw = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1, "device": device, **overrides})
+    res = read_results(run_engine(raw, MPI.COMM_SELF, tmp_path / f"{algorithm}_{device}.h5"))
+    return res.table("model"), res.table("eval")
 
 
 @no_cuda

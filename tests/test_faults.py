@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from mpifl.algorithms import known_algorithms
 from mpifl.cli import main
 from mpifl.config import parse_config
+from mpifl.registry import known_algorithms
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, mpi_env, mpirun_cmd, run_mpifl
 from tests.test_checkpoint import CONFIGS, assert_same, deterministic

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.config import ModelConfig
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError
 
 

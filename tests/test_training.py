@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.algorithms import get_algorithm
 from mpifl.algorithms.base import RunContext
-from mpifl.config import ClientConfig, parse_config
+from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.runtime.training import batch_schedule, crop_flip, planned_samples
+from mpifl.registry import get_algorithm
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge
 from tests.test_checkpoint import CONFIGS
@@ -95,13 +96,12 @@ def test_the_deadline_charges_fedals_tau_steps(tmp_path):
     """A deadline that 4 local steps meet but τ = 40 steps miss: FedALS's clients are all cut."""
     from mpi4py import MPI
 
-    from mpifl.runtime.engine import Engine
+    from mpifl.results import read_results
+    from tests.conftest import run_engine
 
     base = {"rounds": 2, "eval_every": 2, "network": {"latency_s": 0.0, "seconds_per_sample": 1e-3},
             "faults": {"deadline_s": 0.5}}  # 4 steps × 16 samples × 1 ms = 0.064 s (+ transfer) < 0.5 s
     for tau, participants in ((4, 6), (40, 0)):  # 40 × 16 × 1 ms = 0.64 s > 0.5 s
-        cfg = parse_config(_merge(CONFIGS["fedals"], {**base, "fedals": {"tau": tau}}))
-        engine = Engine(cfg, MPI.COMM_SELF, tmp_path / f"tau{tau}.h5")
-        engine.setup()
-        engine.run(progress=False)
-        assert engine.rounds_table.arrays()["participants"].tolist() == [participants] * 2
+        path = run_engine(_merge(CONFIGS["fedals"], {**base, "fedals": {"tau": tau}}), MPI.COMM_SELF,
+                          tmp_path / f"tau{tau}.h5")
+        assert read_results(path).table("rounds")["participants"].tolist() == [participants] * 2

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.config import ClientConfig, parse_config
+from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model, loss_function
-from mpifl.runtime.training import client_generator, local_sgd
-from mpifl.runtime.vectorized import VectorizedSGD
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import client_generator, local_sgd
+from mpifl.training.vectorized import VectorizedSGD
 from tests.conftest import run_mpifl
 
 

@@ -10,9 +10,12 @@ every logical byte, so an algorithm's communication cost is exactly what its pla
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -20,12 +23,14 @@ from torch import nn
 
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message, Step
-from mpifl.config import ClientConfig, RunConfig
-from mpifl.data import ClientSplit, FederatedLayout
+from mpifl.config import RunConfig
+from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
-from mpifl.models.norm import batch_norms, norm_statistics
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook, client_generator, local_sgd, planned_samples
+from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
+from mpifl.training.config import ClientConfig
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook, client_generator, evaluate, local_sgd, planned_samples
+from mpifl.training.tensors import TensorSplit
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,37 @@ class RunContext:
         """Sample-count weights of ``clients`` (known to the server from the data layout), summing to 1."""
         sizes = self.layout.train_sizes[clients].astype(np.float64)
         return sizes / sizes.sum()
+
+
+Stage = Literal["setup", "train", "newcomer", "eval_prelude", "eval"]
+T = TypeVar("T")
+
+
+def require(value: T | None, what: str) -> T:
+    """``value``, which an earlier step of the plan must have set; ``None`` means the steps came out of
+    order (an algorithm bug, reported as such)."""
+    if value is None:
+        raise RuntimeError(f"{what} is missing: the plan's steps came out of order")
+    return value
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the runtime tells an algorithm about the step it calls it for (built fresh for every step).
+
+    ``round`` is the training round (1, 2, ...); 0 for the set-up plan; for the evaluation stages, the round
+    just trained. ``stage`` is the plan being walked: ``setup`` (:meth:`Protocol.setup_plan`), ``train``,
+    ``newcomer`` (new clients before an evaluation), ``eval_prelude`` and ``eval``. ``clients`` are the
+    clients taking part in this step, ascending ids: for a down message the recipients, for an up message
+    the senders whose rows the server accepted, for a local step the clients that compute (all of them on
+    the server; on a worker, only the ones that worker hosts in ``compute_clients``)."""
+
+    round: int
+    stage: Stage
+    clients: np.ndarray
+
+    def with_clients(self, clients: np.ndarray) -> StepContext:
+        return dataclasses.replace(self, clients=clients)
 
 
 class Protocol:
@@ -107,10 +143,10 @@ class ServerAlgorithm:
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
 
     def round_metrics(self) -> dict[str, float]:
@@ -140,9 +176,6 @@ class ClientAlgorithm:
     """
 
     protocol_type: type[Protocol] = Protocol
-    # True when nothing about a client outlives its round on a worker, so a round's clients may be
-    # re-spread over the workers every round (``placement: dynamic``) without changing any result.
-    stateless: bool = False
     scratch: tuple[str, ...] = ()  # per-round dict attributes (client id -> value), emptied by end_round
 
     def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
@@ -164,22 +197,22 @@ class ClientAlgorithm:
         """Where this rank's clients compute: their data, the workspace and the tensors of a round."""
         return self.workspace.device
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
 
-    def compute_clients(self, round_: int, clients: np.ndarray) -> np.ndarray:
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """The :data:`~mpifl.comm.LOCAL` step of several clients; returns each one's seconds. One client
         at a time here; an algorithm may compute them together (see FedAvg's vectorized training)."""
         seconds = np.empty(len(clients))
         for i, client in enumerate(clients):
             start = time.perf_counter()
-            self.compute(round_, int(client))
+            self.compute(step, int(client))
             seconds[i] = time.perf_counter() - start
         return seconds
 
@@ -191,6 +224,25 @@ class ClientAlgorithm:
         """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used
         before the next call, so it may live in the shared workspace."""
         raise NotImplementedError
+
+    def evaluate(self, client: int, splits: Sequence[str]) -> np.ndarray:
+        """``client``'s :data:`~mpifl.training.sgd.EVAL_FIELDS` sums under every model kind (in
+        :attr:`Protocol.eval_kinds` order) on each of ``splits`` (``test``, ``val``), for the runtime to pool.
+        Which model, which BatchNorm statistics and which loss are the algorithm's business."""
+        data = self.data[client]
+        rows = []
+        for kind in self.protocol.eval_kinds:
+            model = self.eval_model(client, kind)
+            stats = self.eval_norm_statistics(client, kind, model)
+            with normalized_with(model, stats) if stats is not None else contextlib.nullcontext():
+                for split in splits:
+                    rows.append(evaluate(model, getattr(data, f"x_{split}"), getattr(data, f"y_{split}"),
+                                         self.loss_fn))
+        return np.concatenate(rows)
+
+    def take_train_loss(self, client: int) -> float:
+        """``client``'s mean training loss of this round (NaN if it reported none), forgotten once taken."""
+        return self.round_losses.pop(client, float("nan"))
 
     def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
         """The BatchNorm statistics ``model`` evaluates with (:mod:`mpifl.models.norm`); ``None`` without
@@ -213,32 +265,17 @@ class ClientAlgorithm:
             grads += self.ctx.cfg.client.weight_decay * self.workspace.numpy()
         return grads
 
-    def train_workspace(self, round_: int, client: int, grad_hook: GradHook | None = None,
+    def train_workspace(self, step: StepContext, client: int, grad_hook: GradHook | None = None,
                         steps: int | None = None, momentum: torch.Tensor | None = None,
                         lr: float | None = None, config: ClientConfig | None = None) -> int:
         """Run local SGD (``config``, by default ``client.*``) on the workspace model with ``client``'s
         training data (``steps``, ``momentum`` and ``lr`` as in :func:`local_sgd`); returns the steps taken."""
         split = self.data[client]
-        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        gen = client_generator(self.ctx.cfg.seed, step.round, client)
         stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, config or self.ctx.cfg.client,
                           gen, grad_hook, lr=lr, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
         return stats.steps
-
-
-@dataclass(frozen=True)
-class TensorSplit:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-def as_tensors(split: ClientSplit, device: torch.device | str = "cpu") -> TensorSplit:
-    fields = TensorSplit.__dataclass_fields__
-    return TensorSplit(*(torch.from_numpy(np.ascontiguousarray(getattr(split, f))).to(device) for f in fields))
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:

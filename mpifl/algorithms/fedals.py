@@ -37,16 +37,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, weighted_sum
-from mpifl.algorithms.fedavg import FedAvgServer
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
+from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
 from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.norm import norm_size, norm_statistics
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import planned_samples
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import planned_samples
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,8 @@ def layer_groups(model: FlatModel) -> list[slice]:
     """Spans of the flat parameter vector, one per layer as the FedALS code groups them: a layer starts
     at each weight with two or more dimensions outside a residual shortcut and takes in what follows
     (bias, norm γ/β, shortcut). ResNet-20 has 20 groups (19 convolutions and fc), an MLP one per Linear."""
-    starts, offset = [], 0
+    starts: list[int] = []
+    offset = 0
     for name, size, shape in zip(model.names, model.segment_sizes(), model.shapes, strict=True):
         if (len(shape) >= 2 and "shortcut" not in name) or not starts:
             starts.append(offset)
@@ -146,70 +155,70 @@ class FedALSProtocol(Protocol):
         return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client, self.ctx.options.tau)
 
 
-class FedALSServer(FedAvgServer):
-    protocol_type = FedALSProtocol
+class FedALSServer(ServerAlgorithm):
+    protocol_type: type[FedALSProtocol] = FedALSProtocol
+    protocol: FedALSProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        self.model = GlobalModel(ctx)
         self.control = np.zeros_like(self.params)
         self.synced: dict[str, int] = {}  # part → last round it was averaged
         self.metrics: dict[str, float] = {}
         self.eval_params: np.ndarray | None = None
-        # the evaluation's running sums over the seen clients, chunk after chunk (client-id order)
-        self.extractor_sum: np.ndarray | None = None
-        self.norm_sum: np.ndarray | None = None
+        # the evaluation's running sums over the seen clients by message (φ, BatchNorm statistics), chunk after
+        # chunk in client-id order
+        self.sums: dict[str, np.ndarray] = {}
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         p = self.protocol
         if msg.name == p.eval_msg.name:
-            return self._evaluated_model(round_)
+            return self._evaluated_model(step.round)
         if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
-            return self.norm_sum
+            return require(self.sums.get(p.norm_msg.name), "the clients' BatchNorm statistics")
         part, kind = p.route[msg.name]
         return (self.params if kind == "params" else self.control)[part.span]
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         p = self.protocol
         if msg.name in (getattr(p.extractor_eval, "name", None), getattr(p.norm_msg, "name", None)):
-            self._accumulate(msg, clients, rows)
+            self._accumulate(msg, step.clients, rows)
             return
         part, kind = p.route[msg.name]
         if kind == "control":
             control = self.control.copy()
-            control[part.span] = update_control(self.control[part.span], rows, population_weights(self.ctx, clients))
+            weights = population_weights(self.ctx, step.clients)
+            control[part.span] = update_control(self.control[part.span], rows, weights)
             self.control = control
             return
-        weights = self.ctx.weights(clients)
+        weights = self.ctx.weights(step.clients)
         mean = weighted_sum(rows, weights)
         self.metrics.update(self._consensus(part, rows, mean, weights))
-        self.apply_update(mean, part.span)
-        self.synced[part.name] = round_
+        self.model.step(mean, part.span)
+        self.synced[part.name] = step.round
 
     def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
         """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
         clients: the same ordered float64 sum whatever the chunks."""
-        name = "extractor_sum" if msg.name == self.protocol.extractor_eval.name else "norm_sum"
-        total = getattr(self, name)
-        if total is None:
-            total = np.zeros(msg.numel, dtype=np.float64)
-        weights = population_weights(self.ctx, clients)
-        for w, row in zip(weights, rows):
+        total = self.sums.setdefault(msg.name, np.zeros(msg.numel, dtype=np.float64))
+        for w, row in zip(population_weights(self.ctx, clients), rows):
             total += w * row
-        setattr(self, name, total)
 
     def _evaluated_model(self, round_: int) -> np.ndarray:
         """The evaluated model: φ averaged over the seen clients unless this round already synced it (the
         paper's virtual average); worked out once per evaluation, after every chunk's φ came in."""
-        if self.extractor_sum is not None:
+        extractor, message = self.protocol.extractor, self.protocol.extractor_eval
+        average = self.sums.pop(message.name, None) if message is not None else None
+        if extractor is not None and average is not None:
             self.eval_params = self.params
             if self.synced.get("extractor") != round_:
                 self.eval_params = self.params.copy()
-                self.eval_params[self.protocol.extractor.span] = self.extractor_sum.astype(np.float32)
-            self.extractor_sum = None
+                self.eval_params[extractor.span] = average.astype(np.float32)
         return self.params if self.eval_params is None else self.eval_params
 
     def end_evaluation(self) -> None:
-        self.eval_params = self.norm_sum = None
+        self.eval_params = None
+        self.sums = {}
 
     def _consensus(self, part: Part, rows: np.ndarray, mean: np.ndarray, weights: np.ndarray) -> dict[str, float]:
         """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients
@@ -222,6 +231,14 @@ class FedALSServer(FedAvgServer):
             total += w * np.add.reduceat((row - mean) ** 2, starts)
         return {f"consensus_layer{g + 1:02d}": float(d) for g, d in zip(part.groups, total / sizes, strict=True)}
 
+    @property
+    def params(self) -> np.ndarray:
+        return self.model.params
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        control = {"control": self.control} if self.ctx.options.scaffold else {}
+        return {"global_model": self.params, **control}
+
     def round_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
@@ -232,8 +249,9 @@ class FedALSClient(ClientAlgorithm):
     each part's reference), and as configured ``momentum``, ``control`` cₖ, ``global_control`` (c as last
     received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺)."""
 
-    protocol_type = FedALSProtocol
-    scratch = ("gradients",)
+    protocol_type: type[FedALSProtocol] = FedALSProtocol
+    protocol: FedALSProtocol
+    scratch: tuple[str, ...] = ("gradients",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -256,7 +274,7 @@ class FedALSClient(ClientAlgorithm):
                           gradient_sum=np.zeros(self.initial.shape, dtype=np.float64))
         return st
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         p = self.protocol
         if msg.name == p.eval_msg.name:
             self.eval_params = row
@@ -275,7 +293,7 @@ class FedALSClient(ClientAlgorithm):
         if "gradient_sum" in st:
             st["gradient_sum"][part.span] = 0.0
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         st = self.working(client)
         self.workspace.load(st["model"])
         hook = None
@@ -284,8 +302,8 @@ class FedALSClient(ClientAlgorithm):
             hook = correction_hook(st["global_control"] - st["control"], self.device, self.gradients[client])
         momentum = torch.from_numpy(st["momentum"]).to(self.device) if "momentum" in st else None
         opts = self.ctx.options
-        steps = self.train_workspace(round_, client, hook, steps=opts.tau, momentum=momentum,
-                                     lr=round_lr(self.ctx.cfg.client.lr, opts, round_))
+        steps = self.train_workspace(step, client, hook, steps=opts.tau, momentum=momentum,
+                                     lr=round_lr(self.ctx.cfg.client.lr, opts, step.round))
         st["model"][:] = self.workspace.numpy()
         if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st["momentum"]
             st["momentum"][:] = host_numpy(momentum)
@@ -293,10 +311,10 @@ class FedALSClient(ClientAlgorithm):
         if hook is not None:
             st["gradient_sum"] += host_numpy(self.gradients.pop(client).total)
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol
         if msg.name == getattr(p.extractor_eval, "name", None):
-            return self.current_model(client)[p.extractor.span]
+            return self.current_model(client)[require(p.extractor, "the extractor part").span]
         if msg.name == getattr(p.norm_msg, "name", None):
             self.workspace.load(self.current_model(client))
             split = self.data[client]
@@ -317,7 +335,7 @@ class FedALSClient(ClientAlgorithm):
         return self.initial if model is None else model
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.eval_params)
+        self.workspace.load(require(self.eval_params, "the evaluated model"))
         return self.workspace.module
 
     def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:

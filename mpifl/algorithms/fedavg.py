@@ -12,12 +12,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook, client_generator
-from mpifl.runtime.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook, client_generator
+from mpifl.training.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
 
 
 class FedAvgProtocol(Protocol):
@@ -35,37 +43,50 @@ class FedAvgProtocol(Protocol):
         return (self.eval_msg,)
 
 
+class GlobalModel:
+    """The global model of FedAvg-style algorithms and the server optimizer on averaged pseudo-gradients:
+    θ ← θ + η_s·v with v ← μ_s·v + mean Δ (``server.lr``, ``server.momentum``)."""
+
+    def __init__(self, ctx: RunContext):
+        self.params = ctx.new_model().numpy().copy()
+        self.velocity = np.zeros(self.params.shape, dtype=np.float64)
+        self.lr, self.momentum = ctx.cfg.server.lr, ctx.cfg.server.momentum
+
+    def step(self, mean_delta: np.ndarray, part: slice = slice(None)) -> None:
+        """Apply the averaged delta; ``part`` updates a slice of the model only (FedALS), element for element
+        as a whole-model update would."""
+        self.velocity[part] = self.momentum * self.velocity[part] + mean_delta
+        params = self.params.copy()  # a new array: clients on this rank may still hold views of the old one
+        params[part] = (params[part] + self.lr * self.velocity[part]).astype(np.float32)
+        self.params = params
+
+
 class FedAvgServer(ServerAlgorithm):
-    protocol_type = FedAvgProtocol
+    protocol_type: type[FedAvgProtocol] = FedAvgProtocol
+    protocol: FedAvgProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
-        self.params = ctx.new_model().numpy().copy()
-        self.velocity = np.zeros(self.params.shape, dtype=np.float64)
+        self.model = GlobalModel(ctx)
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    @property
+    def params(self) -> np.ndarray:
+        return self.model.params
+
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         return self.params
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
-        self.apply_update(weighted_sum(rows, self.ctx.weights(clients)))
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+        self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"global_model": self.params}
 
-    def apply_update(self, mean_delta: np.ndarray, part: slice = slice(None)) -> None:
-        """Server optimizer on the averaged pseudo-gradient (shared by FedAvg-style algorithms); ``part``
-        updates a slice of the model only (FedALS), element for element as a whole-model update would."""
-        server = self.ctx.cfg.server
-        self.velocity[part] = server.momentum * self.velocity[part] + mean_delta
-        params = self.params.copy()  # a new array: clients on this rank may still hold views of the old one
-        params[part] = (params[part] + server.lr * self.velocity[part]).astype(np.float32)
-        self.params = params
-
 
 class FedAvgClient(ClientAlgorithm):
-    protocol_type = FedAvgProtocol
-    stateless = True
-    scratch = ("start", "deltas")
+    protocol_type: type[FedAvgProtocol] = FedAvgProtocol
+    protocol: FedAvgProtocol
+    scratch: tuple[str, ...] = ("start", "deltas")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -80,50 +101,51 @@ class FedAvgClient(ClientAlgorithm):
             self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
         self.trained_together = 0
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         if msg.name == self.protocol.eval_msg.name:
             self.global_params = row
         else:
             self.start[client] = row
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         start = self.start.pop(client)
         self.workspace.load(start)
-        self.train_workspace(round_, client, self.grad_hook(client, start))
+        self.train_workspace(step, client, self.grad_hook(client, start))
         self.deltas[client] = self.workspace.numpy() - start
 
-    def compute_clients(self, round_: int, clients: np.ndarray) -> np.ndarray:
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """Plain FedAvg may train clients with equally many samples together (``client.vectorize``);
         each then reports an equal share of its group's seconds."""
-        if self.vectorizer is None:
-            return super().compute_clients(round_, clients)
+        vectorizer = self.vectorizer
+        if vectorizer is None:
+            return super().compute_clients(step, clients)
         seconds = np.empty(len(clients))
         sizes = np.array([len(self.data[int(c)].x_train) for c in clients])
         for size in np.unique(sizes):
             members = np.flatnonzero(sizes == size)
             start = time.perf_counter()
-            if self._train_together(round_, clients[members]):
+            if self._train_together(vectorizer, step, clients[members]):
                 seconds[members] = (time.perf_counter() - start) / len(members)
             else:
-                seconds[members] = super().compute_clients(round_, clients[members])
+                seconds[members] = super().compute_clients(step, clients[members])
         return seconds
 
-    def _train_together(self, round_: int, group: np.ndarray) -> bool:
+    def _train_together(self, vectorizer: VectorizedSGD, step: StepContext, group: np.ndarray) -> bool:
         """Train ``group`` as one computation if they share their start and the vectorizer says so."""
         start = self.start[int(group[0])]
         if not all(np.array_equal(self.start[int(c)], start) for c in group[1:]):
             return False
         splits = [self.data[int(c)] for c in group]
-        together = self.vectorizer.decided(len(group))
+        together = vectorizer.decided(len(group))
         if together is None:  # measure once, on the group's first batches
             batch = min(self.ctx.cfg.client.batch_size, len(splits[0].x_train))
             probe = [torch.stack([getattr(s, f)[:batch] for s in splits]) for f in ("x_train", "y_train")]
-            together = self.vectorizer.worth_it(len(group), *probe)
+            together = vectorizer.worth_it(len(group), *probe)
         if not together:
             return False
         seed = self.ctx.cfg.seed
-        params, stats = self.vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
-                                              [client_generator(seed, round_, int(c)) for c in group],
+        params, stats = vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
+                                              [client_generator(seed, step.round, int(c)) for c in group],
                                               self.ctx.cfg.client)
         for k, client in enumerate(group):
             self.start.pop(int(client))
@@ -139,9 +161,9 @@ class FedAvgClient(ClientAlgorithm):
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""
         return None
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.global_params)
+        self.workspace.load(require(self.global_params, "the evaluated model"))
         return self.workspace.module

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
-from mpifl.runtime.training import client_generator, sgd_step, training_batches
 from mpifl.schema import limits
+from mpifl.training.sgd import client_generator, sgd_step, training_batches
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,20 @@ class FedDeperProtocol(FedAvgProtocol):
 
 
 class FedDeperServer(FedAvgServer):
-    protocol_type = FedDeperProtocol
+    protocol_type: type[FedDeperProtocol] = FedDeperProtocol
+    protocol: FedDeperProtocol
 
 
 class FedDeperClient(FedAvgClient):
-    protocol_type = FedDeperProtocol
-    stateless = False  # vᵢ persists across rounds (client state "personal")
+    protocol_type: type[FedDeperProtocol] = FedDeperProtocol
+    protocol: FedDeperProtocol
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
         self.personal_model = ctx.new_model(ctx.device)
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         cfg, opts = self.ctx.cfg.client, self.ctx.options
         start = self.start.pop(client)
         y, v = self.workspace, self.personal_model
@@ -63,7 +64,7 @@ class FedDeperClient(FedAvgClient):
         twice_x = 2 * torch.tensor(start, device=self.device)
         momenta = [torch.zeros_like(y.params) if cfg.momentum > 0 else None for _ in range(2)]
         split = self.data[client]
-        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        gen = client_generator(self.ctx.cfg.seed, step.round, client)
         loss_sum, steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for xb, yb in training_batches(split.x_train, split.y_train, cfg, gen):
             loss = self.loss_fn(y.module(xb), yb)

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from mpifl.algorithms.fedavg import FedAvgClient
-from mpifl.runtime.training import GradHook
 from mpifl.schema import limits
+from mpifl.training.sgd import GradHook
 
 
 @dataclass(frozen=True)

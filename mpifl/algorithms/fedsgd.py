@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mpifl.algorithms.base import RunContext, weighted_sum
+from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
 
@@ -29,14 +29,16 @@ class FedSGDProtocol(FedAvgProtocol):
 
 
 class FedSGDServer(FedAvgServer):
-    protocol_type = FedSGDProtocol
+    protocol_type: type[FedSGDProtocol] = FedSGDProtocol
+    protocol: FedSGDProtocol
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
-        self.apply_update(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(clients)))
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+        self.model.step(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(step.clients)))
 
 
 class FedSGDClient(FedAvgClient):
-    protocol_type = FedSGDProtocol
+    protocol_type: type[FedSGDProtocol] = FedSGDProtocol
+    protocol: FedSGDProtocol
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         self.deltas[client] = self.gradient_at(client, self.start.pop(client))

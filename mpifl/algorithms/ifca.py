@@ -12,7 +12,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
@@ -48,7 +56,8 @@ class IFCAProtocol(Protocol):
 
 
 class IFCAServer(ServerAlgorithm):
-    protocol_type = IFCAProtocol
+    protocol_type: type[IFCAProtocol] = IFCAProtocol
+    protocol: IFCAProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -58,19 +67,20 @@ class IFCAServer(ServerAlgorithm):
         ]).astype(np.float32)
         self.assignment: dict[int, int] = {}  # this round's cluster of each client that reported one
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         return self.params.reshape(-1)
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         if msg.name == self.protocol.cluster_msg.name:
-            self.assignment = dict(zip(clients.tolist(), rows[:, 0].tolist()))
+            self.assignment = dict(zip(step.clients.tolist(), rows[:, 0].tolist()))
             return
-        assignment = np.array([self.assignment[c] for c in clients.tolist()])  # the clients whose delta was accepted
+        clients = step.clients  # the clients whose delta was accepted
+        assignment = np.array([self.assignment[c] for c in clients.tolist()])
         params = self.params.copy()  # a new array: clients on this rank may hold views of the old one
         for j in np.unique(assignment):
             members = assignment == j
-            step = weighted_sum(rows[members], self.ctx.weights(clients[members]))
-            params[j] = (params[j] + self.ctx.cfg.server.lr * step).astype(np.float32)
+            mean = weighted_sum(rows[members], self.ctx.weights(clients[members]))
+            params[j] = (params[j] + self.ctx.cfg.server.lr * mean).astype(np.float32)
         self.params = params
 
     def final_state(self) -> dict[str, np.ndarray]:
@@ -78,17 +88,21 @@ class IFCAServer(ServerAlgorithm):
 
 
 class IFCAClient(ClientAlgorithm):
-    protocol_type = IFCAProtocol
-    stateless = True
-    scratch = ("outbox",)
+    protocol_type: type[IFCAProtocol] = IFCAProtocol
+    protocol: IFCAProtocol
+    scratch: tuple[str, ...] = ("outbox",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        self.models: np.ndarray | None = None
+        self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
         self.outbox: dict[tuple[str, int], np.ndarray] = {}
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
-        self.models = row.reshape(self.protocol.k, -1)
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.received = row.reshape(self.protocol.k, -1)
+
+    @property
+    def models(self) -> np.ndarray:
+        return require(self.received, "the cluster models")
 
     @torch.no_grad()
     def best_cluster(self, client: int) -> int:
@@ -100,14 +114,14 @@ class IFCAClient(ClientAlgorithm):
             losses.append(float(self.loss_fn(self.workspace.module(split.x_train), split.y_train)))
         return int(np.argmin(losses))
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         j = self.best_cluster(client)
         self.workspace.load(self.models[j])
-        self.train_workspace(round_, client)
+        self.train_workspace(step, client)
         self.outbox[self.protocol.cluster_msg.name, client] = np.array([j], dtype=np.int32)
         self.outbox[self.protocol.delta_msg.name, client] = self.workspace.numpy() - self.models[j]
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.outbox.pop((msg.name, client))
 
     def eval_model(self, client: int, kind: str) -> nn.Module:

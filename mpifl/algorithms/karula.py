@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.dissimilarity import (
     Metric,
     data_points,
@@ -42,9 +42,9 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import client_generator
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import client_generator
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class KarulaProtocol(Protocol):
 class KarulaServer(ServerAlgorithm):
     """θ (n×d), the gradient table, D and the projection solver; all float64."""
 
-    protocol_type = KarulaProtocol
+    protocol_type: type[KarulaProtocol] = KarulaProtocol
+    protocol: KarulaProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -147,15 +148,15 @@ class KarulaServer(ServerAlgorithm):
         self.truth = ground_truth(ctx.cfg, initial.size)
         self.metrics: dict[str, float] = {}
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         proto = self.protocol
         if msg.name == proto.standardizer_msg.name:
             return self.standardizer
         if msg.name == proto.reference_msg.name:
             return self.reference.reshape(-1)
-        return self.theta[clients].astype(np.float32)
+        return self.theta[step.clients].astype(np.float32)
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         proto = self.protocol
         if msg.name == proto.moments_msg.name:
             self.standardizer = pooled_standardizer(rows, self.continuous)
@@ -165,9 +166,9 @@ class KarulaServer(ServerAlgorithm):
             radii = self.opts.t * self.dissimilarity[pair_indices(self.n)]
             self.projector = Projector(radii, self.opts.solver, self.opts.tol, self.opts.max_inner)
         elif msg.name == proto.initial_grad_msg.name:
-            self.table[clients] = self.weighted(clients, rows) / self.n
+            self.table[step.clients] = self.weighted(step.clients, rows) / self.n
         else:
-            self.step(clients, self.weighted(clients, rows))
+            self.step(step.clients, self.weighted(step.clients, rows))
 
     def weighted(self, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return rows.astype(np.float64) * self.alpha[clients, None]
@@ -185,7 +186,7 @@ class KarulaServer(ServerAlgorithm):
         """θ ← Π_𝒦^δ(θ − ην) for all n clients, logging the solver's certificate."""
         target = self.theta - self.opts.lr * self.direction(clients, grads)
         start = time.perf_counter()
-        result = self.projector(target)
+        result = require(self.projector, "the projector (set up from the dissimilarities)")(target)
         self.theta = result.theta
         self.metrics = {
             "proj_iterations": float(result.iterations),
@@ -200,12 +201,14 @@ class KarulaServer(ServerAlgorithm):
         return dict(self.metrics)
 
     def final_state(self) -> dict[str, np.ndarray]:
-        return {"personal_models": self.theta, "dissimilarity": self.dissimilarity}
+        dissimilarity = {} if self.dissimilarity is None else {"dissimilarity": self.dissimilarity}
+        return {"personal_models": self.theta, **dissimilarity}
 
 
 class KarulaClient(ClientAlgorithm):
-    protocol_type = KarulaProtocol
-    scratch = ("models", "outbox")
+    protocol_type: type[KarulaProtocol] = KarulaProtocol
+    protocol: KarulaProtocol
+    scratch: tuple[str, ...] = ("models", "outbox")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -222,7 +225,7 @@ class KarulaClient(ClientAlgorithm):
         return data_points(host_numpy(split.x_train), host_numpy(split.y_train), self.ctx.layout.num_classes,
                            self.opts.label_scale)
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         proto = self.protocol
         if msg.name == proto.standardizer_msg.name:
             self.standardizer = np.array(row)
@@ -231,17 +234,17 @@ class KarulaClient(ClientAlgorithm):
         else:
             self.models[client] = np.array(row)
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         """Set-up (round 0): the LOT embedding and the gradient at the common initial model. Later: one
         gradient at the received personalized model."""
         proto = self.protocol
-        if round_ == 0:
+        if step.stage == "setup":
             mean, std = np.split(self.standardizer, 2)
-            embedding = lot_embedding(self.reference, (self.points(client) - mean) / std)
+            embedding = lot_embedding(require(self.reference, "the reference set"), (self.points(client) - mean) / std)
             self.outbox[proto.embedding_msg.name, client] = embedding.astype(np.float32).reshape(-1)
-            self.outbox[proto.initial_grad_msg.name, client] = self.gradient(round_, client, self.initial)
+            self.outbox[proto.initial_grad_msg.name, client] = self.gradient(step.round, client, self.initial)
         else:
-            self.outbox[proto.grad_msg.name, client] = self.gradient(round_, client, self.models[client])
+            self.outbox[proto.grad_msg.name, client] = self.gradient(step.round, client, self.models[client])
 
     def gradient(self, round_: int, client: int, params: np.ndarray) -> np.ndarray:
         if self.opts.full_batch:
@@ -250,7 +253,7 @@ class KarulaClient(ClientAlgorithm):
         rows = torch.randperm(n, generator=client_generator(self.ctx.cfg.seed, round_, client))
         return self.gradient_at(client, params, rows[: self.ctx.cfg.client.batch_size])
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         if msg.name == self.protocol.moments_msg.name:
             return moments(self.points(client))
         return self.outbox.pop((msg.name, client))

@@ -19,11 +19,11 @@ from typing import Literal
 import numpy as np
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm
+from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Step
-from mpifl.config import ClientConfig
 from mpifl.schema import limits
+from mpifl.training.config import ClientConfig
 
 
 @dataclass(frozen=True)
@@ -58,21 +58,22 @@ class LocalProtocol(Protocol):
 class LocalServer(ServerAlgorithm):
     """Nothing to hold: no global state exists."""
 
-    protocol_type = LocalProtocol
+    protocol_type: type[LocalProtocol] = LocalProtocol
+    protocol: LocalProtocol
 
 
 class LocalClient(ClientAlgorithm):
-    protocol_type = LocalProtocol
-    stateless = False  # each client's own model (client state "model")
+    protocol_type: type[LocalProtocol] = LocalProtocol
+    protocol: LocalProtocol
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         self.workspace.load(self.model(client))
-        config = self.protocol.upfront_config() if round_ == 0 else None
-        self.train_workspace(round_, client, config=config)
+        config = self.protocol.upfront_config() if step.stage == "setup" else None
+        self.train_workspace(step, client, config=config)
         self.state.edit(client)["model"] = self.workspace.numpy().copy()
 
     def model(self, client: int) -> np.ndarray:

@@ -27,14 +27,22 @@ from scipy.spatial.distance import cdist
 from scipy.stats import rankdata
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, weighted_sum
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import TrainStats, client_generator, local_sgd
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import TrainStats, client_generator, local_sgd
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
 DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)
@@ -160,7 +168,8 @@ def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
 
 
 class PeFLLServer(ServerAlgorithm):
-    protocol_type = PeFLLProtocol
+    protocol_type: type[PeFLLProtocol] = PeFLLProtocol
+    protocol: PeFLLProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -178,45 +187,48 @@ class PeFLLServer(ServerAlgorithm):
         self.scalars: dict[str, float] = {}
         self.eval_descriptors: dict[int, np.ndarray] = {}  # this evaluation's v_i by client id, chunk after chunk
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         p = self.protocol
         if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
-            return self.descriptors.grad[self._rows_of(clients)].numpy()
-        models = self.models.detach().numpy()
+            gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
+            return gradient[self._rows_of(step.clients)].numpy()
+        models = require(self.models, "the clients' models").detach().numpy()
         if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
             self.models = None
         return models
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         p = self.protocol
         if msg.name == p.descriptor_msg.name:
             if not self.standardizer_frozen:  # the code's scalars: mean and (unbiased) std of the first descriptor
                 first = torch.from_numpy(rows[0].copy())
                 self.shift, self.scale = float(first.mean()), float(first.std())
                 self.standardizer_frozen = True
-            self.described = clients
+            self.described = step.clients
             self.descriptors = torch.tensor(rows, requires_grad=True)
             self.models = self.hyper((self.descriptors - self.shift) / self.scale)
         elif msg.name == p.eval_descriptor_msg.name:
             with torch.no_grad():
                 self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
-            self.eval_descriptors.update(zip(clients.tolist(), rows.copy()))
+            self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
         elif msg.name == p.delta_msg.name:  # only the clients whose Δθ was accepted: their rows of h(V)
             self.joint.grads.zero_()
-            models = self.models if len(clients) == len(self.described) else self.models[self._rows_of(clients)]
+            accepted, models = step.clients, require(self.models, "the round's models")
+            if len(accepted) < len(require(self.described, "the described clients")):
+                models = models[self._rows_of(accepted)]
             models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
-            self.joint.grads[self.split :] /= len(clients)
+            self.joint.grads[self.split :] /= len(accepted)
             self.models = None
         else:
             grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
-            grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(clients), 1 / len(clients))))
+            grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
             self.step(grads)
 
     def _rows_of(self, clients: np.ndarray) -> torch.Tensor:
         """Where ``clients`` sit among this round's described clients (a rejected update drops a client)."""
-        return torch.from_numpy(np.searchsorted(self.described, clients))
+        return torch.from_numpy(np.searchsorted(require(self.described, "the described clients"), clients))
 
     def step(self, mean_delta: torch.Tensor) -> None:
         """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
@@ -291,8 +303,7 @@ class HyperClient(ClientAlgorithm):
     """A stateless client of a hypernetwork algorithm: trains the personal model it is sent and returns
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 
-    stateless = True
-    scratch = ("start", "deltas", "eval_models")
+    scratch: tuple[str, ...] = ("start", "deltas", "eval_models")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -324,8 +335,9 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
 
 
 class PeFLLClient(HyperClient):
-    protocol_type = PeFLLProtocol
-    scratch = (*HyperClient.scratch, "batches", "descriptor_grads")
+    protocol_type: type[PeFLLProtocol] = PeFLLProtocol
+    protocol: PeFLLProtocol
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "descriptor_grads")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -333,7 +345,7 @@ class PeFLLClient(HyperClient):
         self.batches: dict[int, torch.Tensor] = {}
         self.descriptor_grads: dict[int, np.ndarray] = {}
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         p = self.protocol
         if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
             self.embed.load(row)
@@ -344,14 +356,14 @@ class PeFLLClient(HyperClient):
         else:
             self.descriptor_grads[client] = row
 
-    def compute(self, round_: int, client: int) -> None:
-        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, round_, client))
+    def compute(self, step: StepContext, client: int) -> None:
+        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client))
         self.round_losses[client] = stats.mean_loss
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol
         if msg.name == p.descriptor_msg.name:
-            rows = descriptor_rows(self.ctx.cfg.seed, round_, client, len(self.data[client].y_train),
+            rows = descriptor_rows(self.ctx.cfg.seed, step.round, client, len(self.data[client].y_train),
                                    self.ctx.options.descriptor_batch)
             self.batches[client] = rows
             with torch.no_grad():

@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, ServerAlgorithm
+from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rowwise
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
-from mpifl.runtime.training import client_generator
 from mpifl.schema import limits
+from mpifl.training.sgd import client_generator
 
 TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
 NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's adaptation steps
@@ -74,7 +74,8 @@ class PFedHNProtocol(HyperProtocol):
 
 
 class PFedHNServer(ServerAlgorithm):
-    protocol_type = PFedHNProtocol
+    protocol_type: type[PFedHNProtocol] = PFedHNProtocol
+    protocol: PFedHNProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -101,42 +102,44 @@ class PFedHNServer(ServerAlgorithm):
         self.models: torch.Tensor | None = None
         self.scalars: dict[str, float] = {}
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
         p = self.protocol
         if msg.name == p.model_msg.name:
-            self.models = self.hyper(self.table(torch.from_numpy(clients)))
-            self.sent = clients
+            self.models = self.hyper(self.table(torch.from_numpy(step.clients)))
+            self.sent = step.clients
         elif msg.name == p.newcomer_model_msg.name:
             if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
-                self.newcomers = self.newcomer_init[torch.tensor(clients)]
+                self.newcomers = self.newcomer_init[torch.tensor(step.clients)]
                 self.newcomer_velocity = torch.zeros_like(self.newcomers)
-            self.newcomers.requires_grad_(True)
-            self.models = rowwise(self.hyper, self.newcomers)
+            newcomers = require(self.newcomers, "the new clients' embeddings").requires_grad_(True)
+            self.models = rowwise(self.hyper, newcomers)
         else:
             with torch.no_grad():
-                ids = torch.tensor(clients)
-                new = torch.from_numpy(self.ctx.layout.unseen[clients])
+                ids = torch.tensor(step.clients)
+                new = torch.from_numpy(self.ctx.layout.unseen[step.clients])
                 embeddings = torch.where(new[:, None], self.adapted[ids], self.table.weight[ids])
                 return rowwise(self.hyper, embeddings).numpy()
         return self.models.detach().numpy()
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         cotangent = -torch.from_numpy(rows.copy())  # θ_i − θ_i^new
         if msg.name == self.protocol.delta_msg.name:  # only the accepted clients' rows of h(E)
             self.joint.grads.zero_()
-            models = self.models
-            if len(clients) < len(self.sent):
-                models = models[torch.from_numpy(np.searchsorted(self.sent, clients))]
-            models.backward(cotangent / len(clients))
+            models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
+            if len(step.clients) < len(sent):
+                models = models[torch.from_numpy(np.searchsorted(sent, step.clients))]
+            models.backward(cotangent / len(step.clients))
             self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
             self.optimizer.step()
         else:  # each new client's embedding follows its own gradient; h stays frozen
             opts = self.ctx.options
-            (grad,) = torch.autograd.grad(self.models, self.newcomers, cotangent)
+            newcomers = require(self.newcomers, "the new clients' embeddings")
+            velocity = require(self.newcomer_velocity, "their momentum")
+            (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, cotangent)
             with torch.no_grad():
-                self.newcomer_velocity.mul_(opts.momentum).add_(grad)
-                self.newcomers = self.newcomers.detach() - opts.new_client_lr * self.newcomer_velocity
-                self.adapted[torch.tensor(clients)] = self.newcomers
+                velocity.mul_(opts.momentum).add_(grad)
+                self.newcomers = newcomers.detach() - opts.new_client_lr * velocity
+                self.adapted[torch.tensor(step.clients)] = self.newcomers
             self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
         self.models = None
 
@@ -149,14 +152,15 @@ class PFedHNServer(ServerAlgorithm):
 
 
 class PFedHNClient(HyperClient):
-    protocol_type = PFedHNProtocol
-    scratch = (*HyperClient.scratch, "newcomer_steps")
+    protocol_type: type[PFedHNProtocol] = PFedHNProtocol
+    protocol: PFedHNProtocol
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "newcomer_steps")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.newcomer_steps: dict[int, int] = {}  # a new client's adaptation step within this evaluation
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         p = self.protocol
         if msg.name == p.eval_model_msg.name:
             self.eval_models[client] = row
@@ -165,13 +169,13 @@ class PFedHNClient(HyperClient):
         if msg.name == p.newcomer_model_msg.name:
             self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         seed = self.ctx.cfg.seed
-        if self.ctx.layout.unseen[client]:  # adapting: only the eval plan's newcomer rounds train new clients
+        if step.stage == "newcomer":  # a new client adapting its embedding: not a training loss
             purpose = NEWCOMER_PURPOSE + self.newcomer_steps[client]
-            self.train_from(client, client_generator(seed, round_, client, purpose))
+            self.train_from(client, client_generator(seed, step.round, client, purpose))
         else:
-            self.round_losses[client] = self.train_from(client, client_generator(seed, round_, client)).mean_loss
+            self.round_losses[client] = self.train_from(client, client_generator(seed, step.round, client)).mean_loss
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.base import RunContext, StepContext, require
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import client_generator, training_batches
 from mpifl.schema import limits
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import client_generator, training_batches
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,15 @@ class PFedMeProtocol(FedAvgProtocol):
 class PFedMeServer(FedAvgServer):
     """FedAvg's server (β = server.lr) with pFedMe's protocol, so both sides agree on what is evaluated."""
 
-    protocol_type = PFedMeProtocol
+    protocol_type: type[PFedMeProtocol] = PFedMeProtocol
+    protocol: PFedMeProtocol
 
 
 class PFedMeClient(FedAvgClient):
-    protocol_type = PFedMeProtocol
-    stateless = False  # θ_i persists across rounds (client state "personal")
+    protocol_type: type[PFedMeProtocol] = PFedMeProtocol
+    protocol: PFedMeProtocol
 
-    def compute(self, round_: int, client: int) -> None:
+    def compute(self, step: StepContext, client: int) -> None:
         opts: PFedMeOptions = self.ctx.options
         cfg = self.ctx.cfg.client
         start = self.start.pop(client)
@@ -74,7 +75,7 @@ class PFedMeClient(FedAvgClient):
         self.workspace.load(start)
         theta, grads = self.workspace.params, self.workspace.grads
         losses = []
-        gen = client_generator(self.ctx.cfg.seed, round_, client)
+        gen = client_generator(self.ctx.cfg.seed, step.round, client)
         for xb, yb in training_batches(split.x_train, split.y_train, cfg, gen):
             for _ in range(opts.inner_steps):
                 loss = self.loss_fn(self.workspace.module(xb), yb)
@@ -90,5 +91,5 @@ class PFedMeClient(FedAvgClient):
 
     def eval_model(self, client: int, kind: str) -> nn.Module:
         own = self.state.get(client, "personal") if kind == "personal" else None
-        self.workspace.load(self.global_params if own is None else own)
+        self.workspace.load(require(self.global_params, "the global model") if own is None else own)
         return self.workspace.module

@@ -123,7 +123,7 @@ class Projector:
         for (a, b), u in zip(schedule, corr):
             x[a] -= u
             x[b] += u
-        best = None
+        best: tuple[float, int, np.ndarray, np.ndarray] | None = None
         for sweep in range(1, self.max_iter + 1):
             for (a, b), r, u in zip(schedule, radii, corr):
                 x[a] += u
@@ -143,6 +143,8 @@ class Projector:
                 best = (gap, sweep, c * x, c * c * sq_dists)
             if gap <= tolerance:
                 break
+        if best is None:
+            raise ValueError("projection: max_inner must be at least 1")
         gap, _, theta, sq_dists = best
         return theta, sweep, gap, sq_dists
 

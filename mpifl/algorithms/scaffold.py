@@ -24,12 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import RunContext, weighted_sum
+from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.runtime.device import host_numpy
-from mpifl.runtime.training import GradHook
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import GradHook
 
 
 class GradientMean:
@@ -87,26 +87,30 @@ class ScaffoldProtocol(FedAvgProtocol):
 
 
 class ScaffoldServer(FedAvgServer):
-    protocol_type = ScaffoldProtocol
+    protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
+    protocol: ScaffoldProtocol
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
         self.control = np.zeros_like(self.params)
 
-    def payload(self, msg: Message, round_: int, clients: np.ndarray) -> np.ndarray:
-        return self.control if msg.name == self.protocol.control_msg.name else super().payload(msg, round_, clients)
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+        return self.control if msg.name == self.protocol.control_msg.name else super().payload(msg, step)
 
-    def consume(self, msg: Message, round_: int, clients: np.ndarray, rows: np.ndarray) -> None:
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {**super().final_state(), "control": self.control}
+
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         if msg.name == self.protocol.control_delta_msg.name:
-            self.control = update_control(self.control, rows, population_weights(self.ctx, clients))
+            self.control = update_control(self.control, rows, population_weights(self.ctx, step.clients))
         else:
-            super().consume(msg, round_, clients, rows)
+            super().consume(msg, step, rows)
 
 
 class ScaffoldClient(FedAvgClient):
-    protocol_type = ScaffoldProtocol
-    stateless = False  # cᵢ persists across rounds (client state "control")
-    scratch = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
+    protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
+    protocol: ScaffoldProtocol
+    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -114,11 +118,11 @@ class ScaffoldClient(FedAvgClient):
         self.gradients: dict[int, GradientMean] = {}
         self.control_deltas: dict[int, np.ndarray] = {}
 
-    def receive(self, msg: Message, round_: int, client: int, row: np.ndarray) -> None:
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         if msg.name == self.protocol.control_msg.name:
             self.global_control[client] = row
         else:
-            super().receive(msg, round_, client, row)
+            super().receive(msg, step, client, row)
 
     def own_control(self, client: int) -> np.ndarray:
         own = self.state.get(client, "control")
@@ -129,14 +133,14 @@ class ScaffoldClient(FedAvgClient):
         return correction_hook(self.global_control.pop(client) - self.own_control(client), self.device,
                                self.gradients[client])
 
-    def compute(self, round_: int, client: int) -> None:
-        super().compute(round_, client)
+    def compute(self, step: StepContext, client: int) -> None:
+        super().compute(step, client)
         own = self.own_control(client)
         new = self.gradients.pop(client).mean()
         self.control_deltas[client] = new - own
         self.state.edit(client)["control"] = new
 
-    def send(self, msg: Message, round_: int, client: int) -> np.ndarray:
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         if msg.name == self.protocol.control_delta_msg.name:
             return self.control_deltas.pop(client)
-        return super().send(msg, round_, client)
+        return super().send(msg, step, client)

@@ -11,6 +11,7 @@ code, and an algorithm that never writes state is stateless by observation.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -71,6 +72,41 @@ class ClientState:
         """Take these committed states (e.g. read back from a checkpoint), replacing what was there."""
         for client, state in states.items():
             self._committed[int(client)] = {name: _frozen(name, np.asarray(value)) for name, value in state.items()}
+
+    def drop(self, clients: Iterable[int]) -> None:
+        """Forget these clients entirely (visitors that went home)."""
+        for client in clients:
+            self._committed.pop(int(client), None)
+            self._working.pop(int(client), None)
+
+
+def pack_states(states: Mapping[int, Mapping[str, np.ndarray]]) -> np.ndarray:
+    """Client states as one flat byte buffer (to move between ranks): an 8-byte header length, a JSON header
+    of (client, name, dtype, shape) entries, then every array's raw bytes in that order. Exact bytes, no pickle."""
+    entries, chunks = [], []
+    for client in sorted(states):
+        for name, value in states[client].items():
+            array = np.ascontiguousarray(value)
+            entries.append([int(client), name, array.dtype.str, list(array.shape)])
+            chunks.append(array.view(np.uint8).reshape(-1))
+    header = np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)
+    size = np.frombuffer(np.array([len(header)], dtype="<u8").tobytes(), dtype=np.uint8)
+    return np.concatenate([size, header, *chunks]) if chunks else np.concatenate([size, header])
+
+
+def unpack_states(blob: np.ndarray) -> dict[int, StateDict]:
+    """The inverse of :func:`pack_states` (each array a copy of its bytes)."""
+    if blob.size == 0:
+        return {}
+    length = int(blob[:8].view("<u8")[0])
+    entries = json.loads(blob[8 : 8 + length].tobytes())
+    out: dict[int, StateDict] = {}
+    offset = 8 + length
+    for client, name, dtype, shape in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        out.setdefault(client, {})[name] = blob[offset : offset + nbytes].copy().view(dtype).reshape(shape)
+        offset += nbytes
+    return out
 
 
 def _frozen(name: str, value: np.ndarray) -> np.ndarray:

@@ -93,3 +93,8 @@ class PhysicalLog:
     def total_bytes(self) -> int:
         return sum(r[3] for r in self.rows)
 
+
+    def by_message(self, names: tuple[str, ...]) -> tuple[int, float]:
+        """Bytes and seconds of the collectives that moved these messages."""
+        rows = [r for r in self.rows if r[1] in names]
+        return sum(r[3] for r in rows), sum(r[4] for r in rows)

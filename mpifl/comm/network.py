@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpifl.config import NetworkConfig
+from mpifl.comm.config import NetworkConfig
 
 _NETWORK_TAG = 0x6E6574
 

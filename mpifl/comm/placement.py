@@ -70,7 +70,7 @@ def _longest_processing_time(work: np.ndarray, world_size: int, load: np.ndarray
     heapq.heapify(heap)
     owner = np.empty(n, dtype=np.int64)
     for item in order:
-        load, rank = heapq.heappop(heap)
+        least, rank = heapq.heappop(heap)
         owner[item] = rank
-        heapq.heappush(heap, (load + int(work[item]), rank))
+        heapq.heappush(heap, (least + int(work[item]), rank))
     return owner

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def wait_without_spinning(request) -> None:  # noqa: ANN001 - an MPI.Request
 class Transport:
     """Collectives for one communicator; rank 0 is the server, and also hosts every client if alone."""
 
-    comm: object  # mpi4py.MPI.Comm, or None when running without MPI in one process
+    comm: Any  # mpi4py.MPI.Comm, or None when running without MPI in one process
     placement: Placement
     ledger: Ledger = field(default_factory=Ledger)
     physical: PhysicalLog = field(default_factory=PhysicalLog)
@@ -76,11 +77,11 @@ class Transport:
         Returns this rank's rows, one per local client in ``clients`` (a read-only view for broadcasts).
         """
         if self.is_server:
-            self._check_payload(msg, payload, 1 if msg.broadcast else len(clients))
+            payload = self._check_payload(msg, payload, 1 if msg.broadcast else len(clients))
             self.ledger.record(round_, stage, msg, clients)
         local = self.local_clients(clients)
         if self.size == 1:
-            rows = payload.reshape(-1, msg.numel)
+            rows = self._check_payload(msg, payload, 1 if msg.broadcast else len(clients)).reshape(-1, msg.numel)
         elif msg.broadcast:
             rows = self._bcast(round_, msg, payload)
         else:
@@ -93,7 +94,7 @@ class Transport:
         """The server's ``payload`` on every rank (for the simulator's own bookkeeping: not per client,
         so nothing enters the ledger)."""
         if self.size == 1:
-            return payload
+            return self._check_payload(msg, payload, 1)
         return self._bcast(round_, msg, payload)
 
     def up(self, round_: int, stage: str, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
@@ -115,19 +116,45 @@ class Transport:
         sizes = np.zeros(self.size, dtype=np.int64)
         self.comm.Gather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
         displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        recv = np.empty(int(sizes.sum()), dtype=np.uint8) if self.is_server else None
         msg = Message(name, "up", 0, "uint8", logical=False)
         start = time.perf_counter()
-        self.comm.Gatherv(blob, [recv, sizes, displs, _mpi_type(msg)] if self.is_server else None, root=0)
-        self.physical.record(round_, name, "gatherv", int(sizes.sum()) if self.is_server else blob.nbytes,
-                             time.perf_counter() - start)
-        return [recv[d : d + n] for d, n in zip(displs, sizes)] if self.is_server else []
+        if not self.is_server:
+            self.comm.Gatherv(blob, None, root=0)
+            self.physical.record(round_, name, "gatherv", blob.nbytes, time.perf_counter() - start)
+            return []
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.comm.Gatherv(blob, [recv, sizes, displs, _mpi_type(msg)], root=0)
+        self.physical.record(round_, name, "gatherv", int(sizes.sum()), time.perf_counter() - start)
+        return [recv[d : d + n] for d, n in zip(displs, sizes)]
+
+    def exchange(self, round_: int, name: str, outgoing: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Every rank sends each rank in ``outgoing`` its uint8 buffer and gets back what the others sent it,
+        by source rank (sizes first with ``Alltoall``, then the bytes with ``Ialltoallv``). Simulator traffic
+        (e.g. a visiting client's state), recorded as physical bytes only. A collective on every rank."""
+        if self.size == 1:
+            return {r: blob for r, blob in outgoing.items() if r == 0}
+        send_counts = np.zeros(self.size, dtype=np.int32)
+        for rank, blob in outgoing.items():
+            send_counts[rank] = blob.size
+        recv_counts = np.zeros(self.size, dtype=np.int32)
+        self.comm.Alltoall(send_counts, recv_counts)
+        send = np.concatenate([outgoing.get(r, np.zeros(0, np.uint8)) for r in range(self.size)]).astype(np.uint8)
+        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        send_displs = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int32)
+        recv_displs = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(np.int32)
+        byte = _mpi_type(Message(name, "up", 0, "uint8", logical=False))
+        request = self.comm.Ialltoallv([send, send_counts, send_displs, byte], [recv, recv_counts, recv_displs, byte])
+        self._timed(round_, Message(name, "up", 0, "uint8", logical=False), "alltoallv",
+                    int(send_counts.sum() + recv_counts.sum()), request)
+        return {r: recv[d : d + n] for r, (d, n) in enumerate(zip(recv_displs, recv_counts)) if n}
 
     @staticmethod
-    def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> None:
+    def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> np.ndarray:
+        """``payload``, checked to be ``rows`` rows of ``msg``'s size and dtype."""
         if payload is None or payload.dtype != np.dtype(msg.dtype) or payload.size != rows * msg.numel:
             got = "None" if payload is None else f"{payload.dtype}{list(payload.shape)}"
             raise ValueError(f"message {msg.name}: expected {rows}×{msg.numel} {msg.dtype}, got {got}")
+        return payload
 
     def _timed(self, round_: int, msg: Message, op: str, nbytes: int, request) -> None:  # noqa: ANN001
         start = time.perf_counter()
@@ -147,7 +174,7 @@ class Transport:
         if self.is_server:
             start = time.perf_counter()
             perm, per_rank = self.placement.rank_order(clients)
-            send = np.ascontiguousarray(payload.reshape(len(clients), msg.numel)[perm])
+            send = np.ascontiguousarray(self._check_payload(msg, payload, len(clients)).reshape(-1, msg.numel)[perm])
             self.pack_seconds += time.perf_counter() - start
             counts = per_rank * msg.numel
             displs = np.concatenate(([0], np.cumsum(counts)[:-1]))

@@ -121,7 +121,7 @@ def dataset_root(cfg: DataConfig, contents: str, default: str | None = None, ins
     """``cfg.root`` (or ``default``) as an existing directory, else a ConfigError saying what belongs there."""
     if cfg.root is None and default is None:
         raise ConfigError(f"data.root: dataset {cfg.dataset!r} needs data.root, the directory holding {contents}")
-    root = Path(cfg.root if cfg.root is not None else default).expanduser()
+    root = Path(cfg.root if cfg.root is not None else str(default)).expanduser()
     if not root.is_dir():
         hint = f"; set data.root or {install}" if cfg.root is None and install else ""
         raise ConfigError(f"data.root: {root} is not a directory holding {contents} (dataset {cfg.dataset!r}){hint}")

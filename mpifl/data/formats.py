@@ -31,7 +31,9 @@ _CHUNK_BYTES = 1 << 22
 
 
 def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # a GzipFile reads bytes like any IO[bytes]
+    return open(path, "rb")
 
 
 class IdxFile:

@@ -128,7 +128,7 @@ class LeafDataset(FederatedDataset):
                 "expected LEAF's per-sample split (every user in both train and test)"
             )
         self.users = sorted(train_index)[: cfg.max_clients]
-        self.train_where = [train_index[u][0] for u in self.users]
+        self.train_where: list[int | None] = [train_index[u][0] for u in self.users]
         self.test_where = [test_index[u][0] if u in test_index else None for u in self.users]
         sizes = np.array([len(train_index[u][1]) for u in self.users], dtype=np.int64)
         self.train_sizes = sizes - apportion(sizes[:, None], cfg.val_fraction)[:, 0]
@@ -149,8 +149,9 @@ class LeafDataset(FederatedDataset):
     def _read(self, files: list[Path], where: list[int | None], client_ids: list[int]) -> dict[int, tuple]:
         wanted: dict[int, list[int]] = defaultdict(list)
         for c in client_ids:
-            if where[c] is not None:
-                wanted[where[c]].append(c)
+            number = where[c]
+            if number is not None:
+                wanted[number].append(c)
         found = {}
         for number, clients in sorted(wanted.items()):
             data = read_leaf_file(files[number], self.fmt.decode_y, self.fmt.decode_x, {self.users[c] for c in clients})

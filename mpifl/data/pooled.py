@@ -6,6 +6,7 @@ class mix. Building reads labels only; pixels are read in ``load_clients``, for 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ def idx_pool(cfg: DataConfig) -> Pool:
         check_labels(y, 10, label_file.path)
         labels.append(y)
         shapes.add(image_file.shape[1:])
-        parts.append(Part(len(y), lambda rows, f=image_file: (f.read_rows(rows)[:, None] / 255.0).astype(np.float32),
+        parts.append(Part(len(y), functools.partial(_idx_rows, image_file),
                           cheap_rows=image_file.path.suffix != ".gz"))
     if len(shapes) != 1:
         raise ConfigError(f"data.root: {root}: train and t10k images differ in size {sorted(shapes)}")
@@ -125,7 +126,7 @@ def cifar_pool(cfg: DataConfig) -> Pool:
         path = root / name
         y = read_cifar_batch(path, key, num_classes)[1]
         labels.append(y)
-        parts.append(Part(len(y), lambda rows, p=path: _cifar_rows(p, key, num_classes, rows)))
+        parts.append(Part(len(y), functools.partial(_cifar_rows, path, key, num_classes)))
     stats = _NORMALIZATION[cfg.dataset] if cfg.normalize else (None, None)
     return Pool(np.concatenate(labels), num_classes, (3, 32, 32), tuple(parts), *stats)
 
@@ -139,7 +140,7 @@ def svhn_pool(cfg: DataConfig) -> Pool:
         path = root / name
         y = _svhn_mat(path, "y").reshape(-1).astype(np.int64) % 10
         labels.append(y)
-        parts.append(Part(len(y), lambda rows, p=path: _svhn_rows(p, rows)))
+        parts.append(Part(len(y), functools.partial(_svhn_rows, path)))
     stats = _NORMALIZATION["svhn"] if cfg.normalize else (None, None)
     return Pool(np.concatenate(labels), 10, (3, 32, 32), tuple(parts), *stats)
 
@@ -166,6 +167,11 @@ def _svhn_rows(path: Path, rows: np.ndarray) -> np.ndarray:
     if images.shape[3] <= rows.max(initial=-1):
         raise ConfigError(f"data.root: {path}: X holds {images.shape[3]} images, fewer than its labels")
     return (images[..., rows].transpose(3, 2, 0, 1) / 255.0).astype(np.float32)
+
+
+def _idx_rows(images: IdxFile, rows: np.ndarray) -> np.ndarray:
+    """IDX images of ``rows`` as float32 [k, 1, H, W] in [0, 1]."""
+    return (images.read_rows(rows)[:, None] / 255.0).astype(np.float32)
 
 
 def _cifar_rows(path: Path, key: bytes, num_classes: int, rows: np.ndarray) -> np.ndarray:

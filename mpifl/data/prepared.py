@@ -78,7 +78,7 @@ class PreparedDataset(FederatedDataset):
     cheap_clients = True
 
     def __init__(self, cfg: DataConfig, seed: int):
-        self.path = Path(cfg.prepared).expanduser()
+        self.path = Path(str(cfg.prepared)).expanduser()
         try:
             with h5py.File(self.path, "r") as f:
                 if f.attrs.get("format") != _FORMAT:

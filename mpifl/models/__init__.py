@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpifl.config import ModelConfig
 from mpifl.data import FederatedLayout
+from mpifl.models.config import ModelConfig
 from mpifl.models.flat import FlatModel
 from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20
 from mpifl.schema import ConfigError

@@ -8,6 +8,7 @@ client's descriptor is the mean of φ over a set of its samples.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,7 +23,10 @@ def default_embed_dim(num_clients: int) -> int:
     return int(1 + num_clients / 4)
 
 
-def seeded(factory: Callable[[], nn.Module], seed: int, stream: int) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def seeded(factory: Callable[[], M], seed: int, stream: int) -> M:
     """``factory()`` with its initial weights drawn from (seed, stream) alone, never the global RNG state."""
     state = np.random.SeedSequence([seed, stream]).generate_state(1, dtype=np.uint64)[0]
     with torch.random.fork_rng(devices=[]):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 
-def batch_norms(module: nn.Module) -> list[nn.BatchNorm2d]:
+def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 

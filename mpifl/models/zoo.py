@@ -86,7 +86,7 @@ class ResidualBlock(nn.Module):
         super().__init__()
         self.conv1, self.bn1 = conv3x3(in_ch, out_ch, stride, batch_norm), norm_layer(out_ch, batch_norm)
         self.conv2, self.bn2 = conv3x3(out_ch, out_ch, 1, batch_norm), norm_layer(out_ch, batch_norm)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
             self.shortcut = nn.Sequential(conv3x3(in_ch, out_ch, stride, batch_norm), norm_layer(out_ch, batch_norm))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpifl.runtime.training import EVAL_FIELDS
+from mpifl.training.sgd import EVAL_FIELDS
 
 N, CORRECT, LOSS, Y_SUM, Y_SQ = range(len(EVAL_FIELDS))
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import TensorSplit, as_tensors
 from mpifl.data import FederatedDataset
+from mpifl.training.tensors import TensorSplit, as_tensors
 
 
 class ClientStore(Mapping[int, TensorSplit]):

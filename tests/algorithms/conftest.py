@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-from mpifl.algorithms import get_algorithm
-from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm
+from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext
 from mpifl.comm.messages import LocalCompute
 from mpifl.config import parse_config
 from mpifl.data import FederatedDataset, build_federated_dataset
+from mpifl.registry import get_algorithm
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
 from tests.conftest import _merge, rank_dependent, run_config
@@ -87,25 +87,27 @@ def both_sides(config: dict) -> tuple[RunContext, ServerAlgorithm, ClientAlgorit
 
 
 def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, clients: np.ndarray,  # noqa: ANN001
-         audience: np.ndarray | None = None) -> dict[str, np.ndarray]:
+         audience: np.ndarray | None = None, stage: Stage = "train") -> dict[str, np.ndarray]:
     """The engine's walk of a plan without MPI or faults (``everyone`` steps among ``audience``), then the
     round's end: every state edit committed. Returns every message's rows by name."""
     audience = clients if audience is None else audience
+    context = StepContext(round_, stage, clients)
     seen = {}
     for step in plan:
         targets = audience if step.everyone else clients
+        here = context.with_clients(targets)
         if isinstance(step, LocalCompute):
             for c in targets:
-                client.compute(round_, int(c))
+                client.compute(here, int(c))
             continue
         if step.direction == "down":
-            payload = server.payload(step, round_, targets)
+            payload = server.payload(step, here)
             rows = np.broadcast_to(payload, (len(targets), step.numel)) if step.broadcast else payload
             for c, row in zip(targets, rows):
-                client.receive(step, round_, int(c), row)
+                client.receive(step, here, int(c), row)
         else:
-            rows = np.stack([np.array(client.send(step, round_, int(c))) for c in targets])
-            server.consume(step, round_, targets, rows)
+            rows = np.stack([np.array(client.send(step, here, int(c))) for c in targets])
+            server.consume(step, here, rows)
         seen[step.name] = np.array(rows)
     client.state.commit(np.union1d(clients, audience))
     return seen

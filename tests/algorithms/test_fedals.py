@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
-from mpifl.algorithms.base import RunContext
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, layer_groups, round_lr
 from mpifl.comm import Message
-from mpifl.config import ModelConfig, RunConfig
+from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
+from mpifl.models.config import ModelConfig
 from mpifl.report import logical_totals
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, _merge, assert_rank_invariant, both_sides, walk
@@ -168,8 +169,8 @@ def test_schedule_and_control_variates_against_a_lockstep_simulation(scaffold, l
             if scaffold:
                 np.testing.assert_allclose(server.control, c, rtol=1e-4, atol=1e-6)
         if round_ == 3:  # φ differs per client: the evaluated model takes their weighted average
-            walk(server, client, server.protocol.eval_prelude(), round_, clients)
-            evaluated = server.payload(server.protocol.eval_msg, round_, clients)
+            walk(server, client, server.protocol.eval_prelude(), round_, clients, stage="eval_prelude")
+            evaluated = server.payload(server.protocol.eval_msg, StepContext(round_, "eval", clients))
             np.testing.assert_allclose(evaluated[extractor], share @ theta[:, extractor], rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(evaluated[head], theta[0, head], rtol=1e-4, atol=1e-6)
             server.end_evaluation()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mpifl.models.norm import norm_size, norm_statistics, normalized_with
-from mpifl.runtime.training import evaluate
+from mpifl.training.sgd import evaluate
 from tests.algorithms.conftest import both_sides, walk
 from tests.conftest import _merge
 
@@ -66,7 +66,7 @@ def test_fedals_evaluates_with_the_population_average_of_client_statistics():
     ctx, server, client = both_sides(_merge(BN, {"algorithm": "fedals", "fedals": {"alpha": 2, "tau": 2}}))
     seen = np.flatnonzero(~ctx.layout.unseen)
     walk(server, client, server.protocol.train_plan(1), 1, seen[:3])  # clients differ: 3 trained, others not
-    prelude = walk(server, client, server.protocol.eval_prelude(), 1, seen)
+    prelude = walk(server, client, server.protocol.eval_prelude(), 1, seen, stage="eval_prelude")
     stats = {}
     for c in seen:
         client.workspace.load(client.current_model(int(c)))
@@ -74,7 +74,7 @@ def test_fedals_evaluates_with_the_population_average_of_client_statistics():
     np.testing.assert_array_equal(prelude["norm_statistics"], np.stack([stats[int(c)] for c in seen]))
     sizes = ctx.layout.train_sizes[seen].astype(np.float64)
     average = (sizes / sizes.sum()) @ np.stack([stats[int(c)] for c in seen])
-    rows = walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients))
+    rows = walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients), stage="eval")
     np.testing.assert_allclose(rows["eval_norm_statistics"][0], average, rtol=1e-12)
     for c in range(ctx.layout.num_clients):  # what the runtime evaluates: the global model with the average
         model = client.eval_model(c, "global")
@@ -83,7 +83,7 @@ def test_fedals_evaluates_with_the_population_average_of_client_statistics():
 
 def test_other_algorithms_evaluate_with_the_clients_own_training_statistics():
     ctx, server, client = both_sides(_merge(BN, {"algorithm": "fedavg"}))
-    walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients))
+    walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients), stage="eval")
     split = client.data[2]
     model = client.eval_model(2, "global")
     stats = client.eval_norm_statistics(2, "global", model)

@@ -56,8 +56,8 @@ def evaluate_in_chunks(server, client, chunk: int, round_: int = 1) -> tuple[np.
     layout = server.ctx.layout
     protocol = server.protocol
     for ids in np.split(np.flatnonzero(layout.unseen), range(chunk, int(layout.unseen.sum()), chunk)):
-        walk(server, client, protocol.newcomer_plan(), round_, ids)
-    models = [walk(server, client, protocol.eval_plan(), round_, ids)["eval_model"]
+        walk(server, client, protocol.newcomer_plan(), round_, ids, stage="newcomer")
+    models = [walk(server, client, protocol.eval_plan(), round_, ids, stage="eval")["eval_model"]
               for ids in np.split(np.arange(layout.num_clients), range(chunk, layout.num_clients, chunk))]
     return np.concatenate(models), server.eval_metrics()
 

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpifl.checkpoint import read_client_states
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.runtime.engine import Engine
+from mpifl.results import read_results
 from tests.algorithms.conftest import both_sides, walk
-from tests.conftest import _merge
+from tests.conftest import _merge, run_engine
 
 RIDGE = {
     "rounds": 1,
@@ -168,31 +169,37 @@ def test_scaffold_controls_reach_the_clients_gradients_at_the_optimum(momentum, 
     """On heterogeneous quadratics with full participation, x → x* and cᵢ → ∇fᵢ(x*) (so c → 0): the drift
     correction is exact at the fixed point. This fails with the printed option II under momentum (cᵢ
     grows by 1/(1 − β) each round and the run diverges)."""
-    cfg = config("scaffold", rounds=150, eval_every=150, clients_per_round=4,
+    cfg = config("scaffold", rounds=150, eval_every=150, checkpoint_every=150, clients_per_round=4,
                  client={"momentum": momentum, "lr": 0.02, "steps": 5})
-    engine = Engine(parse_config(cfg), MPI.COMM_SELF, tmp_path / "s.h5")
-    engine.setup()
-    engine.run(progress=False)
+    path = run_engine(cfg, MPI.COMM_SELF, tmp_path / "s.h5")
+    final = read_results(path).table("model")
     xys = data(cfg)
     optimum = pooled_optimum(xys)
-    np.testing.assert_allclose(engine.server.params, optimum, rtol=1e-3, atol=1e-3)
-    for i, state in engine.client.state.export().items():
+    np.testing.assert_allclose(final["global_model"], optimum, rtol=1e-3, atol=1e-3)
+    for i, state in client_states(path).items():
         np.testing.assert_allclose(state["control"], grad(optimum, xys[i]), rtol=1e-2, atol=2e-3)
-    assert np.abs(engine.server.control).max() < 2e-3
+    assert np.abs(final["control"]).max() < 2e-3
 
 
 def test_scaffold_server_control_stays_the_population_mean_under_rejected_updates(tmp_path):
     """A client whose update is rejected keeps its old cᵢ, so c = Σᵢ (nᵢ/n)cᵢ after every round."""
-    cfg = config("scaffold", rounds=6, eval_every=6, client={"momentum": 0.9}, faults={"corrupt": 0.3})
-    engine = Engine(parse_config(cfg), MPI.COMM_SELF, tmp_path / "s.h5")
-    engine.setup()
-    engine.run(progress=False)
-    assert engine.rounds_table.arrays()["rejected_updates"].sum() > 0
-    xys = data(cfg)
+    cfg = config("scaffold", rounds=6, eval_every=6, checkpoint_every=6, client={"momentum": 0.9},
+                 faults={"corrupt": 0.3})
+    path = run_engine(cfg, MPI.COMM_SELF, tmp_path / "s.h5")
+    assert read_results(path).table("rounds")["rejected_updates"].sum() > 0
+    assert_control_is_the_population_mean(path, data(cfg))
+
+
+def client_states(path) -> dict[int, dict[str, np.ndarray]]:  # noqa: ANN001
+    """Every client's state in a results file's last checkpoint."""
+    return {c: s for worker in read_client_states(path).values() for c, s in worker.items()}
+
+
+def assert_control_is_the_population_mean(path, xys: dict) -> None:  # noqa: ANN001
     share = weights(xys, sorted(xys))
-    controls = engine.client.state.export()
+    controls = client_states(path)
     expected = sum(share[i] * controls[i]["control"].astype(np.float64) for i in controls)
-    np.testing.assert_allclose(engine.server.control, expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(read_results(path).table("model")["control"], expected, rtol=1e-5, atol=1e-7)
 
 
 def test_scaffold_rejection_of_the_control_delta_alone_rolls_back_the_client(tmp_path, monkeypatch):
@@ -201,24 +208,18 @@ def test_scaffold_rejection_of_the_control_delta_alone_rolls_back_the_client(tmp
 
     send = ScaffoldClient.send
 
-    def broken_control(self, msg, round_, client):  # noqa: ANN001, ANN202
-        row = send(self, msg, round_, client)
-        return row * np.nan if msg.name == "control_delta" and client == 2 and round_ == 2 else row
+    def broken_control(self, msg, step, client):  # noqa: ANN001, ANN202
+        row = send(self, msg, step, client)
+        return row * np.nan if msg.name == "control_delta" and client == 2 and step.round == 2 else row
 
     monkeypatch.setattr(ScaffoldClient, "send", broken_control)
-    cfg = config("scaffold", rounds=2, eval_every=2, clients_per_round=4)
-    engine = Engine(parse_config(cfg), MPI.COMM_SELF, tmp_path / "s.h5")
-    engine.setup()
-    engine.train_round(1)
-    before = engine.client.state.export()[2]["control"].copy()
-    engine.train_round(2)
-    assert engine.rounds_table.arrays()["rejected_updates"].tolist() == [0, 1]
-    np.testing.assert_array_equal(engine.client.state.export()[2]["control"], before)
-    xys = data(cfg)
-    share = weights(xys, sorted(xys))
-    controls = engine.client.state.export()
-    expected = sum(share[i] * controls[i]["control"].astype(np.float64) for i in controls)
-    np.testing.assert_allclose(engine.server.control, expected, rtol=1e-5, atol=1e-7)
+    cfg = config("scaffold", rounds=2, eval_every=1, checkpoint_every=1, clients_per_round=4)
+    one = run_engine({**cfg, "rounds": 1}, MPI.COMM_SELF, tmp_path / "one.h5")
+    two = run_engine(cfg, MPI.COMM_SELF, tmp_path / "two.h5")
+    assert read_results(two).table("rounds")["rejected_updates"].tolist() == [0, 1]
+    np.testing.assert_array_equal(client_states(two)[2]["control"], client_states(one)[2]["control"])
+    assert not np.array_equal(client_states(two)[1]["control"], client_states(one)[1]["control"])
+    assert_control_is_the_population_mean(two, data(cfg))
 
 
 # ------------------------------------------------------------------------------------------- FedDeper
@@ -303,7 +304,7 @@ def test_local_trains_each_clients_own_model_and_mode_all_trains_unseen_clients_
     cfg = config("local", data={"unseen_fraction": 0.25}, local={"mode": "all", "epochs": 7})
     _, server, client = both_sides(cfg)
     assert server.protocol.train_plan(1) == ()
-    walk(server, client, server.protocol.setup_plan(), 0, np.arange(4))  # the engine: every client, unseen too
+    walk(server, client, server.protocol.setup_plan(), 0, np.arange(4), stage="setup")  # every client, unseen too
     for i in range(4):  # one batch per epoch: 7 epochs = 7 full-batch steps
         np.testing.assert_allclose(client.model(i), sgd(x0, xys[i], 7, 0.05)[0], **TOL)
 
@@ -316,7 +317,7 @@ def test_karula_server_step_is_saga_then_projection():
     ctx, server, client = both_sides(cfg)
     xys, n = data(cfg), 4
     alpha = n * weights(xys, range(n))
-    walk(server, client, server.protocol.setup_plan(), 0, np.arange(n))
+    walk(server, client, server.protocol.setup_plan(), 0, np.arange(n), stage="setup")
     theta = server.theta.copy()
     table = np.array([alpha[i] * grad(theta[i], xys[i]) / n for i in range(n)])
     np.testing.assert_allclose(server.table, table, **TOL)

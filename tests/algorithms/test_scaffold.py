@@ -4,7 +4,8 @@ test_references.py)."""
 from mpi4py import MPI
 
 from mpifl.report import logical_totals
-from mpifl.runtime.engine import Engine
+from mpifl.results import read_results
+from tests.conftest import run_engine
 
 
 def test_control_variates_double_the_bytes(run_algo):
@@ -25,9 +26,7 @@ def test_scaffold_with_momentum_trains_as_well_as_fedavg_on_the_quickstart(tmp_p
     for algorithm in ("fedavg", "scaffold"):
         cfg = load_config(REPO / "configs/quickstart.yaml", [f"algorithm={algorithm}", "client.momentum=0.9",
                                                               "rounds=40"])
-        engine = Engine(cfg, MPI.COMM_SELF, tmp_path / f"{algorithm}.h5")
-        engine.setup()
-        engine.run(progress=False)
-        assert engine.rounds_table.arrays()["rejected_updates"].sum() == 0
-        scores[algorithm] = engine.eval_table.arrays()["global.seen.acc_pooled"][-3:].mean()
+        res = read_results(run_engine(cfg, MPI.COMM_SELF, tmp_path / f"{algorithm}.h5"))
+        assert res.table("rounds")["rejected_updates"].sum() == 0
+        scores[algorithm] = res.table("eval")["global.seen.acc_pooled"][-3:].mean()
     assert scores["fedavg"] > 0.8 and scores["scaffold"] >= scores["fedavg"] - 0.02, scores

@@ -1,13 +1,11 @@
 """Every algorithm, and every option that changes how a round moves, on the world communicator equals the
 same run in one process (rank 0, COMM_SELF)."""
 
-import numpy as np
 import pytest
 
 from mpifl.config import parse_config
-from mpifl.runtime.engine import Engine
 from tests.algorithms.test_norm_eval import BN
-from tests.conftest import _merge
+from tests.conftest import _merge, assert_same, deterministic, run_engine
 from tests.test_checkpoint import CONFIGS
 
 COVERED_ELSEWHERE = {"fedals", "feddeper", "pefll", "pfedhn"}  # their own pytest-mpi files
@@ -43,15 +41,7 @@ def compare_world_with_alone(cfg, tmp_path_factory) -> None:  # noqa: ANN001
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    engine = Engine(cfg, world, tmp_path_factory.mktemp("w") / "r.h5")
-    engine.setup()
-    engine.run(progress=False)
-    if world.Get_rank() != 0:
-        return
-    alone = Engine(cfg, MPI.COMM_SELF, tmp_path_factory.mktemp("s") / "r.h5")
-    alone.setup()
-    alone.run(progress=False)
-    for name, value in alone.server.final_state().items():
-        assert np.array_equal(engine.server.final_state()[name], value), name
-    for key, values in alone.eval_table.arrays().items():
-        assert np.array_equal(engine.eval_table.arrays()[key], values, equal_nan=True), key
+    path = run_engine(cfg, world, tmp_path_factory.mktemp("w") / "r.h5")
+    if world.Get_rank() == 0:
+        alone = run_engine(cfg, MPI.COMM_SELF, tmp_path_factory.mktemp("s") / "r.h5")
+        assert_same(deterministic(path), deterministic(alone))

@@ -1,42 +1,64 @@
 """FedALS and FedDeper on a real communicator (``mpirun -n 3 python -m pytest --with-mpi tests/mpi``):
 per-client state lives only on the rank that owns the client, and the ledger matches the formula."""
 
+import h5py
+import numpy as np
 import pytest
 
-from mpifl.config import parse_config
-from mpifl.runtime.engine import Engine
+from mpifl.checkpoint import read_client_states
+from mpifl.results import read_results
 from tests.algorithms.conftest import SHARDS, _merge
+from tests.conftest import run_engine
 
 
-def run_engine(tmp_path, overrides):
+def run_world(tmp_path_factory, overrides):  # noqa: ANN001, ANN201
+    """Run on the world communicator with a checkpoint at the end; every rank gets the results file's path."""
     from mpi4py import MPI
 
-    engine = Engine(parse_config(_merge(SHARDS, overrides)), MPI.COMM_WORLD, tmp_path / "r.h5")
-    engine.setup()
-    engine.run(progress=False)
-    return engine
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path_factory.mktemp("r")) if world.Get_rank() == 0 else None)
+    rounds = overrides.get("rounds", SHARDS["rounds"])
+    return run_engine(_merge(SHARDS, {**overrides, "checkpoint_every": rounds}), world, f"{directory}/r.h5")
+
+
+def owners(path) -> np.ndarray:  # noqa: ANN001
+    with h5py.File(path) as f:
+        return f["clients/owner"][()]
 
 
 @pytest.mark.mpi(min_size=3)
-def test_feddeper_personal_models_stay_on_their_owner(tmp_path):
-    engine = run_engine(tmp_path, {"algorithm": "feddeper", "clients_per_round": 3})
-    if engine.rank == 0:
-        assert engine.client is None  # the server hosts no client, hence no vᵢ
+def test_feddeper_personal_models_stay_on_their_owner(tmp_path_factory):
+    from mpi4py import MPI
+
+    path = run_world(tmp_path_factory, {"algorithm": "feddeper", "clients_per_round": 3})
+    if MPI.COMM_WORLD.Get_rank() != 0:
         return
-    owned = set(engine.placement.clients_of(engine.rank).tolist())
-    assert engine.client.state.clients() and set(engine.client.state.clients()) <= owned
+    by_worker = read_client_states(path)
+    assert "worker_0" not in by_worker  # the server hosts no client, hence no vᵢ
+    owner = owners(path)
+    assert any(by_worker.values())
+    for name, states in by_worker.items():
+        assert set(states) <= set(np.flatnonzero(owner == int(name.split("_")[1])).tolist())
+        assert all(set(s) == {"personal"} for s in states.values())
 
 
 @pytest.mark.mpi(min_size=3)
-def test_fedals_state_and_ledger(tmp_path):
+def test_fedals_state_and_ledger(tmp_path_factory):
+    from mpi4py import MPI
+
     rounds, alpha = 4, 2
-    engine = run_engine(tmp_path, {"algorithm": "fedals", "rounds": rounds, "fedals": {"alpha": alpha}})
-    if engine.rank > 0:
-        assert set(engine.client.state.clients()) == set(engine.placement.clients_of(engine.rank).tolist())
+    path = run_world(tmp_path_factory, {"algorithm": "fedals", "rounds": rounds, "fedals": {"alpha": alpha}})
+    if MPI.COMM_WORLD.Get_rank() != 0:
         return
-    protocol = engine.protocol
-    head, = (p for p in protocol.parts if p.name == "head")
-    ledger = engine.transport.ledger.columns()
+    owner = owners(path)
+    for name, states in read_client_states(path).items():  # full participation: every client has state
+        assert set(states) == set(np.flatnonzero(owner == int(name.split("_")[1])).tolist())
+    res = read_results(path)
+    names = res.table_attrs["ledger"]["message_names"]
+    ledger = res.table("ledger")
     train = ledger["stage"] == 0
-    expected = 2 * 4 * SHARDS["clients_per_round"] * (rounds * head.numel + rounds // alpha * protocol.extractor.numel)
+    sizes = {n: int(ledger["bytes"][train & (ledger["message"] == names.index(n))][0]) // 4
+             for n in ("head", "extractor")}
+    expected = 2 * 4 * SHARDS["clients_per_round"] * (rounds * sizes["head"] + rounds // alpha * sizes["extractor"])
     assert int(ledger["bytes"][train].sum()) == expected
+    assert sizes["head"] + sizes["extractor"] == res.table("model")["global_model"].size

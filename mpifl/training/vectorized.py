@@ -4,7 +4,7 @@ Clients that start from the same model with equally many training samples take t
 equally sized batches, so they can be trained together: their parameters stacked as rows, one
 vmapped gradient per step. Everything else stays per client (the batch order from each client's own
 generator, its reported loss, clipping and the optimizer step on each row), so every client's update is
-bitwise that of :func:`~mpifl.runtime.training.local_sgd` (tests check it) and vectorizing only
+bitwise that of :func:`~mpifl.training.sgd.local_sgd` (tests check it) and vectorizing only
 changes speed. Whether it is faster depends on the model and the group size: ``auto`` measures both
 ways once per group size on the rank and keeps the faster.
 """
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from mpifl.config import ClientConfig
 from mpifl.models.flat import FlatModel
-from mpifl.runtime.training import TrainStats, batch_schedule, sgd_step
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import TrainStats, batch_schedule, sgd_step
 
 VECTORIZABLE_MODELS = ("linear", "logistic", "mlp")  # no buffers, no randomness in the forward pass
 _TRIALS = 3

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.config import ClientConfig
 from mpifl.models.flat import FlatModel
+from mpifl.training.config import ClientConfig
 
 GradHook = Callable[[torch.Tensor, torch.Tensor], None]
 """Called as ``hook(params, grads)`` after each backward pass; may modify ``grads`` in place

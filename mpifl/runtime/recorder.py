@@ -1,0 +1,175 @@
+"""Rank 0's record of a run: one row per round, one per evaluation, the final per-client metrics, and the
+results file, written from a background thread so the next round's messages go out while it writes."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpifl import __version__
+from mpifl.comm import Ledger, PhysicalLog
+from mpifl.config import RunConfig, config_to_dict
+from mpifl.data import FederatedLayout
+from mpifl.results import Results, Table, write_atomically
+from mpifl.runtime.metrics import summarize
+from mpifl.training.sgd import EVAL_FIELDS
+
+
+class Recorder:
+    """The tables of a run (kept on rank 0) and the file they are written to."""
+
+    def __init__(self, cfg: RunConfig, layout: FederatedLayout, eval_kinds: tuple[str, ...],
+                 eval_splits: tuple[str, ...], output: Path, world_size: int):
+        self.cfg, self.layout, self.output, self.world_size = cfg, layout, output, world_size
+        self.eval_kinds, self.eval_splits = eval_kinds, eval_splits
+        self.rounds, self.evaluations = Table(), Table()
+        self.final_rows: np.ndarray | None = None  # the last evaluation's per-client rows
+        self.owner: np.ndarray | None = None  # each client's home rank (the clients table)
+        self.started = time.time()
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpifl-results")
+        self.pending_write: Future | None = None
+
+    # ---------------------------------------------------------------------------------- rows
+    def record_round(self, row: dict[str, float]) -> None:
+        self.rounds.append(row)
+
+    def record_evaluation(self, round_: int, rows: np.ndarray, train_bytes: int, extra: dict[str, float]) -> None:
+        """One evaluation row from every client's :data:`EVAL_FIELDS` sums (per model kind and data split):
+        pooled and mean-of-clients scores for the seen and the unseen clients."""
+        self.final_rows = rows
+        row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(train_bytes)}
+        regression = self.layout.task == "regression"
+        for (kind, split), block in self.blocks(rows):
+            prefix = "" if split == "test" else f"{split}_"
+            for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
+                for name, value in summarize(block[mask], regression).items():
+                    row[f"{kind}.{group}.{prefix}{name}"] = value
+        row.update(extra)
+        self.evaluations.append(row)
+
+    def blocks(self, rows: np.ndarray) -> list[tuple[tuple[str, str], np.ndarray]]:
+        """The :data:`EVAL_FIELDS` columns of each (model kind, data split) in evaluation rows."""
+        pairs = [(kind, split) for kind in self.eval_kinds for split in self.eval_splits]
+        width = len(EVAL_FIELDS)
+        return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(pairs)]
+
+    def progress_line(self, round_: int) -> str:
+        last, rounds = self.evaluations.arrays(), self.rounds.arrays()
+        kind = self.eval_kinds[0]
+        parts = [f"round {round_:>{len(str(self.cfg.rounds))}}/{self.cfg.rounds}"]
+        for group in ("seen", "unseen"):
+            key = f"{kind}.{group}.acc_pooled"
+            if key in last:
+                parts.append(f"{group} acc {last[key][-1]:.4f} (mean {last[f'{kind}.{group}.acc_mean'][-1]:.4f})")
+        parts.append(f"loss {rounds['train_loss'][-1]:.4f}")
+        parts.append(f"logical {last['cum_logical_bytes'][-1] / 1e6:.2f} MB")
+        parts.append(f"{np.median(rounds['wall_time_s']):.3f} s/round")
+        return " | ".join(parts)
+
+    def restore(self, saved: Results, round_: int) -> None:
+        """Start from a results file's rows up to ``round_`` (resuming a run)."""
+        for table, target in (("rounds", self.rounds), ("eval", self.evaluations)):
+            columns = saved.table(table)
+            if columns:
+                keep = columns["round"] <= round_
+                target.extend({k: v[keep] for k, v in columns.items()})
+
+    # ---------------------------------------------------------------------------------- file
+    def write(self, status: str, ledger: Ledger, physical: PhysicalLog, checkpoint: dict[str, Any] | None = None,
+              final: dict[str, dict[str, np.ndarray]] | None = None, wait: bool = False) -> None:
+        """Snapshot the tables and write them from the background thread (one write at a time, in order);
+        ``checkpoint``: {"round": r, "blobs": {...}}; ``final``: the tables only the end has (model, ranks,
+        profile); ``wait``: return once it is on disk."""
+        rows = physical.rows
+        tables: dict[str, dict[str, np.ndarray]] = {
+            "rounds": self.rounds.arrays(),
+            "eval": self.evaluations.arrays(),
+            "ledger": ledger.columns(),
+            "physical": {
+                "round": np.array([r[0] for r in rows], dtype=np.int64),
+                "message": np.array([r[1] for r in rows], dtype="S"),
+                "op": np.array([r[2] for r in rows], dtype="S"),
+                "bytes": np.array([r[3] for r in rows], dtype=np.int64),
+                "seconds": np.array([r[4] for r in rows], dtype=np.float64),
+            },
+            "clients": self.client_table(),
+        }
+        table_attrs: dict[str, dict[str, Any]] = {
+            "ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
+                       "stages": ["train", "eval", "setup"]}}
+        if checkpoint:
+            tables["checkpoint"] = checkpoint["blobs"]
+            table_attrs["checkpoint"] = {"round": checkpoint["round"]}
+        tables.update(final or {})
+        attrs = {**self.run_attrs, "status": status, "rounds_completed": int(self.rounds.length),
+                 "wall_time_s": time.time() - self.started}
+        self.await_write()
+        self.pending_write = self.writer.submit(write_atomically, self.output, attrs, tables, table_attrs)
+        if wait:
+            self.await_write()
+            self.writer.shutdown()
+
+    @functools.cached_property
+    def run_attrs(self) -> dict[str, object]:
+        """The results file's attributes that do not change during a run (worked out once)."""
+        import mpi4py
+        import yaml
+        from mpi4py import MPI
+
+        return {
+            "config": yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False),
+            "algorithm": self.cfg.algorithm,
+            "world_size": self.world_size,
+            "eval_kinds": list(self.eval_kinds),
+            "task": self.layout.task,
+            "mpifl_version": __version__,
+            "python_version": sys.version.split()[0],
+            "torch_version": str(torch.__version__),
+            "numpy_version": np.__version__,
+            "mpi4py_version": mpi4py.__version__,
+            "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
+            "hostname": platform.node(),
+        }
+
+    def settle(self) -> None:
+        """After a failure: let the write in flight finish (best effort), so the file keeps every completed
+        evaluation."""
+        with contextlib.suppress(Exception):
+            self.await_write()
+        self.writer.shutdown()
+
+    def await_write(self) -> None:
+        """Finish the write in flight, raising its error here if it failed."""
+        if self.pending_write is not None:
+            self.pending_write.result()
+            self.pending_write = None
+
+    def client_table(self) -> dict[str, np.ndarray]:
+        """The final per-client metrics (test split) of every model kind."""
+        layout = self.layout
+        table: dict[str, np.ndarray] = {
+            "client": np.arange(layout.num_clients),
+            "unseen": layout.unseen.astype(np.int8),
+            "train_size": layout.train_sizes,
+        }
+        if self.owner is not None:
+            table["owner"] = self.owner
+        if self.final_rows is not None:
+            for (kind, split), block in self.blocks(self.final_rows):
+                if split != "test":
+                    continue
+                n = np.maximum(block[:, 0], 1)
+                table[f"{kind}.n_test"] = block[:, 0]
+                table[f"{kind}.loss"] = block[:, 2] / n
+                if layout.task != "regression":
+                    table[f"{kind}.acc"] = block[:, 1] / n
+        return table

@@ -1,0 +1,150 @@
+"""Walking a plan: each declared message moved between the server and the clients taking part, local steps
+run, training uploads screened, and the clients' state edits committed or rolled back.
+
+Every rank walks the same plan in the same order (the plan and the clients taking part are functions of
+(seed, round) alone), so every collective matches. The server's algorithm only ever sees clients whose rows
+it accepted, and never an empty set: the walk ends where no client is left.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext
+from mpifl.comm import LocalCompute, Message, Step, Transport
+from mpifl.runtime.clock import RankClock
+from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.store import ClientStore
+
+LEDGER_STAGES: dict[Stage, str] = {"setup": "setup", "train": "train", "newcomer": "eval", "eval_prelude": "eval",
+                                   "eval": "eval"}
+"""The ledger's stage of each plan: what the protocol costs (train), once (setup), and to evaluate (eval)."""
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The outcome of one walk on this rank."""
+
+    local: np.ndarray  # this rank's clients still taking part at the end (ascending ids)
+    seconds: np.ndarray  # their compute seconds during the walk
+    clients: np.ndarray  # every client still taking part at the end
+
+
+class PlanWalker:
+    """Moves a plan's messages for one rank: the server's side on rank 0, the hosted clients' side on
+    workers (both when the job has one rank)."""
+
+    def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
+                 store: ClientStore | None, faults: FaultModel, clock: RankClock):
+        self.transport, self.server, self.client, self.store = transport, server, client, store
+        self.faults, self.clock = faults, clock
+        self.rejected = 0  # training uploads rejected as non-finite since the counter was last reset
+
+    def walk(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray,
+             audience: np.ndarray | None = None) -> Walk:
+        """Move every step of ``plan`` among ``clients`` (its ``everyone`` steps among ``audience``, a superset).
+        Training drops a client whose upload is not finite; the plan ends where no client is left. The state
+        edits of the clients still in are committed (of the whole audience), those of dropped ones discarded."""
+        server, client = self.server, self.client
+        audience = clients if audience is None else audience
+        local = self._hosted(clients)
+        reached = self._hosted(audience)
+        started = reached
+        seconds = np.zeros(len(local))
+        if len(reached) and self.store is not None:
+            start = time.perf_counter()
+            self.store.stage(reached)
+            self.clock.data += time.perf_counter() - start
+        corrupt = self.faults.corrupted(round_, local) if stage == "train" else np.zeros(len(local), dtype=bool)
+        context = StepContext(round_, stage, clients)
+        for step in plan:
+            if len(clients) == 0:
+                break
+            targets, hosted = (audience, reached) if step.everyone else (clients, local)
+            mine = np.searchsorted(hosted, local)  # where each local participant sits among ``hosted``
+            here = context.with_clients(targets)
+            if isinstance(step, LocalCompute):
+                if client is not None and len(hosted):
+                    start = time.perf_counter()
+                    seconds += client.compute_clients(context.with_clients(hosted), hosted)[mine]
+                    self._charge_compute(start)
+            elif step.direction == "down":
+                payload = self._server(server.payload, step, here) if server is not None else None
+                rows = self.transport.down(round_, LEDGER_STAGES[stage], step, payload, targets)
+                if client is not None and len(hosted):
+                    spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
+                                      for i, c in enumerate(hosted)])
+                    seconds += spent[mine]
+            else:
+                rows = np.empty((len(local), step.numel), dtype=step.dtype)
+                if client is not None:
+                    for i, c in enumerate(local):
+                        start = time.perf_counter()
+                        rows[i] = client.send(step, here, int(c))
+                        seconds[i] += self._charge_compute(start)
+                if rows.dtype.kind == "f":
+                    rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
+                gathered = self.transport.up(round_, LEDGER_STAGES[stage], step, rows, clients)
+                accepted = None
+                if server is not None and gathered is not None:
+                    accepted = self._screen(round_, stage, step, clients, gathered)
+                    if accepted.any():
+                        self._server(server.consume, step, context.with_clients(clients[accepted]),
+                                     gathered[accepted])
+                if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
+                    accepted = self._share_acceptance(round_, accepted, len(clients))
+                    keep = np.isin(local, clients[accepted])
+                    audience = np.setdiff1d(audience, clients[~accepted])
+                    reached = reached[np.isin(reached, audience)]
+                    clients, local, seconds, corrupt = clients[accepted], local[keep], seconds[keep], corrupt[keep]
+        if client is not None:
+            client.state.commit(reached)
+            client.state.discard(np.setdiff1d(started, reached))
+        return Walk(local, seconds, clients)
+
+    def _hosted(self, clients: np.ndarray) -> np.ndarray:
+        return self.transport.local_clients(clients) if self.client is not None else clients[:0]
+
+    def _screen(self, round_: int, stage: Stage, step: Message, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which clients' rows the server accepts: a training upload with NaN/Inf never reaches the
+        algorithm (``faults.nonfinite: skip``) or stops the job (``abort``)."""
+        accepted = np.ones(len(clients), dtype=bool)
+        if stage == "train" and rows.dtype.kind == "f":
+            accepted = np.isfinite(rows).all(axis=1)
+            bad = clients[~accepted]
+            if len(bad) and self.faults.cfg.nonfinite == "abort":
+                raise FloatingPointError(f"round {round_}: {step.name} of client(s) {bad.tolist()} is not finite")
+            if len(bad):
+                self.rejected += len(bad)
+                print(f"mpifl: warning: round {round_}: rejected non-finite {step.name} of client(s) "
+                      f"{bad.tolist()}", file=sys.stderr, flush=True)
+        return accepted
+
+    def _share_acceptance(self, round_: int, accepted: np.ndarray | None, count: int) -> np.ndarray:
+        """Tell every rank which clients go on (simulator bookkeeping, not logical traffic)."""
+        msg = Message("accepted", "down", count, "uint8", broadcast=True, logical=False)
+        payload = accepted.astype(np.uint8) if accepted is not None else None
+        return self.transport.broadcast(round_, msg, payload).astype(bool)
+
+    def _charge_compute(self, start: float) -> float:
+        elapsed = time.perf_counter() - start
+        self.clock.compute += elapsed
+        return elapsed
+
+    def _client(self, fn: Callable[..., Any], *args: Any) -> float:
+        start = time.perf_counter()
+        fn(*args)
+        return self._charge_compute(start)
+
+    def _server(self, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args)
+        self.clock.server += time.perf_counter() - start
+        return result
+
