@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -81,7 +82,8 @@ def write_config(tmp_path: Path):
 
 
 def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
+    """``base`` with ``extra`` merged in, nested mappings too; a deep copy, so callers may mutate the result."""
+    out = copy.deepcopy(base)
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out

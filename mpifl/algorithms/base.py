@@ -220,20 +220,20 @@ class ClientAlgorithm:
         """Counters this rank reports once, at the end (results table /ranks)."""
         return {}
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used
         before the next call, so it may live in the shared workspace."""
         raise NotImplementedError
 
-    def evaluate(self, client: int, splits: Sequence[str]) -> np.ndarray:
+    def evaluate(self, step: StepContext, client: int, splits: Sequence[str]) -> np.ndarray:
         """``client``'s :data:`~mpifl.training.sgd.EVAL_FIELDS` sums under every model kind (in
         :attr:`Protocol.eval_kinds` order) on each of ``splits`` (``test``, ``val``), for the runtime to pool.
         Which model, which BatchNorm statistics and which loss are the algorithm's business."""
         data = self.data[client]
         rows = []
         for kind in self.protocol.eval_kinds:
-            model = self.eval_model(client, kind)
-            stats = self.eval_norm_statistics(client, kind, model)
+            model = self.eval_model(step, client, kind)
+            stats = self.eval_norm_statistics(step, client, kind, model)
             with normalized_with(model, stats) if stats is not None else contextlib.nullcontext():
                 for split in splits:
                     rows.append(evaluate(model, getattr(data, f"x_{split}"), getattr(data, f"y_{split}"),
@@ -244,7 +244,7 @@ class ClientAlgorithm:
         """``client``'s mean training loss of this round (NaN if it reported none), forgotten once taken."""
         return self.round_losses.pop(client, float("nan"))
 
-    def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
+    def eval_norm_statistics(self, step: StepContext, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
         """The BatchNorm statistics ``model`` evaluates with (:mod:`mpifl.models.norm`); ``None`` without
         BatchNorm. By default estimated on the client's own training split (never its test batch)."""
         if not batch_norms(model):

@@ -164,6 +164,6 @@ class FedAvgClient(ClientAlgorithm):
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.global_params, "the evaluated model"))
         return self.workspace.module

@@ -80,9 +80,9 @@ class FedDeperClient(FedAvgClient):
         self.state.edit(client)["personal"] = mixed.astype(np.float32)
         self.deltas[client] = y.numpy() - start
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         if kind == "global":
-            return super().eval_model(client, kind)
+            return super().eval_model(step, client, kind)
         self.workspace.load(self.personal(client))
         return self.workspace.module
 

@@ -124,6 +124,6 @@ class IFCAClient(ClientAlgorithm):
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.outbox.pop((msg.name, client))
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.models[self.best_cluster(client)])
         return self.workspace.module

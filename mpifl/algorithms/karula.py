@@ -258,6 +258,6 @@ class KarulaClient(ClientAlgorithm):
             return moments(self.points(client))
         return self.outbox.pop((msg.name, client))
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.models.get(client, self.initial))
         return self.workspace.module

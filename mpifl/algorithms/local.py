@@ -80,6 +80,6 @@ class LocalClient(ClientAlgorithm):
         own = self.state.get(client, "model")
         return self.initial if own is None else own
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.model(client))
         return self.workspace.module

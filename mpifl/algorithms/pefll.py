@@ -319,7 +319,7 @@ class HyperClient(ClientAlgorithm):
         self.deltas[client] = self.workspace.numpy() - start
         return stats
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.eval_models.pop(client))
         if not self.ctx.options.mask_absent:
             return self.workspace.module

@@ -89,7 +89,7 @@ class PFedMeClient(FedAvgClient):
         self.state.edit(client)["personal"] = host_numpy(theta).copy()
         self.deltas[client] = host_numpy(local) - start
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         own = self.state.get(client, "personal") if kind == "personal" else None
         self.workspace.load(require(self.global_params, "the global model") if own is None else own)
         return self.workspace.module

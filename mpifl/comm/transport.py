@@ -24,7 +24,7 @@ from mpifl.comm.messages import Message
 from mpifl.comm.placement import Placement
 
 _MIN_SLEEP_S = 20e-6
-_MAX_SLEEP_S = 2e-3
+_MAX_SLEEP_S = 5e-4
 
 
 def wait_without_spinning(request) -> None:  # noqa: ANN001 - an MPI.Request
@@ -100,13 +100,21 @@ class Transport:
     def up(self, round_: int, stage: str, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
         """Clients → server. ``rows``: this rank's local clients' rows. Returns all rows in ``clients`` order
         on the server, ``None`` elsewhere."""
+        return self.up_many(round_, stage, [msg], [rows], clients)[0]
+
+    def up_many(self, round_: int, stage: str, msgs: list[Message], rows: list[np.ndarray], clients: np.ndarray
+                ) -> list[np.ndarray | None]:
+        """Several up messages of the same clients at once: every ``Igatherv`` is started before the first is
+        waited for, so they overlap. One result per message, as :meth:`up`."""
         local = self.local_clients(clients)
-        self._check_payload(msg, rows, len(local))
-        if self.is_server:
-            self.ledger.record(round_, stage, msg, clients)
+        for msg, block in zip(msgs, rows):
+            self._check_payload(msg, block, len(local))
+            if self.is_server:
+                self.ledger.record(round_, stage, msg, clients)
         if self.size == 1:
-            return rows
-        return self._gather(round_, msg, rows, clients)
+            return list(rows)
+        started = [self._start_gather(msg, block, clients) for msg, block in zip(msgs, rows)]
+        return [self._finish_gather(round_, msg, clients, *flight) for msg, flight in zip(msgs, started)]
 
     def gather_bytes(self, round_: int, name: str, blob: np.ndarray) -> list[np.ndarray]:
         """Every rank's variable-length uint8 ``blob`` (e.g. its checkpoint) on the server, indexed by
@@ -114,17 +122,17 @@ class Transport:
         if self.size == 1:
             return [blob]
         sizes = np.zeros(self.size, dtype=np.int64)
-        self.comm.Gather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         msg = Message(name, "up", 0, "uint8", logical=False)
-        start = time.perf_counter()
+        sizes_msg = Message(f"{name}_sizes", "up", 1, "int64", logical=False)
+        request = self.comm.Igather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
+        self._timed(round_, sizes_msg, "gather", 8, request)  # no blocking call: it would spin a core
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         if not self.is_server:
-            self.comm.Gatherv(blob, None, root=0)
-            self.physical.record(round_, name, "gatherv", blob.nbytes, time.perf_counter() - start)
+            self._timed(round_, msg, "gatherv", blob.nbytes, self.comm.Igatherv(blob, None, root=0))
             return []
         recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-        self.comm.Gatherv(blob, [recv, sizes, displs, _mpi_type(msg)], root=0)
-        self.physical.record(round_, name, "gatherv", int(sizes.sum()), time.perf_counter() - start)
+        request = self.comm.Igatherv(blob, [recv, sizes, displs, _mpi_type(msg)], root=0)
+        self._timed(round_, msg, "gatherv", int(sizes.sum()), request)
         return [recv[d : d + n] for d, n in zip(displs, sizes)]
 
     def exchange(self, round_: int, name: str, outgoing: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -137,7 +145,8 @@ class Transport:
         for rank, blob in outgoing.items():
             send_counts[rank] = blob.size
         recv_counts = np.zeros(self.size, dtype=np.int32)
-        self.comm.Alltoall(send_counts, recv_counts)
+        counts_msg = Message(f"{name}_sizes", "up", self.size, "int32", logical=False)
+        self._timed(round_, counts_msg, "alltoall", 8 * self.size, self.comm.Ialltoall(send_counts, recv_counts))
         send = np.concatenate([outgoing.get(r, np.zeros(0, np.uint8)) for r in range(self.size)]).astype(np.uint8)
         recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
         send_displs = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int32)
@@ -186,18 +195,26 @@ class Transport:
         self._timed(round_, msg, "scatterv", nbytes, request)
         return recv
 
-    def _gather(self, round_: int, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
+    def _start_gather(self, msg: Message, rows: np.ndarray, clients: np.ndarray) -> tuple[Any, np.ndarray | None, int]:
+        """Start gathering ``msg``'s rows on the server: (the request, the receive buffer on the server, the
+        bytes this rank moves)."""
         send = np.ascontiguousarray(rows, dtype=msg.dtype).reshape(-1)
         if not self.is_server:
-            self._timed(round_, msg, "gatherv", send.nbytes, self.comm.Igatherv(send, None, root=0))
-            return None
-        perm, per_rank = self.placement.rank_order(clients)
+            return self.comm.Igatherv(send, None, root=0), None, send.nbytes
+        _, per_rank = self.placement.rank_order(clients)
         counts = per_rank * msg.numel
         displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
         recv = np.empty((len(clients), msg.numel), dtype=msg.dtype)
-        request = self.comm.Igatherv(send, [recv, counts, displs, _mpi_type(msg)], root=0)
-        self._timed(round_, msg, "gatherv", recv.nbytes, request)
+        return self.comm.Igatherv(send, [recv, counts, displs, _mpi_type(msg)], root=0), recv, recv.nbytes
+
+    def _finish_gather(self, round_: int, msg: Message, clients: np.ndarray, request: Any, recv: np.ndarray | None,
+                       nbytes: int) -> np.ndarray | None:
+        """Wait for a gather; on the server, its rows back in ``clients`` order."""
+        self._timed(round_, msg, "gatherv", nbytes, request)
+        if recv is None:
+            return None
         start = time.perf_counter()
+        perm, _ = self.placement.rank_order(clients)
         out = np.empty_like(recv)
         out[perm] = recv
         self.pack_seconds += time.perf_counter() - start

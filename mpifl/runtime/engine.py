@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, require
+from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext, require
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message, Placement, Step, Transport
 from mpifl.comm.network import NetworkModel
@@ -279,8 +279,9 @@ class Engine:
         start = time.perf_counter()
         rows = np.zeros((len(local), self.eval_msg.numel))
         if self.client is not None:
+            step = StepContext(round_, "eval", clients)
             for i, client in enumerate(local):
-                rows[i] = self.client.evaluate(int(client), self.eval_splits)
+                rows[i] = self.client.evaluate(step, int(client), self.eval_splits)
         self.clock.evaluation += time.perf_counter() - start
         return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
@@ -301,7 +302,8 @@ class Engine:
         """Collect every rank's time breakdown and MPI totals, and with ``--profile`` its per-round rows
         (once, at the end: small pickled objects are fine)."""
         c = self.clock
-        visits = self.transport.physical.by_message(("visitor_state", "visitor_state_home"))
+        visits = self.transport.physical.by_message(("visitor_state", "visitor_state_home", "visitor_state_sizes",
+                                                      "visitor_state_home_sizes"))
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
                 **(self.client.rank_stats() if self.client is not None else {}),
                 "mpi_bytes": self.transport.physical.total_bytes,

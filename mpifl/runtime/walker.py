@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext
+from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
 from mpifl.runtime.clock import RankClock
 from mpifl.runtime.faults import FaultModel
@@ -63,9 +63,10 @@ class PlanWalker:
             self.clock.data += time.perf_counter() - start
         corrupt = self.faults.corrupted(round_, local) if stage == "train" else np.zeros(len(local), dtype=bool)
         context = StepContext(round_, stage, clients)
-        for step in plan:
-            if len(clients) == 0:
-                break
+        position = 0
+        while position < len(plan) and len(clients):
+            step = plan[position]
+            position += 1
             targets, hosted = (audience, reached) if step.everyone else (clients, local)
             mine = np.searchsorted(hosted, local)  # where each local participant sits among ``hosted``
             here = context.with_clients(targets)
@@ -81,24 +82,37 @@ class PlanWalker:
                     spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
                                       for i, c in enumerate(hosted)])
                     seconds += spent[mine]
-            else:
-                rows = np.empty((len(local), step.numel), dtype=step.dtype)
-                if client is not None:
-                    for i, c in enumerate(local):
-                        start = time.perf_counter()
-                        rows[i] = client.send(step, here, int(c))
-                        seconds[i] += self._charge_compute(start)
-                if rows.dtype.kind == "f":
-                    rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
-                gathered = self.transport.up(round_, LEDGER_STAGES[stage], step, rows, clients)
+            else:  # a client's update: this and the up messages right after it, accepted or rejected as a whole
+                group = [step]
+                while position < len(plan):
+                    following = plan[position]
+                    if not isinstance(following, Message) or following.direction != "up":
+                        break
+                    group.append(following)
+                    position += 1
+                blocks = []
+                for msg in group:
+                    rows = np.empty((len(local), msg.numel), dtype=msg.dtype)
+                    if client is not None:
+                        for i, c in enumerate(local):
+                            start = time.perf_counter()
+                            rows[i] = client.send(msg, here, int(c))
+                            seconds[i] += self._charge_compute(start)
+                    if rows.dtype.kind == "f":
+                        rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
+                    blocks.append(rows)
+                gathered = self.transport.up_many(round_, LEDGER_STAGES[stage], group, blocks, clients)
                 accepted = None
-                if server is not None and gathered is not None:
-                    accepted = self._screen(round_, stage, step, clients, gathered)
-                    if accepted.any():
-                        self._server(server.consume, step, context.with_clients(clients[accepted]),
-                                     gathered[accepted])
-                if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
+                if server is not None:
+                    accepted = self._screen(round_, stage, group, clients, gathered)
+                if stage == "train":  # every rank learns the verdict: it decides whose state edits survive.
+                    # Before the server's steps, so the workers go on while the server computes.
                     accepted = self._share_acceptance(round_, accepted, len(clients))
+                if server is not None and accepted is not None and accepted.any():
+                    for msg, rows_in in zip(group, gathered):
+                        self._server(server.consume, msg, context.with_clients(clients[accepted]),
+                                     require(rows_in, "the gathered rows")[accepted])
+                if stage == "train" and accepted is not None:
                     keep = np.isin(local, clients[accepted])
                     audience = np.setdiff1d(audience, clients[~accepted])
                     reached = reached[np.isin(reached, audience)]
@@ -111,19 +125,26 @@ class PlanWalker:
     def _hosted(self, clients: np.ndarray) -> np.ndarray:
         return self.transport.local_clients(clients) if self.client is not None else clients[:0]
 
-    def _screen(self, round_: int, stage: Stage, step: Message, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Which clients' rows the server accepts: a training upload with NaN/Inf never reaches the
-        algorithm (``faults.nonfinite: skip``) or stops the job (``abort``)."""
+    def _screen(self, round_: int, stage: Stage, group: list[Message], clients: np.ndarray,
+                gathered: list[np.ndarray | None]) -> np.ndarray:
+        """Which clients' updates the server accepts: a training update with NaN/Inf in any of its messages
+        never reaches the algorithm (``faults.nonfinite: skip``) or stops the job (``abort``)."""
         accepted = np.ones(len(clients), dtype=bool)
-        if stage == "train" and rows.dtype.kind == "f":
-            accepted = np.isfinite(rows).all(axis=1)
-            bad = clients[~accepted]
+        if stage != "train":
+            return accepted
+        for msg, rows in zip(group, gathered):
+            rows = require(rows, "the gathered rows")
+            if rows.dtype.kind != "f":
+                continue
+            finite = np.isfinite(rows).all(axis=1)  # NaN/Inf anywhere in a row
+            bad = clients[~finite]
             if len(bad) and self.faults.cfg.nonfinite == "abort":
-                raise FloatingPointError(f"round {round_}: {step.name} of client(s) {bad.tolist()} is not finite")
+                raise FloatingPointError(f"round {round_}: {msg.name} of client(s) {bad.tolist()} is not finite")
             if len(bad):
-                self.rejected += len(bad)
-                print(f"mpifl: warning: round {round_}: rejected non-finite {step.name} of client(s) "
+                print(f"mpifl: warning: round {round_}: rejected non-finite {msg.name} of client(s) "
                       f"{bad.tolist()}", file=sys.stderr, flush=True)
+            accepted &= finite
+        self.rejected += int((~accepted).sum())
         return accepted
 
     def _share_acceptance(self, round_: int, accepted: np.ndarray | None, count: int) -> np.ndarray:

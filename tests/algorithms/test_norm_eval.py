@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mpifl.algorithms.base import StepContext
 from mpifl.models.norm import norm_size, norm_statistics, normalized_with
 from mpifl.training.sgd import evaluate
 from tests.algorithms.conftest import both_sides, walk
@@ -77,16 +78,19 @@ def test_fedals_evaluates_with_the_population_average_of_client_statistics():
     rows = walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients), stage="eval")
     np.testing.assert_allclose(rows["eval_norm_statistics"][0], average, rtol=1e-12)
     for c in range(ctx.layout.num_clients):  # what the runtime evaluates: the global model with the average
-        model = client.eval_model(c, "global")
-        np.testing.assert_array_equal(client.eval_norm_statistics(c, "global", model), rows["eval_norm_statistics"][c])
+        step = StepContext(1, "eval", np.arange(ctx.layout.num_clients))
+        model = client.eval_model(step, c, "global")
+        np.testing.assert_array_equal(client.eval_norm_statistics(step, c, "global", model),
+                                      rows["eval_norm_statistics"][c])
 
 
 def test_other_algorithms_evaluate_with_the_clients_own_training_statistics():
     ctx, server, client = both_sides(_merge(BN, {"algorithm": "fedavg"}))
     walk(server, client, server.protocol.eval_plan(), 1, np.arange(ctx.layout.num_clients), stage="eval")
     split = client.data[2]
-    model = client.eval_model(2, "global")
-    stats = client.eval_norm_statistics(2, "global", model)
+    step = StepContext(1, "eval", np.arange(ctx.layout.num_clients))
+    model = client.eval_model(step, 2, "global")
+    stats = client.eval_norm_statistics(step, 2, "global", model)
     np.testing.assert_array_equal(stats, norm_statistics(model, split.x_train, 8))
     with normalized_with(model, stats):
         whole = evaluate(model, split.x_test, split.y_test, client.loss_fn)

@@ -203,7 +203,8 @@ def assert_control_is_the_population_mean(path, xys: dict) -> None:  # noqa: ANN
 
 
 def test_scaffold_rejection_of_the_control_delta_alone_rolls_back_the_client(tmp_path, monkeypatch):
-    """Δyᵢ accepted but Δcᵢ broken: the model step stands, cᵢ and c stay as they were."""
+    """Δyᵢ finite but Δcᵢ broken: the client's update (its two uploads) is rejected as a whole, so neither
+    reaches the server and cᵢ and c stay as they were, while every byte it sent is counted."""
     from mpifl.algorithms.scaffold import ScaffoldClient
 
     send = ScaffoldClient.send
@@ -216,7 +217,11 @@ def test_scaffold_rejection_of_the_control_delta_alone_rolls_back_the_client(tmp
     cfg = config("scaffold", rounds=2, eval_every=1, checkpoint_every=1, clients_per_round=4)
     one = run_engine({**cfg, "rounds": 1}, MPI.COMM_SELF, tmp_path / "one.h5")
     two = run_engine(cfg, MPI.COMM_SELF, tmp_path / "two.h5")
-    assert read_results(two).table("rounds")["rejected_updates"].tolist() == [0, 1]
+    res = read_results(two)
+    assert res.table("rounds")["rejected_updates"].tolist() == [0, 1]
+    ledger, names = res.table("ledger"), res.table_attrs["ledger"]["message_names"]
+    sent = (ledger["round"] == 2) & (ledger["client"] == 2) & (ledger["stage"] == 0)
+    assert sorted(names[m] for m in ledger["message"][sent]) == ["control", "control_delta", "delta", "model"]
     np.testing.assert_array_equal(client_states(two)[2]["control"], client_states(one)[2]["control"])
     assert not np.array_equal(client_states(two)[1]["control"], client_states(one)[1]["control"])
     assert_control_is_the_population_mean(two, data(cfg))

@@ -22,7 +22,7 @@ from tests.test_checkpoint import CONFIGS
 
 SCENARIOS = {
     # clients drop out before the round; with 2 of them sampled some rounds end up with nobody
-    "dropout_empties_rounds": {"clients_per_round": 2, "faults": {"dropout": 0.8}},
+    "dropout_empties_rounds": {"clients_per_round": 2, "rounds": 8, "faults": {"dropout": 0.8}},
     "nonfinite_some_skip": {"faults": {"corrupt": 0.4}},
     "nonfinite_all_skip": {"faults": {"corrupt": 1.0}},
     # links differ (log-normal); the deadline (set below) cuts about half; over-selection samples 3 for 2
@@ -42,7 +42,8 @@ def shared_dir(tmp_path_factory, name: str) -> Path:  # noqa: ANN001
 
 
 def scenario_config(algorithm: str, scenario: str) -> dict:
-    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "eval_every": 2, **SCENARIOS[scenario]})
+    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "eval_every": 2})
+    raw = _merge(raw, SCENARIOS[scenario])
     if scenario == "deadline_over_selection":
         raw["faults"]["deadline_s"] = median_expected_seconds(raw)
     return raw
