@@ -37,6 +37,9 @@ _REGISTRY: dict[str, tuple[str | None, str, str]] = {
     "ifca": ("ifca.IFCAOptions", "ifca.IFCAServer", "ifca.IFCAClient"),
     "pefll": ("pefll.PeFLLOptions", "pefll.PeFLLServer", "pefll.PeFLLClient"),
     "pfedhn": ("pfedhn.PFedHNOptions", "pfedhn.PFedHNServer", "pfedhn.PFedHNClient"),
+    "perfedavg": ("perfedavg.PerFedAvgOptions", "perfedavg.PerFedAvgServer", "perfedavg.PerFedAvgClient"),
+    "fedrep": ("fedrep.FedRepOptions", "fedrep.FedRepServer", "fedrep.FedRepClient"),
+    "knnper": ("knnper.KNNPerOptions", "knnper.KNNPerServer", "knnper.KNNPerClient"),
 }
 
 

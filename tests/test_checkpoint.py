@@ -22,6 +22,8 @@ from tests.conftest import REPO, _merge, assert_same, deterministic, mpi_env, mp
 CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
 CONFIGS.update(pefll=PEFLL, pfedhn=PFEDHN, karula=_merge(RIDGE, KARULA))
 CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # partial participation
+for _name in ("perfedavg", "fedrep", "knnper"):  # PeFLL's baselines: evaluated on unseen clients too
+    CONFIGS[_name] = _merge(CONFIGS[_name], {"clients_per_round": 3, "data": {"unseen_fraction": 0.34}})
 
 
 def write(tmp_path, cfg, name="cfg.yaml"):

@@ -50,7 +50,7 @@ from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
 from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.models import FlatModel
+from mpifl.models.flat import layer_groups
 from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_numpy
@@ -67,19 +67,6 @@ class FedALSOptions:
     # "authors": the authors' code's decaying rate lr_s = client.lr·10/(s/100 + 10) over the local-step
     # counter s (spec §3, "not_cte_lr"), held for a round at its first step's value; "none": client.lr
     lr_decay: Literal["none", "authors"] = "none"
-
-
-def layer_groups(model: FlatModel) -> list[slice]:
-    """Spans of the flat parameter vector, one per layer as the FedALS code groups them: a layer starts
-    at each weight with two or more dimensions outside a residual shortcut and takes in what follows
-    (bias, norm γ/β, shortcut). ResNet-20 has 20 groups (19 convolutions and fc), an MLP one per Linear."""
-    starts: list[int] = []
-    offset = 0
-    for name, size, shape in zip(model.names, model.segment_sizes(), model.shapes, strict=True):
-        if (len(shape) >= 2 and "shortcut" not in name) or not starts:
-            starts.append(offset)
-        offset += size
-    return [slice(a, b) for a, b in zip(starts, starts[1:] + [offset], strict=True)]
 
 
 def round_lr(lr: float, opts: FedALSOptions, round_: int) -> float:
@@ -334,9 +321,9 @@ class FedALSClient(ClientAlgorithm):
         model = self.state.get(client, "model")
         return self.initial if model is None else model
 
-    def eval_model(self, client: int, kind: str) -> nn.Module:
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.eval_params, "the evaluated model"))
         return self.workspace.module
 
-    def eval_norm_statistics(self, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
+    def eval_norm_statistics(self, step: StepContext, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
         return self.eval_norm

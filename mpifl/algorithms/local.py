@@ -11,7 +11,6 @@ The lower reference point of personalized FL. Two schedules (``local.mode``):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,7 +51,7 @@ class LocalProtocol(Protocol):
 
     def upfront_config(self) -> ClientConfig:
         """``client.*`` with ``local.epochs`` passes in place of the configured steps or epochs."""
-        return dataclasses.replace(self.ctx.cfg.client, steps=None, epochs=self.ctx.options.epochs)
+        return self.ctx.cfg.client.for_epochs(self.ctx.options.epochs)
 
 
 class LocalServer(ServerAlgorithm):

@@ -69,3 +69,17 @@ class FlatModel:
 
     def segment_sizes(self) -> list[int]:
         return [int(np.prod(s)) for s in self.shapes]
+
+
+def layer_groups(model: FlatModel) -> list[slice]:
+    """Spans of the flat parameter vector, one per layer as the FedALS code groups them (FedALS
+    splits the model between groups; FedRep's head is the last group): a layer starts
+    at each weight with two or more dimensions outside a residual shortcut and takes in what follows
+    (bias, norm γ/β, shortcut). ResNet-20 has 20 groups (19 convolutions and fc), an MLP one per Linear."""
+    starts: list[int] = []
+    offset = 0
+    for name, size, shape in zip(model.names, model.segment_sizes(), model.shapes, strict=True):
+        if (len(shape) >= 2 and "shortcut" not in name) or not starts:
+            starts.append(offset)
+        offset += size
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [offset], strict=True)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,3 +29,8 @@ class ClientConfig:
     # logistic, mlp; FedAvg): true, false, or auto (where a measurement on the rank finds it faster).
     # Results are bitwise the same either way.
     vectorize: bool | Literal["auto"] = "auto"
+
+    def for_epochs(self, epochs: int) -> ClientConfig:
+        """These settings with ``epochs`` passes in place of the configured steps or epochs (an algorithm whose
+        paper fixes its local work in epochs: Local's 200, FedRep's head and body, Per-FedAvg's one)."""
+        return dataclasses.replace(self, steps=None, epochs=epochs)

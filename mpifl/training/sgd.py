@@ -47,15 +47,18 @@ def local_sgd(
     lr: float | None = None,
     steps: int | None = None,
     momentum: torch.Tensor | None = None,
+    part: slice = slice(None),
 ) -> TrainStats:
     """Mini-batch SGD (momentum, weight decay, clipping as torch.optim.SGD) on ``model`` in place.
 
     Runs ``steps`` (or ``cfg.steps``) batches if given, else ``cfg.epochs`` passes; each pass draws a
     fresh permutation from ``generator``. The momentum buffer starts at zero unless the caller passes
     its own ``momentum`` (updated in place, for algorithms whose optimizer state outlives a round).
+    ``part``: only this span of the flat parameters trains (clipping, weight decay and momentum included),
+    the rest stays frozen (FedRep's head and body).
     """
     lr = cfg.lr if lr is None else lr
-    params, grads = model.params, model.grads
+    params, grads = model.params[part], model.grads[part]
     if cfg.momentum == 0:
         momentum = None
     elif momentum is None:
@@ -67,7 +70,7 @@ def local_sgd(
         model.compute_gradient(loss)
         loss_sum += loss.detach()
         if grad_hook is not None:
-            grad_hook(params, grads)
+            grad_hook(model.params, model.grads)
         sgd_step(params, grads, momentum, lr, cfg)
         done += 1
     return TrainStats(done, float(loss_sum) / max(done, 1))

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from mpifl.algorithms.base import RunContext, StepContext
-from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, layer_groups, round_lr
+from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, round_lr
 from mpifl.comm import Message
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
 from mpifl.models.config import ModelConfig
+from mpifl.models.flat import layer_groups
 from mpifl.report import logical_totals
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, _merge, assert_rank_invariant, both_sides, walk

@@ -1,0 +1,162 @@
+"""FedRep (Collins et al. 2021), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench ran it
+(``src/client/fedrep.py``; docs/pefll_baselines.md).
+
+The model splits into a shared body (representation) φ and a personal head h: the last ``head_layers`` layer
+groups (:func:`~mpifl.models.flat.layer_groups`; PeFLL's LeNet: the output Linear). A sampled client
+
+1. loads the server's φ and its own head (the initial model's head the first time),
+2. trains the head for ``head_epochs`` epochs with φ frozen, then φ for ``body_epochs`` epochs with h frozen
+   (local SGD, ``client.*``; PeFLL: 5 and 1),
+3. keeps h in its client state and sends Δφ; the server averages the Δφ by sample count (FedAvg's server
+   optimizer, on φ only).
+
+Only φ travels: per client and round |φ| floats down and |φ| up, 2·|φ|·4 bytes; h never leaves its worker.
+Evaluation: a seen client uses φ with its own head (the initial head if it was never sampled, as FL-Bench's
+clients start); an unseen client (pefll spec §4.2) trains a fresh head from the initial one for
+``new_head_epochs`` epochs (20) on its training data with φ frozen, is evaluated, and forgets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    weighted_sum,
+)
+from mpifl.algorithms.fedavg import GlobalModel
+from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.models.flat import layer_groups
+from mpifl.schema import ConfigError, limits
+from mpifl.training.sgd import TrainStats, client_generator, local_sgd, planned_samples
+
+NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head training
+
+
+@dataclass(frozen=True)
+class FedRepOptions:
+    head_epochs: int = field(default=5, metadata=limits(ge=0))  # per round, body frozen (PeFLL: 5)
+    body_epochs: int = field(default=1, metadata=limits(ge=0))  # per round, head frozen (PeFLL: 1)
+    new_head_epochs: int = field(default=20, metadata=limits(ge=0))  # an unseen client's head, before evaluation
+    head_layers: int = field(default=1, metadata=limits(ge=1))  # the last layer groups that are personal
+
+
+class FedRepProtocol(Protocol):
+    eval_kinds = ("personal",)
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        model = ctx.new_model()
+        groups = layer_groups(model)
+        layers = ctx.options.head_layers
+        if layers >= len(groups):
+            raise ConfigError(f"fedrep.head_layers: {layers} leaves no body of the model's {len(groups)} layer groups")
+        boundary = groups[-layers].start
+        self.body, self.head = slice(0, boundary), slice(boundary, model.numel)
+        self.body_msg = Message("body", "down", boundary, broadcast=True)
+        self.delta_msg = Message("body_delta", "up", boundary)
+        self.eval_msg = Message("eval_body", "down", boundary, broadcast=True)
+
+    def train_plan(self, round_: int) -> Sequence[Step]:
+        return (self.body_msg, LOCAL, self.delta_msg)
+
+    def eval_plan(self) -> Sequence[Step]:
+        return (self.eval_msg,)
+
+    def samples_per_round(self) -> np.ndarray:
+        opts, client = self.ctx.options, self.ctx.cfg.client
+        sizes = self.ctx.layout.train_sizes
+        return sum((planned_samples(sizes, client.for_epochs(e)) for e in (opts.head_epochs, opts.body_epochs) if e),
+                   np.zeros(len(sizes), dtype=np.int64))
+
+
+class FedRepServer(ServerAlgorithm):
+    """The body: FedAvg's global model and server optimizer restricted to φ (the head entries stay initial)."""
+
+    protocol_type: type[FedRepProtocol] = FedRepProtocol
+    protocol: FedRepProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.model = GlobalModel(ctx)
+
+    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+        return self.model.params[self.protocol.body]
+
+    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+        self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)), self.protocol.body)
+
+    def final_state(self) -> dict[str, np.ndarray]:
+        return {"body": self.model.params[self.protocol.body]}
+
+
+class FedRepClient(ClientAlgorithm):
+    protocol_type: type[FedRepProtocol] = FedRepProtocol
+    protocol: FedRepProtocol
+    scratch: tuple[str, ...] = ("start", "deltas")
+
+    def __init__(self, ctx: RunContext, data, state=None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
+        self.initial_head = self.workspace.numpy()[self.protocol.head].copy()
+        self.start: dict[int, np.ndarray] = {}
+        self.deltas: dict[int, np.ndarray] = {}
+        self.eval_body: np.ndarray | None = None
+
+    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+        if msg.name == self.protocol.eval_msg.name:
+            self.eval_body = row
+        else:
+            self.start[client] = row
+
+    def head(self, client: int) -> np.ndarray:
+        own = self.state.get(client, "head")
+        return self.initial_head if own is None else own
+
+    def load(self, body: np.ndarray, head: np.ndarray) -> None:
+        params = self.workspace.numpy()  # a view on the CPU; the staging buffer's copy on a GPU
+        params[self.protocol.body], params[self.protocol.head] = body, head
+        self.workspace.load(params)
+
+    def train_part(self, client: int, part: slice, epochs: int, generator: torch.Generator) -> TrainStats:
+        """``epochs`` of local SGD on the ``part`` of the workspace model, the rest frozen."""
+        if not epochs:
+            return TrainStats(0, 0.0)
+        split = self.data[client]
+        return local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn,
+                         self.ctx.cfg.client.for_epochs(epochs), generator, part=part)
+
+    def compute(self, step: StepContext, client: int) -> None:
+        opts, protocol = self.ctx.options, self.protocol
+        start = self.start.pop(client)
+        self.load(start, self.head(client))
+        generator = client_generator(self.ctx.cfg.seed, step.round, client)
+        phases = [self.train_part(client, protocol.head, opts.head_epochs, generator),
+                  self.train_part(client, protocol.body, opts.body_epochs, generator)]
+        steps = sum(p.steps for p in phases)
+        self.round_losses[client] = sum(p.mean_loss * p.steps for p in phases) / steps if steps else float("nan")
+        params = self.workspace.numpy()
+        self.state.edit(client)["head"] = params[protocol.head].copy()
+        self.deltas[client] = params[protocol.body] - start
+
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
+        return self.deltas.pop(client)
+
+    def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
+        body = require(self.eval_body, "the evaluated body")
+        if not self.ctx.layout.unseen[client]:
+            self.load(body, self.head(client))
+            return self.workspace.module
+        self.load(body, self.initial_head)  # a newcomer: a head of its own on the frozen body, forgotten after
+        generator = client_generator(self.ctx.cfg.seed, step.round, client, NEW_HEAD_PURPOSE)
+        self.train_part(client, self.protocol.head, self.ctx.options.new_head_epochs, generator)
+        return self.workspace.module
