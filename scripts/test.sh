@@ -22,9 +22,9 @@ lint-imports  # the layers and the absence of import cycles (pyproject: [tool.im
 mypy          # type-checks mpifl (pyproject: [tool.mypy])
 echo "== pytest-mpi on 3 ranks"
 timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
-echo "== pytest-mpi on 4 ranks (transport and engine)"
+echo "== pytest-mpi on 4 ranks (transport, engine, every algorithm on 1-4 ranks)"
 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
-  tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py
+  tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py tests/mpi/test_rank_counts_mpi.py
 echo "== single-process suite"
 # "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs).
 python -m pytest -q -p no:cacheprovider --durations=15 -m "not slow"
