@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.karula_table1 import estimation_error, truth_of  # noqa: E402
+from benchmarks.karula_table1 import estimation_error, run_engine, truth_of  # noqa: E402
 from mpifl.algorithms.projection import Projector, pair_indices  # noqa: E402
 from mpifl.config import apply_overrides, load_raw, parse_config  # noqa: E402
 from mpifl.data import build_federated_dataset  # noqa: E402
@@ -70,19 +70,8 @@ def karula_fit(a: list[np.ndarray], y: list[np.ndarray], alpha: np.ndarray, weig
 
 def dissimilarity(raw: dict) -> np.ndarray:
     """Dᵢⱼ as mpifl's Karula set-up computes it (a one-round run in this process; its results file keeps D)."""
-    import tempfile
-
-    from mpi4py import MPI
-
-    from mpifl.results import read_results
-    from mpifl.runtime.engine import Engine
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = parse_config({**raw, "algorithm": "karula", "rounds": 1, "eval_every": 1})
-        engine = Engine(cfg, MPI.COMM_SELF, Path(tmp) / "d.h5")
-        engine.setup()
-        engine.run(progress=False)
-        return read_results(Path(tmp) / "d.h5").table("model")["dissimilarity"]
+    cfg = parse_config({**raw, "algorithm": "karula", "rounds": 1, "eval_every": 1, "checkpoint_every": 1})
+    return run_engine(cfg).results.table("model")["dissimilarity"]
 
 
 def pooled_r2(models: np.ndarray, tests: list[tuple[np.ndarray, np.ndarray]]) -> float:

@@ -3,7 +3,7 @@
 A worker's state is its clients' committed states (:class:`~mpifl.algorithms.state.ClientState`), one group
 per client id, so a resume hands each client's state to whichever worker hosts it now. A server
 algorithm's state is whatever its attributes hold, minus what is rebuilt from the config
-(``ctx``, the protocol, data, scratch models; frozen dataclasses such as options). ``write_object``
+(``ctx``, the protocol; frozen dataclasses such as options). ``write_object``
 turns that object graph into a tree of arrays and scalars; ``read_object`` writes it back into a
 freshly built algorithm: modules and optimizers load in place; a class lists attributes derived
 from others in ``checkpoint_derived`` (e.g. a flat buffer that a module's parameters view).
@@ -31,8 +31,8 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
 from mpifl.schema import ConfigError
 
-SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "data", "loss_fn", "workspace", "round_losses"})
-"""Rebuilt from the config on resume (or per-round scratch), in every algorithm."""
+SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol"})
+"""Rebuilt from the config on resume, in every server algorithm."""
 
 _TORCH_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
                                      torch.uint8, torch.bool, torch.bfloat16)}
@@ -177,13 +177,17 @@ def client_state_blob(state: ClientState) -> np.ndarray:
     return state_blob(_ClientStates(state.export()))
 
 
-def worker_states(blob: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
-    """The client states one worker saved, by client id."""
+def worker_states(blob: np.ndarray, only: set[int] | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """The client states one worker saved, by client id (``only`` these clients': the others are not read)."""
     with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
         if "states" not in f:
             return {}
-        return {int(_unkey(key)): {str(_unkey(name)): read_state(a) for name, a in node.items()}
-                for key, node in f["states"].items()}
+        states = {}
+        for key, node in f["states"].items():
+            client = int(_unkey(key))
+            if only is None or client in only:
+                states[client] = {str(_unkey(name)): read_state(a) for name, a in node.items()}
+        return states
 
 
 def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.ndarray]]]:
@@ -196,7 +200,7 @@ def load_client_states(blobs: list[np.ndarray], state: ClientState, clients: np.
     """Restore ``clients``' states from the blobs of however many workers saved them (any rank count)."""
     mine = {int(c) for c in clients}
     for blob in blobs:
-        state.restore({c: s for c, s in worker_states(blob).items() if c in mine})
+        state.restore(worker_states(blob, mine))
 
 
 @dataclasses.dataclass

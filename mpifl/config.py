@@ -53,7 +53,7 @@ class RunConfig:
     eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
-    # re-spread over the workers by their work (stateless algorithms only). auto: dynamic where allowed
+    # re-spread over the workers by their work, state and all. auto: dynamic where allowed
     # and where reading another client is cheap (generated data, uncompressed IDX, digits).
     placement: Literal["auto", "static", "dynamic"] = "auto"
     output: str = "results/run.h5"
@@ -128,8 +128,7 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     algo = get_algorithm(name)
     # A config may carry the options of several algorithms (a paper config holding every compared method's
     # settings, picked with --set algorithm=...): each section is validated, the named algorithm's applies.
-    sections = {other: raw.pop(other) for other in known_algorithms()
-                if other in raw and other not in RunConfig.__dataclass_fields__}
+    sections = {other: raw.pop(other) for other in known_algorithms() if other in raw}
     for other, options in sections.items():
         if other != name:
             build(get_algorithm(other).options_type, options, other)

@@ -34,9 +34,6 @@ def logical_totals(results: Results) -> dict[str, dict[str, dict[str, int]]]:
     return out
 
 
-SELECTIONS = ("final", "best-val")
-
-
 def selected_row(res: Results, select: str, path: str | Path) -> int:
     """Which evaluation row a selection reports: the last (``final``), or the one with the best validation
     accuracy of the seen clients under the first model kind (``best-val``, the papers' model selection;

@@ -81,6 +81,14 @@ def write_config(tmp_path: Path):
     return write
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:  # noqa: ANN001
+    """One directory every rank of the world communicator agrees on (rank 0's), for pytest-mpi tests."""
+    from mpi4py import MPI
+
+    path = str(tmp_path_factory.mktemp(name)) if MPI.COMM_WORLD.Get_rank() == 0 else None
+    return Path(MPI.COMM_WORLD.bcast(path, root=0))
+
+
 def _merge(base: dict, extra: dict) -> dict:
     """``base`` with ``extra`` merged in, nested mappings too; a deep copy, so callers may mutate the result."""
     out = copy.deepcopy(base)

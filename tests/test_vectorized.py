@@ -17,12 +17,14 @@ from tests.conftest import run_mpifl
 
 
 @pytest.mark.parametrize("hidden", [None, [32, 16]])
-@pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5}])
+@pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5},
+                                     {"augment": "crop_flip"}])  # each client's crops from its own generator
 def test_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
     torch.set_num_threads(1)
     model_cfg = {"name": "logistic"} if hidden is None else {"name": "mlp", "hidden": hidden}
+    shape = [1, 5, 4] if options.get("augment") else [20]
     cfg = parse_config({"data": {"dataset": "gaussian_images", "num_clients": 7, "synthetic": {
-        "image_shape": [20], "samples_per_client": 37}}, "model": model_cfg})
+        "image_shape": shape, "samples_per_client": 37}}, "model": model_cfg})
     data = build_federated_dataset(cfg.data, 0)
     splits = data.load_clients(range(7))
     client_cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)

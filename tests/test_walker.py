@@ -4,7 +4,6 @@ toy algorithm whose every callback records what the runtime told it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,7 +98,7 @@ class EchoClient(ClientAlgorithm):
         return row * np.nan if client in self.broken else row
 
 
-def parts(tmp_path: Path | None = None, faults: dict | None = None):  # noqa: ANN201
+def parts(faults: dict | None = None):  # noqa: ANN201
     cfg = parse_config(_merge(TINY, {"faults": faults or {}}))
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     ctx = RunContext(cfg, dataset.layout)

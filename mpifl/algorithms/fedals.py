@@ -238,12 +238,10 @@ class FedALSClient(ClientAlgorithm):
 
     protocol_type: type[FedALSProtocol] = FedALSProtocol
     protocol: FedALSProtocol
-    scratch: tuple[str, ...] = ("gradients",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
-        self.gradients: dict[int, GradientMean] = {}
         self.eval_params: np.ndarray | None = None
         self.eval_norm: np.ndarray | None = None
 
@@ -283,10 +281,10 @@ class FedALSClient(ClientAlgorithm):
     def compute(self, step: StepContext, client: int) -> None:
         st = self.working(client)
         self.workspace.load(st["model"])
-        hook = None
+        hook, gradients = None, None
         if "control" in st:
-            self.gradients[client] = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
-            hook = correction_hook(st["global_control"] - st["control"], self.device, self.gradients[client])
+            gradients = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
+            hook = correction_hook(st["global_control"] - st["control"], self.device, gradients)
         momentum = torch.from_numpy(st["momentum"]).to(self.device) if "momentum" in st else None
         opts = self.ctx.options
         steps = self.train_workspace(step, client, hook, steps=opts.tau, momentum=momentum,
@@ -295,8 +293,8 @@ class FedALSClient(ClientAlgorithm):
         if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st["momentum"]
             st["momentum"][:] = host_numpy(momentum)
         st["steps"] += steps
-        if hook is not None:
-            st["gradient_sum"] += host_numpy(self.gradients.pop(client).total)
+        if gradients is not None:
+            st["gradient_sum"] += host_numpy(gradients.total)
 
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol
@@ -318,8 +316,7 @@ class FedALSClient(ClientAlgorithm):
 
     def current_model(self, client: int) -> np.ndarray:
         """θₖ as its last round left it (the initial model before its first participation)."""
-        model = self.state.get(client, "model")
-        return self.initial if model is None else model
+        return self.state.get(client, "model", self.initial)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.eval_params, "the evaluated model"))

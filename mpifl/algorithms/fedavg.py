@@ -83,7 +83,10 @@ class FedAvgServer(ServerAlgorithm):
         return {"global_model": self.params}
 
 
-class FedAvgClient(ClientAlgorithm):
+class DeltaClient(ClientAlgorithm):
+    """The client side of a FedAvg-style plan: each participant receives its start point (``model_msg``),
+    trains, and sends its delta (``delta_msg``); ``eval_msg`` brings the parameters evaluation starts from."""
+
     protocol_type: type[FedAvgProtocol] = FedAvgProtocol
     protocol: FedAvgProtocol
     scratch: tuple[str, ...] = ("start", "deltas")
@@ -93,19 +96,26 @@ class FedAvgClient(ClientAlgorithm):
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
-        cls, mode = type(self), ctx.cfg.client.vectorize
-        plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
-        self.vectorizer = None
-        plain_sgd = plain_sgd and ctx.cfg.client.augment == "none"
-        if plain_sgd and mode is not False and ctx.cfg.model.name in VECTORIZABLE_MODELS:
-            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
-        self.trained_together = 0
 
     def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         if msg.name == self.protocol.eval_msg.name:
             self.global_params = row
         else:
             self.start[client] = row
+
+    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
+        return self.deltas.pop(client)
+
+
+class FedAvgClient(DeltaClient):
+    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
+        super().__init__(ctx, data, state)
+        cls, mode = type(self), ctx.cfg.client.vectorize
+        plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
+        self.vectorizer = None
+        if plain_sgd and mode is not False and ctx.cfg.model.name in VECTORIZABLE_MODELS:
+            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
+        self.trained_together = 0
 
     def compute(self, step: StepContext, client: int) -> None:
         start = self.start.pop(client)
@@ -160,9 +170,6 @@ class FedAvgClient(ClientAlgorithm):
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""
         return None
-
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        return self.deltas.pop(client)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.global_params, "the evaluated model"))

@@ -88,5 +88,4 @@ class FedDeperClient(FedAvgClient):
 
     def personal(self, client: int) -> np.ndarray:
         """vᵢ after its last mixing; the initial model for a client not yet sampled."""
-        own = self.state.get(client, "personal")
-        return self.initial if own is None else own
+        return self.state.get(client, "personal", self.initial)

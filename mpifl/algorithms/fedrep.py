@@ -18,24 +18,15 @@ clients start); an unseen client (pefll spec §4.2) trains a fresh head from the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-    weighted_sum,
-)
-from mpifl.algorithms.fedavg import GlobalModel
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require, weighted_sum
+from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
+from mpifl.comm.messages import Message
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
 from mpifl.training.sgd import TrainStats, client_generator, local_sgd, planned_samples
@@ -51,7 +42,9 @@ class FedRepOptions:
     head_layers: int = field(default=1, metadata=limits(ge=1))  # the last layer groups that are personal
 
 
-class FedRepProtocol(Protocol):
+class FedRepProtocol(FedAvgProtocol):
+    """FedAvg's plan with the body in place of the model."""
+
     eval_kinds = ("personal",)
 
     def __init__(self, ctx: RunContext):
@@ -63,21 +56,15 @@ class FedRepProtocol(Protocol):
             raise ConfigError(f"fedrep.head_layers: {layers} leaves no body of the model's {len(groups)} layer groups")
         boundary = groups[-layers].start
         self.body, self.head = slice(0, boundary), slice(boundary, model.numel)
-        self.body_msg = Message("body", "down", boundary, broadcast=True)
+        self.model_msg = Message("body", "down", boundary, broadcast=True)
         self.delta_msg = Message("body_delta", "up", boundary)
         self.eval_msg = Message("eval_body", "down", boundary, broadcast=True)
-
-    def train_plan(self, round_: int) -> Sequence[Step]:
-        return (self.body_msg, LOCAL, self.delta_msg)
-
-    def eval_plan(self) -> Sequence[Step]:
-        return (self.eval_msg,)
 
     def samples_per_round(self) -> np.ndarray:
         opts, client = self.ctx.options, self.ctx.cfg.client
         sizes = self.ctx.layout.train_sizes
-        return sum((planned_samples(sizes, client.for_epochs(e)) for e in (opts.head_epochs, opts.body_epochs) if e),
-                   np.zeros(len(sizes), dtype=np.int64))
+        return planned_samples(sizes, client.for_epochs(opts.head_epochs)) + planned_samples(
+            sizes, client.for_epochs(opts.body_epochs))
 
 
 class FedRepServer(ServerAlgorithm):
@@ -100,27 +87,18 @@ class FedRepServer(ServerAlgorithm):
         return {"body": self.model.params[self.protocol.body]}
 
 
-class FedRepClient(ClientAlgorithm):
+class FedRepClient(DeltaClient):
+    """FedAvg's client plumbing on the body (``global_params`` is the evaluated body)."""
+
     protocol_type: type[FedRepProtocol] = FedRepProtocol
     protocol: FedRepProtocol
-    scratch: tuple[str, ...] = ("start", "deltas")
 
     def __init__(self, ctx: RunContext, data, state=None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial_head = self.workspace.numpy()[self.protocol.head].copy()
-        self.start: dict[int, np.ndarray] = {}
-        self.deltas: dict[int, np.ndarray] = {}
-        self.eval_body: np.ndarray | None = None
-
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        if msg.name == self.protocol.eval_msg.name:
-            self.eval_body = row
-        else:
-            self.start[client] = row
 
     def head(self, client: int) -> np.ndarray:
-        own = self.state.get(client, "head")
-        return self.initial_head if own is None else own
+        return self.state.get(client, "head", self.initial_head)
 
     def load(self, body: np.ndarray, head: np.ndarray) -> None:
         params = self.workspace.numpy()  # a view on the CPU; the staging buffer's copy on a GPU
@@ -128,9 +106,7 @@ class FedRepClient(ClientAlgorithm):
         self.workspace.load(params)
 
     def train_part(self, client: int, part: slice, epochs: int, generator: torch.Generator) -> TrainStats:
-        """``epochs`` of local SGD on the ``part`` of the workspace model, the rest frozen."""
-        if not epochs:
-            return TrainStats(0, 0.0)
+        """``epochs`` of local SGD on the ``part`` of the workspace model, the rest frozen (none for 0)."""
         split = self.data[client]
         return local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn,
                          self.ctx.cfg.client.for_epochs(epochs), generator, part=part)
@@ -148,11 +124,8 @@ class FedRepClient(ClientAlgorithm):
         self.state.edit(client)["head"] = params[protocol.head].copy()
         self.deltas[client] = params[protocol.body] - start
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        return self.deltas.pop(client)
-
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
-        body = require(self.eval_body, "the evaluated body")
+        body = require(self.global_params, "the evaluated body")
         if not self.ctx.layout.unseen[client]:
             self.load(body, self.head(client))
             return self.workspace.module

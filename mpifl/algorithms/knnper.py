@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, RunContext, StepContext
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.models.norm import normalized_with
 from mpifl.schema import ConfigError, limits
@@ -91,11 +91,12 @@ class KNNMixture(nn.Module):
     mixture's prediction and negative log-likelihood."""
 
     def __init__(self, model: nn.Module, store: torch.Tensor, labels: torch.Tensor, k: int, lam: float,
-                 temperature: float, num_classes: int):
+                 temperature: float, num_classes: int, statistics: np.ndarray | None):
         super().__init__()
         self.model = model
         self.store, self.labels, self.k, self.lam = store, labels, k, lam
         self.temperature, self.num_classes = temperature, num_classes
+        self.statistics = statistics  # the BatchNorm statistics the datastore's features were computed with
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features, logits = features_and_logits(self.model, x)
@@ -124,18 +125,13 @@ class KNNPerClient(FedAvgClient):
     protocol_type: type[KNNPerProtocol] = KNNPerProtocol
     protocol: KNNPerProtocol
 
-    def __init__(self, ctx: RunContext, data, state=None):  # noqa: ANN001
-        super().__init__(ctx, data, state)
-        self.personal_statistics: np.ndarray | None = None  # the BatchNorm statistics the mixture evaluates with
-
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         model = super().eval_model(step, client, kind)
         split = self.data[client]
         if kind != "personal" or not len(split.y_train):  # no datastore: the global model alone
-            self.personal_statistics = None
             return model
         opts: KNNPerOptions = self.ctx.options
-        stats = self.personal_statistics = ClientAlgorithm.eval_norm_statistics(self, step, client, kind, model)
+        stats = self.eval_norm_statistics(step, client, kind, model)
         with normalized_with(model, stats) if stats is not None else contextlib.nullcontext():
             store, store_logits = features_and_logits(model, split.x_train)
             if len(split.y_val):
@@ -149,9 +145,9 @@ class KNNPerClient(FedAvgClient):
         searchable = len(split.y_val) > 0 or len(split.y_train) > 1
         k, lam = select(distances, split.y_train, logits, labels, opts, temperature, classes) \
             if searchable else (opts.k[0], 0.0)
-        return KNNMixture(model, store, split.y_train, k, lam, temperature, classes)
+        return KNNMixture(model, store, split.y_train, k, lam, temperature, classes, stats)
 
     def eval_norm_statistics(self, step: StepContext, client: int, kind: str, model: nn.Module) -> np.ndarray | None:
         if isinstance(model, KNNMixture):
-            return self.personal_statistics
+            return model.statistics
         return super().eval_norm_statistics(step, client, kind, model)

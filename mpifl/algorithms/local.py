@@ -76,8 +76,7 @@ class LocalClient(ClientAlgorithm):
         self.state.edit(client)["model"] = self.workspace.numpy().copy()
 
     def model(self, client: int) -> np.ndarray:
-        own = self.state.get(client, "model")
-        return self.initial if own is None else own
+        return self.state.get(client, "model", self.initial)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.model(client))

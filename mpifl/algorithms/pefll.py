@@ -23,8 +23,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from scipy.spatial.distance import cdist
-from scipy.stats import rankdata
 from torch import nn
 
 from mpifl.algorithms.base import (
@@ -193,7 +191,7 @@ class PeFLLServer(ServerAlgorithm):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
             gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
-            return gradient[self._rows_of(step.clients)].numpy()
+            return gradient[rows_of(require(self.described, "the described clients"), step.clients)].numpy()
         models = require(self.models, "the clients' models").detach().numpy()
         if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
             self.models = None
@@ -217,7 +215,7 @@ class PeFLLServer(ServerAlgorithm):
             self.joint.grads.zero_()
             accepted, models = step.clients, require(self.models, "the round's models")
             if len(accepted) < len(require(self.described, "the described clients")):
-                models = models[self._rows_of(accepted)]
+                models = models[rows_of(require(self.described, "the described clients"), accepted)]
             models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
             self.joint.grads[self.split :] /= len(accepted)
             self.models = None
@@ -225,10 +223,6 @@ class PeFLLServer(ServerAlgorithm):
             grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
             grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
             self.step(grads)
-
-    def _rows_of(self, clients: np.ndarray) -> torch.Tensor:
-        """Where ``clients`` sit among this round's described clients (a rejected update drops a client)."""
-        return torch.from_numpy(np.searchsorted(require(self.described, "the described clients"), clients))
 
     def step(self, mean_delta: torch.Tensor) -> None:
         """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
@@ -262,11 +256,19 @@ class PeFLLServer(ServerAlgorithm):
                 "descriptor_standardizer": np.array([self.shift, self.scale])}
 
 
+def rows_of(sent: np.ndarray, clients: np.ndarray) -> torch.Tensor:
+    """Where ``clients`` sit among the clients ``sent`` this round's models (a rejected update drops a client)."""
+    return torch.from_numpy(np.searchsorted(sent, clients))
+
+
 def descriptor_correlations(descriptors: np.ndarray, class_counts: np.ndarray, unseen: np.ndarray
                             ) -> dict[str, float]:
     """Spec §2.5: for each client i, the Spearman correlation between its descriptor distances ‖v_i − v_j‖
     and its class-proportion distances ‖π_i − π_j‖ to every other client j, averaged over the unseen
     (and, separately, the seen) clients. π is each client's training-label histogram, normalized."""
+    from scipy.spatial.distance import cdist  # scipy costs ≈ 0.7 s and 58 MB to import: only where it is used
+    from scipy.stats import rankdata
+
     pi = class_counts / np.maximum(class_counts.sum(1, keepdims=True), 1)
     v = descriptors.astype(np.float64)
     out = {}
@@ -319,6 +321,10 @@ class HyperClient(ClientAlgorithm):
         self.deltas[client] = self.workspace.numpy() - start
         return stats
 
+    def compute(self, step: StepContext, client: int) -> None:
+        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client))
+        self.round_losses[client] = stats.mean_loss
+
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.eval_models.pop(client))
         if not self.ctx.options.mask_absent:
@@ -355,10 +361,6 @@ class PeFLLClient(HyperClient):
             self.eval_models[client] = row
         else:
             self.descriptor_grads[client] = row
-
-    def compute(self, step: StepContext, client: int) -> None:
-        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client))
-        self.round_losses[client] = stats.mean_loss
 
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         p = self.protocol

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, StepContext, require, weighted_sum
+from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import Message
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import client_generator, local_sgd, planned_samples, planned_steps, training_batches
+from mpifl.training.sgd import client_generator, local_sgd, planned_samples, planned_step_counts, training_batches
 
 PERSONALIZE_PURPOSE = 3  # client_generator purpose of the evaluation-time personalization
 
@@ -66,15 +66,14 @@ class PerFedAvgProtocol(FedAvgProtocol):
         """Batches per meta-step."""
         return 3 if self.ctx.options.variant == "hf" else 2
 
-    def batches(self, n: int) -> int:
-        """Batches a client with ``n`` training samples draws in a round: whole groups, at least one."""
-        return max(1, planned_steps(n, self.training_config()) // self.group) * self.group
+    def batches(self, sizes: np.ndarray) -> np.ndarray:
+        """Batches clients with ``sizes`` training samples draw in a round: whole groups, at least one."""
+        return np.maximum(1, planned_step_counts(sizes, self.training_config()) // self.group) * self.group
 
     def samples_per_round(self) -> np.ndarray:
         """The round's batches; Hessian-free steps take two more gradients on every third batch."""
-        cfg = self.training_config()
-        samples = np.array([planned_samples(np.array([n]), cfg, self.batches(int(n)))[0]
-                            for n in self.ctx.layout.train_sizes], dtype=np.int64)
+        sizes = self.ctx.layout.train_sizes
+        samples = planned_samples(sizes, self.training_config(), self.batches(sizes))
         return samples * 4 // 3 if self.ctx.options.variant == "hf" else samples
 
 
@@ -110,7 +109,7 @@ class PerFedAvgClient(FedAvgClient):
         protocol = self.protocol
         batches = training_batches(split.x_train, split.y_train, protocol.training_config(),
                                    client_generator(self.ctx.cfg.seed, step.round, client),
-                                   protocol.batches(len(split.x_train)))
+                                   int(protocol.batches(np.array([len(split.x_train)]))[0]))
         losses = []
         for group in _groups(batches, protocol.group):
             inner, loss = self.gradient(w, *group[0])
@@ -127,7 +126,7 @@ class PerFedAvgClient(FedAvgClient):
         self.deltas[client] = self.workspace.numpy() - start
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
-        self.workspace.load(require(self.global_params, "the evaluated model"))
+        model = super().eval_model(step, client, kind)  # the global model, in the workspace
         epochs = self.ctx.options.personalize_epochs
         if kind == "personal" and epochs:  # a fresh personalization each evaluation, from the global model
             split = self.data[client]
@@ -135,7 +134,7 @@ class PerFedAvgClient(FedAvgClient):
                                          weight_decay=0.0)
             local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, config,
                       client_generator(self.ctx.cfg.seed, step.round, client, PERSONALIZE_PURPOSE))
-        return self.workspace.module
+        return model
 
 
 def _groups(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], size: int

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require
-from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rowwise
+from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rows_of, rowwise
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
@@ -127,7 +127,7 @@ class PFedHNServer(ServerAlgorithm):
             self.joint.grads.zero_()
             models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
             if len(step.clients) < len(sent):
-                models = models[torch.from_numpy(np.searchsorted(sent, step.clients))]
+                models = models[rows_of(sent, step.clients)]
             models.backward(cotangent / len(step.clients))
             self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
             self.optimizer.step()
@@ -170,12 +170,11 @@ class PFedHNClient(HyperClient):
             self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
 
     def compute(self, step: StepContext, client: int) -> None:
-        seed = self.ctx.cfg.seed
         if step.stage == "newcomer":  # a new client adapting its embedding: not a training loss
             purpose = NEWCOMER_PURPOSE + self.newcomer_steps[client]
-            self.train_from(client, client_generator(seed, step.round, client, purpose))
+            self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client, purpose))
         else:
-            self.round_losses[client] = self.train_from(client, client_generator(seed, step.round, client)).mean_loss
+            super().compute(step, client)
 
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)

@@ -46,8 +46,8 @@ class GradientMean:
             self.total += self.weight_decay * params.double()
         self.steps += 1
 
-    def mean(self, part: slice = slice(None), steps: int | None = None) -> np.ndarray:
-        return host_numpy((self.total[part] / max(steps or self.steps, 1)).float()).copy()
+    def mean(self) -> np.ndarray:
+        return host_numpy((self.total / max(self.steps, 1)).float()).copy()
 
 
 def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from typing import overload
 
 import numpy as np
 
@@ -32,8 +33,14 @@ class ClientState:
             return {name: _read_only(value) for name, value in self._working[client].items()}
         return self._committed.get(client, {})
 
-    def get(self, client: int, name: str) -> np.ndarray | None:
-        return self.read(client).get(name)
+    @overload
+    def get(self, client: int, name: str) -> np.ndarray | None: ...
+    @overload
+    def get(self, client: int, name: str, default: np.ndarray) -> np.ndarray: ...
+
+    def get(self, client: int, name: str, default: np.ndarray | None = None) -> np.ndarray | None:
+        """``client``'s entry ``name``, or ``default`` while it has none (e.g. the initial model)."""
+        return self.read(client).get(name, default)
 
     def edit(self, client: int) -> StateDict:
         """``client``'s working copy for this round, created from its committed state on first use: the
@@ -53,11 +60,6 @@ class ClientState:
         """Forget these clients' edits of this round: their state is what it was before it."""
         for client in clients:
             self._working.pop(int(client), None)
-
-    @property
-    def editing(self) -> list[int]:
-        """Clients with uncommitted edits (empty between rounds)."""
-        return sorted(self._working)
 
     def clients(self) -> list[int]:
         """Clients that have committed state, in id order."""

@@ -1,5 +1,5 @@
 """Which worker rank hosts which client: static ownership balanced by training-sample count, and
-per-round placements that rebalance a round's clients when the algorithm keeps no client state."""
+per-round placements that rebalance a round's clients (a visiting client's state goes along: runtime/visits.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ class Placement:
         """This placement with one round's ``clients`` re-spread over the workers by their ``work``,
         moving as few as it can: biggest first, a client stays home while its home worker is within
         its fair share (total work / workers), and the others go, biggest first, to the least-loaded
-        worker (greedy LPT). Every other client is left where it lives. Only for algorithms without
-        per-client state: a client's arithmetic is the same on any rank, so results do not change."""
+        worker (greedy LPT). Every other client is left where it lives. A client's arithmetic is the same
+        on any rank, so results do not change."""
         if self.world_size == 1:
             return self
         work = np.asarray(work, dtype=np.int64)

@@ -80,8 +80,8 @@ class Transport:
             payload = self._check_payload(msg, payload, 1 if msg.broadcast else len(clients))
             self.ledger.record(round_, stage, msg, clients)
         local = self.local_clients(clients)
-        if self.size == 1:
-            rows = self._check_payload(msg, payload, 1 if msg.broadcast else len(clients)).reshape(-1, msg.numel)
+        if self.size == 1:  # the server alone: its payload, checked above
+            rows = np.asarray(payload).reshape(-1, msg.numel)
         elif msg.broadcast:
             rows = self._bcast(round_, msg, payload)
         else:
@@ -113,8 +113,9 @@ class Transport:
                 self.ledger.record(round_, stage, msg, clients)
         if self.size == 1:
             return list(rows)
-        started = [self._start_gather(msg, block, clients) for msg, block in zip(msgs, rows)]
-        return [self._finish_gather(round_, msg, clients, *flight) for msg, flight in zip(msgs, started)]
+        order = self.placement.rank_order(clients) if self.is_server else None
+        started = [self._start_gather(msg, block, order) for msg, block in zip(msgs, rows)]
+        return [self._finish_gather(round_, msg, order, *flight) for msg, flight in zip(msgs, started)]
 
     def gather_bytes(self, round_: int, name: str, blob: np.ndarray) -> list[np.ndarray]:
         """Every rank's variable-length uint8 ``blob`` (e.g. its checkpoint) on the server, indexed by
@@ -126,7 +127,7 @@ class Transport:
         sizes_msg = Message(f"{name}_sizes", "up", 1, "int64", logical=False)
         request = self.comm.Igather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
         self._timed(round_, sizes_msg, "gather", 8, request)  # no blocking call: it would spin a core
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        displs = _displacements(sizes)
         if not self.is_server:
             self._timed(round_, msg, "gatherv", blob.nbytes, self.comm.Igatherv(blob, None, root=0))
             return []
@@ -145,16 +146,15 @@ class Transport:
         for rank, blob in outgoing.items():
             send_counts[rank] = blob.size
         recv_counts = np.zeros(self.size, dtype=np.int32)
-        counts_msg = Message(f"{name}_sizes", "up", self.size, "int32", logical=False)
+        counts_msg = Message(exchange_names(name)[1], "up", self.size, "int32", logical=False)
         self._timed(round_, counts_msg, "alltoall", 8 * self.size, self.comm.Ialltoall(send_counts, recv_counts))
         send = np.concatenate([outgoing.get(r, np.zeros(0, np.uint8)) for r in range(self.size)]).astype(np.uint8)
         recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
-        send_displs = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int32)
-        recv_displs = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(np.int32)
-        byte = _mpi_type(Message(name, "up", 0, "uint8", logical=False))
+        send_displs, recv_displs = _displacements(send_counts), _displacements(recv_counts)
+        msg = Message(name, "up", 0, "uint8", logical=False)
+        byte = _mpi_type(msg)
         request = self.comm.Ialltoallv([send, send_counts, send_displs, byte], [recv, recv_counts, recv_displs, byte])
-        self._timed(round_, Message(name, "up", 0, "uint8", logical=False), "alltoallv",
-                    int(send_counts.sum() + recv_counts.sum()), request)
+        self._timed(round_, msg, "alltoallv", int(send_counts.sum() + recv_counts.sum()), request)
         return {r: recv[d : d + n] for r, (d, n) in enumerate(zip(recv_displs, recv_counts)) if n}
 
     @staticmethod
@@ -183,11 +183,10 @@ class Transport:
         if self.is_server:
             start = time.perf_counter()
             perm, per_rank = self.placement.rank_order(clients)
-            send = np.ascontiguousarray(self._check_payload(msg, payload, len(clients)).reshape(-1, msg.numel)[perm])
+            send = np.ascontiguousarray(np.asarray(payload).reshape(-1, msg.numel)[perm])  # checked by down()
             self.pack_seconds += time.perf_counter() - start
             counts = per_rank * msg.numel
-            displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            request = self.comm.Iscatterv([send, counts, displs, _mpi_type(msg)], recv, root=0)
+            request = self.comm.Iscatterv([send, counts, _displacements(counts), _mpi_type(msg)], recv, root=0)
             nbytes = send.nbytes
         else:
             request = self.comm.Iscatterv(None, recv, root=0)
@@ -195,30 +194,42 @@ class Transport:
         self._timed(round_, msg, "scatterv", nbytes, request)
         return recv
 
-    def _start_gather(self, msg: Message, rows: np.ndarray, clients: np.ndarray) -> tuple[Any, np.ndarray | None, int]:
-        """Start gathering ``msg``'s rows on the server: (the request, the receive buffer on the server, the
-        bytes this rank moves)."""
+    def _start_gather(self, msg: Message, rows: np.ndarray, order: tuple[np.ndarray, np.ndarray] | None
+                      ) -> tuple[Any, np.ndarray | None, int]:
+        """Start gathering ``msg``'s rows on the server (``order``: the clients' rank order there, from
+        :meth:`Placement.rank_order`): (the request, the receive buffer on the server, the bytes this rank moves)."""
         send = np.ascontiguousarray(rows, dtype=msg.dtype).reshape(-1)
-        if not self.is_server:
+        if order is None:
             return self.comm.Igatherv(send, None, root=0), None, send.nbytes
-        _, per_rank = self.placement.rank_order(clients)
+        perm, per_rank = order
         counts = per_rank * msg.numel
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        recv = np.empty((len(clients), msg.numel), dtype=msg.dtype)
-        return self.comm.Igatherv(send, [recv, counts, displs, _mpi_type(msg)], root=0), recv, recv.nbytes
+        recv = np.empty((len(perm), msg.numel), dtype=msg.dtype)
+        request = self.comm.Igatherv(send, [recv, counts, _displacements(counts), _mpi_type(msg)], root=0)
+        return request, recv, recv.nbytes
 
-    def _finish_gather(self, round_: int, msg: Message, clients: np.ndarray, request: Any, recv: np.ndarray | None,
-                       nbytes: int) -> np.ndarray | None:
-        """Wait for a gather; on the server, its rows back in ``clients`` order."""
+    def _finish_gather(self, round_: int, msg: Message, order: tuple[np.ndarray, np.ndarray] | None, request: Any,
+                       recv: np.ndarray | None, nbytes: int) -> np.ndarray | None:
+        """Wait for a gather; on the server, its rows back in client order."""
         self._timed(round_, msg, "gatherv", nbytes, request)
-        if recv is None:
+        if recv is None or order is None:
             return None
         start = time.perf_counter()
-        perm, _ = self.placement.rank_order(clients)
+        perm, _ = order
         out = np.empty_like(recv)
         out[perm] = recv
         self.pack_seconds += time.perf_counter() - start
         return out
+
+
+def exchange_names(name: str) -> tuple[str, str]:
+    """The physical-log message names an :meth:`Transport.exchange` called ``name`` records: its bytes and its
+    sizes."""
+    return name, f"{name}_sizes"
+
+
+def _displacements(counts: np.ndarray) -> np.ndarray:
+    """Where each rank's part starts in a buffer of consecutive parts of ``counts`` (their dtype)."""
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(counts.dtype)
 
 
 def _mpi_type(msg: Message):  # noqa: ANN202 - an MPI.Datatype

@@ -185,7 +185,7 @@ def load_pickle(path: Path) -> Any:
             return _SafeUnpickler(f, encoding="bytes").load()
     except _ForbiddenGlobal as exc:
         raise ConfigError(f"data.root: {path}: refusing to unpickle global {exc} (only numpy arrays allowed)") from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, LookupError,
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, LookupError,
             OSError, MemoryError, RecursionError) as exc:
         # MemoryError: a damaged length field asks for an impossible buffer; LookupError: a damaged
         # string encoding name (or memo key); RecursionError: damaged nesting

@@ -183,10 +183,11 @@ class Engine:
         logical = [m for m in plan if isinstance(m, Message) and m.logical]
         down = [m for m in logical if m.direction == "down"]
         up = [m for m in logical if m.direction == "up"]
+        down_bytes, up_bytes = sum(m.nbytes for m in down), sum(m.nbytes for m in up)
         wanted = self.cfg.clients_per_round
         sampled = sample_clients(self.cfg.seed, round_, self.seen, self.faults.selection_size(wanted))
-        clients = self.faults.participants(round_, sampled, wanted, sum(m.nbytes for m in down),
-                                           sum(m.nbytes for m in up), len(logical), self.samples_per_round)
+        clients = self.faults.participants(round_, sampled, wanted, down_bytes, up_bytes, len(logical),
+                                           self.samples_per_round)
         self.walker.rejected = 0
         placement = self.placement
         if self.dynamic:
@@ -206,9 +207,9 @@ class Engine:
         server_s = self.clock.server - server_before
         per_client_s = self.network.client_seconds(
             clients,
-            np.full(len(clients), sum(m.nbytes for m in down)),
+            np.full(len(clients), down_bytes),
             len(down),
-            np.full(len(clients), sum(m.nbytes for m in up)),
+            np.full(len(clients), up_bytes),
             len(up),
             telemetry[:, 0],
         )
@@ -302,8 +303,7 @@ class Engine:
         """Collect every rank's time breakdown and MPI totals, and with ``--profile`` its per-round rows
         (once, at the end: small pickled objects are fine)."""
         c = self.clock
-        visits = self.transport.physical.by_message(("visitor_state", "visitor_state_home", "visitor_state_sizes",
-                                                      "visitor_state_home_sizes"))
+        visits = self.visits.traffic()
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
                 **(self.client.rank_stats() if self.client is not None else {}),
                 "mpi_bytes": self.transport.physical.total_bytes,

@@ -18,8 +18,11 @@ import numpy as np
 
 from mpifl.algorithms.state import ClientState, pack_states, unpack_states
 from mpifl.comm import Placement, Transport
+from mpifl.comm.transport import exchange_names
 from mpifl.runtime.clock import RankClock
 from mpifl.runtime.store import ClientStore
+
+OUTWARD, HOMEWARD = "visitor_state", "visitor_state_home"  # the two exchanges' names in the physical log
 
 
 class Visits:
@@ -39,7 +42,7 @@ class Visits:
         if self.store is not None:
             self.store.visit(away[placement.owner[away] == rank])
         leaving = away[self.home.owner[away] == rank]
-        self.moved_states += self._move(round_, "visitor_state", leaving, placement.owner)
+        self.moved_states += self._move(round_, OUTWARD, leaving, placement.owner)
 
     def depart(self, round_: int, placement: Placement) -> None:
         """After the round: the visitors' state (committed by now) goes back home; their data is dropped."""
@@ -48,10 +51,14 @@ class Visits:
         if len(self.visitors) == 0:
             return
         hosted = self.visitors[placement.owner[self.visitors] == self.transport.rank]
-        self._move(round_, "visitor_state_home", hosted, self.home.owner)
+        self._move(round_, HOMEWARD, hosted, self.home.owner)
         if self.state is not None:
             self.state.drop(hosted)
         self.visitors = np.zeros(0, dtype=np.int64)
+
+    def traffic(self) -> tuple[int, float]:
+        """Bytes this rank moved in visitors' state exchanges, and the seconds it spent in them."""
+        return self.transport.physical.by_message(exchange_names(OUTWARD) + exchange_names(HOMEWARD))
 
     def _move(self, round_: int, name: str, clients: np.ndarray, destination: np.ndarray) -> int:
         """Send these local clients' committed state to ``destination[client]`` and take in what arrives;

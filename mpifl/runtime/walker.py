@@ -84,34 +84,10 @@ class PlanWalker:
                     seconds += spent[mine]
             else:  # a client's update: this and the up messages right after it, accepted or rejected as a whole
                 group = [step]
-                while position < len(plan):
-                    following = plan[position]
-                    if not isinstance(following, Message) or following.direction != "up":
-                        break
-                    group.append(following)
+                while position < len(plan) and isinstance(nxt := plan[position], Message) and nxt.direction == "up":
+                    group.append(nxt)
                     position += 1
-                blocks = []
-                for msg in group:
-                    rows = np.empty((len(local), msg.numel), dtype=msg.dtype)
-                    if client is not None:
-                        for i, c in enumerate(local):
-                            start = time.perf_counter()
-                            rows[i] = client.send(msg, here, int(c))
-                            seconds[i] += self._charge_compute(start)
-                    if rows.dtype.kind == "f":
-                        rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
-                    blocks.append(rows)
-                gathered = self.transport.up_many(round_, LEDGER_STAGES[stage], group, blocks, clients)
-                accepted = None
-                if server is not None:
-                    accepted = self._screen(round_, stage, group, clients, gathered)
-                if stage == "train":  # every rank learns the verdict: it decides whose state edits survive.
-                    # Before the server's steps, so the workers go on while the server computes.
-                    accepted = self._share_acceptance(round_, accepted, len(clients))
-                if server is not None and accepted is not None and accepted.any():
-                    for msg, rows_in in zip(group, gathered):
-                        self._server(server.consume, msg, context.with_clients(clients[accepted]),
-                                     require(rows_in, "the gathered rows")[accepted])
+                accepted = self._upload(round_, stage, group, here, local, seconds, corrupt)
                 if stage == "train" and accepted is not None:
                     keep = np.isin(local, clients[accepted])
                     audience = np.setdiff1d(audience, clients[~accepted])
@@ -121,6 +97,35 @@ class PlanWalker:
             client.state.commit(reached)
             client.state.discard(np.setdiff1d(started, reached))
         return Walk(local, seconds, clients)
+
+    def _upload(self, round_: int, stage: Stage, group: list[Message], step: StepContext, local: np.ndarray,
+                seconds: np.ndarray, corrupt: np.ndarray) -> np.ndarray | None:
+        """Move one update (``group``'s messages) of ``step.clients`` to the server, which screens it and, in
+        training, tells every rank its verdict before consuming the accepted rows. Adds the local clients'
+        send times to ``seconds``; returns which clients were accepted (``None`` on a worker outside training)."""
+        server, client, clients = self.server, self.client, step.clients
+        blocks = []
+        for msg in group:
+            rows = np.empty((len(local), msg.numel), dtype=msg.dtype)
+            if client is not None:
+                for i, c in enumerate(local):
+                    start = time.perf_counter()
+                    rows[i] = client.send(msg, step, int(c))
+                    seconds[i] += self._charge_compute(start)
+            if rows.dtype.kind == "f":
+                rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
+            blocks.append(rows)
+        gathered = self.transport.up_many(round_, LEDGER_STAGES[stage], group, blocks, clients)
+        accepted = self._screen(round_, stage, group, clients, gathered) if server is not None else None
+        if stage == "train":  # every rank learns the verdict: it decides whose state edits survive.
+            # Before the server's steps, so the workers go on while the server computes.
+            accepted = self._share_acceptance(round_, accepted, len(clients))
+        if server is not None and accepted is not None and accepted.any():
+            keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
+            for msg, rows_in in zip(group, gathered):
+                self._server(server.consume, msg, step.with_clients(clients[accepted]),
+                             require(rows_in, "the gathered rows")[keep])
+        return accepted
 
     def _hosted(self, clients: np.ndarray) -> np.ndarray:
         return self.transport.local_clients(clients) if self.client is not None else clients[:0]

@@ -130,17 +130,26 @@ def batch_schedule(n: int, cfg: ClientConfig, generator: torch.Generator, steps:
 
 def planned_steps(n: int, cfg: ClientConfig, steps: int | None = None) -> int:
     """How many local steps :func:`batch_schedule` yields for ``n`` training samples."""
-    batch = min(cfg.batch_size, n)
-    return steps or cfg.steps or cfg.epochs * (n // batch if cfg.drop_last else math.ceil(n / batch))
+    return steps or int(planned_step_counts(np.array([n]), cfg)[0])
 
 
-def planned_samples(sizes: np.ndarray, cfg: ClientConfig, steps: int | None = None) -> np.ndarray:
-    """How many samples :func:`batch_schedule` yields in total for clients of ``sizes`` training samples:
-    whole passes, then the first batches (always full) of one more."""
+def planned_step_counts(sizes: np.ndarray, cfg: ClientConfig) -> np.ndarray:
+    """How many local steps :func:`batch_schedule` yields for clients of ``sizes`` training samples."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if cfg.steps:
+        return np.full(len(sizes), cfg.steps, dtype=np.int64)
+    batch = np.minimum(cfg.batch_size, np.maximum(sizes, 1))
+    return cfg.epochs * (sizes // batch if cfg.drop_last else -(-sizes // batch))
+
+
+def planned_samples(sizes: np.ndarray, cfg: ClientConfig, steps: int | np.ndarray | None = None) -> np.ndarray:
+    """How many samples :func:`batch_schedule` yields in total for clients of ``sizes`` training samples
+    (``steps``: one count for all, or one per client): whole passes, then the first batches (always full) of
+    one more."""
     sizes = np.asarray(sizes, dtype=np.int64)
     batch = np.minimum(cfg.batch_size, np.maximum(sizes, 1))
     per_epoch = sizes // batch if cfg.drop_last else -(-sizes // batch)
-    total = np.full(len(sizes), steps or cfg.steps) if (steps or cfg.steps) else cfg.epochs * per_epoch
+    total = planned_step_counts(sizes, cfg) if steps is None else np.broadcast_to(steps, sizes.shape)
     per_pass = per_epoch * batch if cfg.drop_last else sizes
     if cfg.batch_sampling == "fresh":
         return (total * batch).astype(np.int64)

@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, vmap
 
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import TrainStats, batch_schedule, sgd_step
+from mpifl.training.sgd import TrainStats, sgd_step, training_batches
 
 VECTORIZABLE_MODELS = ("linear", "logistic", "mlp")  # no buffers, no randomness in the forward pass
 _TRIALS = 3
@@ -29,8 +29,6 @@ _TRIALS = 3
 
 class VectorizedSGD:
     """Trains groups of clients of one flat model together; decides per group size when ``auto``."""
-
-    checkpoint_derived = ("model", "faster")  # the client's workspace, and this process's timings
 
     def __init__(self, model: FlatModel, loss_fn: nn.Module, mode: bool | str):
         self.model, self.loss_fn, self.mode = model, loss_fn, mode
@@ -83,11 +81,11 @@ class VectorizedSGD:
         params = torch.tensor(start, device=self.model.device).expand(group, -1).clone()
         momentum = torch.zeros_like(params) if cfg.momentum else None
         loss_sums = torch.zeros(group, dtype=torch.float64, device=params.device)
-        schedules = [batch_schedule(len(x), cfg, g) for x, g in zip(x_train, generators)]
+        clients = [training_batches(x, y, cfg, g) for x, y, g in zip(x_train, y_train, generators)]
         steps = 0
-        for batches in zip(*schedules):
-            xb = torch.stack([x[idx] for x, idx in zip(x_train, batches)])
-            yb = torch.stack([y[idx] for y, idx in zip(y_train, batches)])
+        for batches in zip(*clients):  # each client draws its batches (and augmentation) from its own generator
+            xb = torch.stack([b[0] for b in batches])
+            yb = torch.stack([b[1] for b in batches])
             grads, outputs = self.gradients(params, xb, yb)
             with torch.no_grad():  # a vmapped mean may round differently: each client's own loss, as alone
                 loss_sums += torch.stack([self.loss_fn(out, y) for out, y in zip(outputs, yb)])

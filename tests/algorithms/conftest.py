@@ -17,7 +17,7 @@ from mpifl.data import FederatedDataset, build_federated_dataset
 from mpifl.registry import get_algorithm
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
-from tests.conftest import _merge, rank_dependent, run_config
+from tests.conftest import _merge, assert_same, rank_dependent, run_config
 
 SHARDS = {
     "rounds": 4,
@@ -70,11 +70,8 @@ def assert_rank_invariant(run_algo, tmp_path: Path, algorithm: str, overrides: d
     """A P = 3 job (server + 2 workers, each owning some clients and their state) reproduces P = 1 bitwise."""
     run_algo(algorithm, overrides, ranks=0)
     run_algo(algorithm, overrides, ranks=3)
-    one = deterministic_tables(tmp_path / f"{algorithm}_p0.h5")
-    three = deterministic_tables(tmp_path / f"{algorithm}_p3.h5")
-    assert one.keys() == three.keys()
-    for key, value in one.items():
-        assert np.array_equal(value, three[key], equal_nan=value.dtype.kind == "f"), key
+    assert_same(deterministic_tables(tmp_path / f"{algorithm}_p0.h5"),
+                deterministic_tables(tmp_path / f"{algorithm}_p3.h5"))
 
 
 def both_sides(config: dict) -> tuple[RunContext, ServerAlgorithm, ClientAlgorithm]:

@@ -70,7 +70,7 @@ def test_perfedavg_takes_one_meta_step_when_the_data_fits_one_batch():
     cfg = config("perfedavg", perfedavg={"epochs": 1})
     ctx, server, _ = both_sides(cfg)
     protocol = server.protocol
-    assert protocol.batches(10) == 2
+    assert protocol.batches(np.array([10])).tolist() == [2]
     sizes = ctx.layout.train_sizes
     assert np.array_equal(protocol.samples_per_round(), 2 * sizes)  # two full passes of one batch each
 

@@ -6,14 +6,7 @@ import pytest
 
 from mpifl.checkpoint import read_client_states
 from mpifl.config import parse_config
-from tests.conftest import TINY, assert_same, deterministic, run_engine
-
-
-def shared_dir(tmp_path_factory, name):  # noqa: ANN001, ANN201
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    return world.bcast(str(tmp_path_factory.mktemp(name)) if world.Get_rank() == 0 else None)
+from tests.conftest import TINY, assert_same, deterministic, run_engine, shared_dir
 
 
 @pytest.mark.mpi(min_size=2)

@@ -9,15 +9,13 @@ every algorithm in one process and for a real 3-rank job.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from mpifl.config import parse_config
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results
-from tests.conftest import _merge, assert_same, deterministic, run_engine
+from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS
 
 SCENARIOS = {
@@ -31,14 +29,6 @@ SCENARIOS = {
                                             "seconds_per_sample": 1e-4}},
     "eval_chunk": {"eval_chunk": 3},
 }
-
-
-def shared_dir(tmp_path_factory, name: str) -> Path:  # noqa: ANN001
-    """One directory every rank agrees on (rank 0's)."""
-    from mpi4py import MPI
-
-    path = str(tmp_path_factory.mktemp(name)) if MPI.COMM_WORLD.Get_rank() == 0 else None
-    return Path(MPI.COMM_WORLD.bcast(path, root=0))
 
 
 def scenario_config(algorithm: str, scenario: str) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from mpifl.checkpoint import read_client_states
 from mpifl.results import read_results
 from tests.algorithms.conftest import SHARDS, _merge
-from tests.conftest import run_engine
+from tests.conftest import run_engine, shared_dir
 
 
 def run_world(tmp_path_factory, overrides):  # noqa: ANN001, ANN201
@@ -16,7 +16,7 @@ def run_world(tmp_path_factory, overrides):  # noqa: ANN001, ANN201
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    directory = world.bcast(str(tmp_path_factory.mktemp("r")) if world.Get_rank() == 0 else None)
+    directory = shared_dir(tmp_path_factory, "r")
     rounds = overrides.get("rounds", SHARDS["rounds"])
     return run_engine(_merge(SHARDS, {**overrides, "checkpoint_every": rounds}), world, f"{directory}/r.h5")
 

@@ -5,8 +5,7 @@ import pytest
 
 from mpifl.config import parse_config
 from mpifl.registry import known_algorithms
-from tests.conftest import _merge, assert_same, deterministic, run_engine
-from tests.mpi.test_fault_matrix_mpi import shared_dir
+from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS
 
 
@@ -27,6 +26,5 @@ def test_results_are_bitwise_the_same_on_1_to_4_ranks(algorithm, tmp_path_factor
         world.Barrier()
     if world.Get_rank() == 0:
         alone = deterministic(run_engine(cfg, MPI.COMM_SELF, directory / "p1.h5"))
-        assert sorted(paths) == [2, 3, 4]
         for path in paths.values():
             assert_same(deterministic(path), alone)
