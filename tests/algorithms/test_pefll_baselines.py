@@ -145,6 +145,16 @@ def test_fedrep_needs_a_body():
 
 
 # ------------------------------------------------------------------------------------------- kNN-Per
+@pytest.mark.parametrize("overrides, message", [
+    ({}, "knnper interpolates class probabilities; it needs a classification dataset"),  # ridge: regression
+    ({"data": {"dataset": "digits", "partition": "iid"}, "model": {"name": "logistic"}, "knnper": {"k": []}},
+     "knnper: k and weights each need at least one value to search"),
+])
+def test_knnper_refuses_what_it_cannot_search(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        both_sides(config("knnper", **overrides))
+
+
 def mlp_forward(theta: np.ndarray, x: np.ndarray, hidden: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
     """SHARDS' MLP (Flatten, Linear(d, hidden), ReLU, Linear(hidden, classes)): penultimate features, logits."""
     d = x[0].size
