@@ -3,7 +3,7 @@
 # launches real mpirun jobs), and the pytest-mpi suite on 3 and 4 ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+MPIFL_EXTRAS=test scripts/setup.sh
 source .venv/bin/activate
 # Debian's Fashion-MNIST lets the IDX loader be tested on the real files, and Debian's Slurm lets the
 # batch scripts be tested on a real local Slurm (each skipped with the reason if unavailable).
