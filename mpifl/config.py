@@ -10,7 +10,7 @@ the sections of several algorithms (each validated), and the one named by ``algo
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,20 +115,20 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a raw mapping into a :class:`RunConfig` (static checks only, no data access)."""
+    from mpifl.plugins import ALGORITHMS, installed
     from mpifl.registry import get_algorithm, known_algorithms
 
     raw = dict(raw)
     name = raw.get("algorithm", RunConfig.algorithm)
-    if not isinstance(name, str) or name not in known_algorithms():
-        import difflib
-
-        close = difflib.get_close_matches(str(name), known_algorithms(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"algorithm: unknown algorithm {name!r}{hint}; known: {', '.join(known_algorithms())}")
-    algo = get_algorithm(name)
+    if not isinstance(name, str):
+        raise ConfigError(f"algorithm: expected a name, got {name!r}")
+    algo = get_algorithm(name)  # built in, or a plug-in imported and checked here
     # A config may carry the options of several algorithms (a paper config holding every compared method's
     # settings, picked with --set algorithm=...): each section is validated, the named algorithm's applies.
-    sections = {other: raw.pop(other) for other in known_algorithms() if other in raw}
+    sections = {other: raw.pop(other) for other in sorted({name, *known_algorithms()}) if other in raw}
+    unknown = set(raw) - {f.name for f in fields(RunConfig)}
+    if unknown:  # sections of installed plug-ins (only those present get imported); the rest are unknown keys
+        sections.update({other: raw.pop(other) for other in sorted(unknown & set(installed(ALGORITHMS)))})
     for other, options in sections.items():
         if other != name:
             build(get_algorithm(other).options_type, options, other)

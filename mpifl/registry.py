@@ -1,15 +1,21 @@
 """Algorithm registry: name → (options schema, server side, client side).
 
 Entries are imported on first use, one algorithm at a time: importing all of them would load
-scipy, POT, scikit-learn and networkx into every rank of a FedAvg job (about 74 MB each).
+scipy, POT, scikit-learn and networkx into every rank of a FedAvg job (about 74 MB each). A name
+that is not built in is a plug-in (:mod:`mpifl.plugins`): an entry point of group ``mpifl.algorithms``
+or a ``module:attribute`` path whose object is a tuple like the built-in entries, with classes instead
+of names: (options dataclass or None, ServerAlgorithm subclass, ClientAlgorithm subclass).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from mpifl import plugins
+from mpifl.schema import ConfigError
 
 if TYPE_CHECKING:  # the registry names algorithm modules; it imports one only when asked for it
     from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm
@@ -44,14 +50,33 @@ _REGISTRY: dict[str, tuple[str | None, str, str]] = {
 
 
 def known_algorithms() -> list[str]:
+    """The built-in algorithms (plug-ins: :func:`mpifl.plugins.installed`)."""
     return sorted(_REGISTRY)
 
 
 @cache
 def get_algorithm(name: str) -> AlgorithmEntry:
-    options, server, client = _REGISTRY[name]
+    """The algorithm ``name``: built in, else a plug-in, checked here (a ConfigError if it is not one)."""
     no_options = _load("base.NoOptions")
-    return AlgorithmEntry(name, _load(options) if options else no_options, _load(server), _load(client))
+    if name in _REGISTRY:
+        options, server, client = _REGISTRY[name]
+        return AlgorithmEntry(name, _load(options) if options else no_options, _load(server), _load(client))
+    value = plugins.resolve(plugins.ALGORITHMS, name, tuple(known_algorithms()))
+    return _plugin_entry(name, value, no_options)
+
+
+def _plugin_entry(name: str, value: Any, no_options: type) -> AlgorithmEntry:
+    server_base, client_base = _load("base.ServerAlgorithm"), _load("base.ClientAlgorithm")
+    fits = isinstance(value, (tuple, list)) and len(value) == 3
+    if fits:
+        options, server, client = value
+        fits = ((options is None or isinstance(options, type) and is_dataclass(options))
+                and isinstance(server, type) and issubclass(server, server_base)
+                and isinstance(client, type) and issubclass(client, client_base))
+    if not fits:
+        raise ConfigError(f"algorithm: plug-in {name!r} must be a tuple (options dataclass or None, "
+                          f"ServerAlgorithm subclass, ClientAlgorithm subclass), got {value!r}")
+    return AlgorithmEntry(name, options or no_options, server, client)
 
 
 def _load(path: str) -> type:

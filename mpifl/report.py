@@ -221,7 +221,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         metrics["train_MB"] = float(ev["cum_logical_bytes"][at]) / 1e6 if ev else float("nan")
         groups.setdefault(yaml.safe_dump(key_config, sort_keys=True), []).append((key_config, metrics))
     configs = [runs[0][0] for runs in groups.values()]
-    algorithms = set(known_algorithms())
+    algorithms = set(known_algorithms()) | {str(c.get("algorithm")) for c in configs}  # plug-ins' sections too
 
     def varies(key: str) -> bool:
         section = key.split(".", 1)[0]

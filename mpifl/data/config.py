@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from mpifl.schema import limits
+from mpifl import plugins
+from mpifl.schema import ConfigError, limits
 
-DatasetName = Literal[
+DATASETS = (
     "digits",
     "fashion_mnist",
     "mnist",
@@ -19,7 +20,9 @@ DatasetName = Literal[
     "gaussian_images",
     "leaf_synthetic",
     "karula_ridge",
-]
+)
+"""The built-in datasets; any other name is a plug-in (:mod:`mpifl.plugins`)."""
+PLUGIN_CONTRACT = "a callable (data config, seed) -> (features, labels)"
 NATURAL_DATASETS = ("femnist", "shakespeare", "leaf_synthetic", "karula_ridge")
 """Datasets whose clients are defined by the data itself (writers, users, generated client distributions)."""
 PartitionName = Literal["iid", "classes", "dirichlet", "dirichlet_pefll", "shards", "natural"]
@@ -46,7 +49,7 @@ class SyntheticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: DatasetName = "digits"
+    dataset: str = "digits"  # one of DATASETS, or a plug-in: entry point of group mpifl.datasets, module:callable
     root: str | None = None
     num_clients: int = field(default=10, metadata=limits(ge=1))
     partition: PartitionName | None = None  # None: 'natural' where the data defines clients, else 'iid'
@@ -61,8 +64,14 @@ class DataConfig:
     pad_to: int | None = field(default=None, metadata=limits(ge=1))
     synthetic: SyntheticConfig = SyntheticConfig()
     prepared: str | None = None  # an HDF5 file written by `mpifl prepare` for these same settings
+    options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
 
     def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:  # a plug-in is imported and checked with the config, not at training
+            loader = plugins.resolve(plugins.DATASETS, self.dataset, DATASETS)
+            plugins.require_callable(plugins.DATASETS, self.dataset, loader, PLUGIN_CONTRACT)
+        elif self.options:
+            raise ConfigError(f"data.options: only plug-in datasets take options; {self.dataset!r} is built in")
         if self.partition is None:
             natural = self.dataset in NATURAL_DATASETS
             object.__setattr__(self, "partition", "natural" if natural else "iid")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numbers
 
 from mpifl.data.base import FederatedDataset, dataset_root
-from mpifl.data.config import NATURAL_DATASETS, DataConfig
+from mpifl.data.config import DATASETS, NATURAL_DATASETS, DataConfig
 from mpifl.data.leaf import LeafDataset
-from mpifl.data.pooled import PooledDataset, cifar_pool, digits_pool, idx_pool, svhn_pool
+from mpifl.data.pooled import PooledDataset, cifar_pool, digits_pool, idx_pool, plugin_pool, svhn_pool
 from mpifl.data.synthetic import GaussianImagesDataset, KarulaRidgeDataset, LeafSyntheticDataset
 from mpifl.schema import ConfigError
 
@@ -44,6 +44,8 @@ def build_federated_dataset(cfg: DataConfig, seed: int) -> FederatedDataset:
         raise ConfigError(f"data.partition: dataset {cfg.dataset!r} needs partition {expected}, got {cfg.partition!r}")
     if cfg.dataset in POOLS:
         return PooledDataset(cfg, seed, POOLS[cfg.dataset](cfg))
+    if cfg.dataset not in DATASETS:  # a plug-in's (features, labels), partitioned like a built-in pool
+        return PooledDataset(cfg, seed, plugin_pool(cfg, seed))
     if cfg.dataset in LEAF_DATASETS:
         return LeafDataset(cfg, dataset_root(cfg, "LEAF's train/ and test/ folders"), seed)
     if cfg.dataset == "gaussian_images":

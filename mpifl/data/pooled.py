@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpifl import plugins
 from mpifl.data.base import (
     ClientSplit,
     FederatedDataset,
@@ -25,7 +26,7 @@ from mpifl.data.base import (
     require_training_samples,
     unseen_mask,
 )
-from mpifl.data.config import DataConfig
+from mpifl.data.config import DATASETS, DataConfig
 from mpifl.data.formats import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, IdxFile, check_labels, find_file, read_cifar_batch
 from mpifl.data.partition import partition_counts, split_counts
 from mpifl.schema import ConfigError
@@ -143,6 +144,28 @@ def svhn_pool(cfg: DataConfig) -> Pool:
         parts.append(Part(len(y), functools.partial(_svhn_rows, path)))
     stats = _NORMALIZATION["svhn"] if cfg.normalize else (None, None)
     return Pool(np.concatenate(labels), 10, (3, 32, 32), tuple(parts), *stats)
+
+
+def plugin_pool(cfg: DataConfig, seed: int) -> Pool:
+    """A dataset plug-in's pool: its loader, called with the data config and the run's seed, returns
+    ``(features, labels)``: features [N, *sample_shape] (any real dtype, read as float32; a memory-mapped
+    array is read row by row, so each rank reads only its clients' rows), labels [N] integers 0..K-1.
+    mpifl partitions them like a built-in pool and does not rescale them (``data.normalize`` is the
+    plug-in's to honour)."""
+    where = f"data.dataset: plug-in {cfg.dataset!r}"
+    arrays = plugins.resolve(plugins.DATASETS, cfg.dataset, DATASETS)(cfg, seed)
+    if not (isinstance(arrays, (tuple, list)) and len(arrays) == 2):
+        raise ConfigError(f"{where} must return (features, labels), got {type(arrays).__name__}")
+    x, y = (a if isinstance(a, np.ndarray) else np.asarray(a) for a in arrays)
+    if x.ndim < 2 or x.dtype.kind not in "biuf" or len(x) == 0:
+        raise ConfigError(f"{where}: features must be a real array [N, *sample_shape] with N > 0, got "
+                          f"{x.dtype} {x.shape}")
+    if y.shape != (len(x),) or y.dtype.kind not in "iu":
+        raise ConfigError(f"{where}: labels must be integers of shape ({len(x)},), got {y.dtype} {y.shape}")
+    if y.min() < 0 or y.max() < 1:
+        raise ConfigError(f"{where}: labels must be class ids 0..K-1 with K >= 2, found {y.min()}..{y.max()}")
+    part = Part(len(x), lambda rows: np.asarray(x[rows], dtype=np.float32), cheap_rows=True)
+    return Pool(y.astype(np.int64), int(y.max()) + 1, tuple(x.shape[1:]), (part,))
 
 
 def _svhn_mat(path: Path, name: str) -> np.ndarray:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mpifl import plugins
 from mpifl.data import FederatedLayout
-from mpifl.models.config import ModelConfig
+from mpifl.models.config import MODELS, ModelConfig
 from mpifl.models.flat import FlatModel
 from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20
 from mpifl.schema import ConfigError
@@ -16,6 +17,28 @@ __all__ = ["FlatModel", "build_model", "loss_function"]
 
 def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Module:
     """Construct ``cfg.name`` for ``layout`` with weights drawn from ``seed`` alone (never global RNG state)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _builtin(cfg, layout) if cfg.name in MODELS else _plugin(cfg, layout)
+
+
+def _plugin(cfg: ModelConfig, layout: FederatedLayout) -> nn.Module:
+    """A plug-in's model: its builder called with the config (``options`` included) and the data's layout."""
+    builder = plugins.resolve(plugins.MODELS, cfg.name, MODELS)
+    model = builder(cfg, layout)
+    where = f"model.name: plug-in {cfg.name!r}"
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where} returned {type(model).__name__}, not a torch.nn.Module")
+    # what travels is the flat float32 parameter vector: state kept elsewhere would differ between ranks
+    if any(True for _ in model.buffers()):
+        raise ConfigError(f"{where}: the model has buffers; keep all its state in parameters (e.g. "
+                          "BatchNorm with track_running_stats=False)")
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ConfigError(f"{where}: every parameter must be float32")
+    return model
+
+
+def _builtin(cfg: ModelConfig, layout: FederatedLayout) -> nn.Module:
     regression = layout.task == "regression"
     out = 0 if regression else layout.num_classes
     shape = tuple(layout.input_shape)
@@ -24,30 +47,28 @@ def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Modu
             f"model.name: {cfg.name!r} does not fit a {layout.task} dataset"
             + (" (use 'linear' or 'mlp')" if regression else " ('linear' is for regression; use 'logistic')")
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if cfg.name in ("lenet", "cnn", "convnet", "resnet20") and len(shape) != 3:
-            raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
-        if cfg.name == "resnet20":
-            return ResNet20(shape, out, cfg.batch_norm)
-        if cfg.name in ("lenet", "cnn", "convnet"):
-            channels, hidden, kernel = {
-                "lenet": ((16, 32), (120, 84), 5),
-                "cnn": (cfg.channels, (cfg.fc_hidden,), 5),
-                "convnet": (cfg.channels, cfg.hidden, cfg.kernel_size),
-            }[cfg.name]
-            try:
-                return ConvNet(shape, channels, hidden, out, kernel)
-            except ValueError as exc:
-                raise ConfigError(f"model: {exc}") from None
-        if cfg.name == "char_lstm":
-            if layout.input_dtype != "int64":
-                raise ConfigError("model.name: 'char_lstm' needs token inputs (shakespeare)")
-            return CharLSTM(layout.num_classes + 1, cfg.embed_dim, cfg.lstm_hidden, out)
-        if layout.input_dtype != "float32":
-            raise ConfigError(f"model.name: {cfg.name!r} needs real-valued inputs; use 'char_lstm' for tokens")
-        hidden = cfg.hidden if cfg.name == "mlp" else ()
-        return MLP(shape, hidden, out)
+    if cfg.name in ("lenet", "cnn", "convnet", "resnet20") and len(shape) != 3:
+        raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
+    if cfg.name == "resnet20":
+        return ResNet20(shape, out, cfg.batch_norm)
+    if cfg.name in ("lenet", "cnn", "convnet"):
+        channels, hidden, kernel = {
+            "lenet": ((16, 32), (120, 84), 5),
+            "cnn": (cfg.channels, (cfg.fc_hidden,), 5),
+            "convnet": (cfg.channels, cfg.hidden, cfg.kernel_size),
+        }[cfg.name]
+        try:
+            return ConvNet(shape, channels, hidden, out, kernel)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+    if cfg.name == "char_lstm":
+        if layout.input_dtype != "int64":
+            raise ConfigError("model.name: 'char_lstm' needs token inputs (shakespeare)")
+        return CharLSTM(layout.num_classes + 1, cfg.embed_dim, cfg.lstm_hidden, out)
+    if layout.input_dtype != "float32":
+        raise ConfigError(f"model.name: {cfg.name!r} needs real-valued inputs; use 'char_lstm' for tokens")
+    hidden = cfg.hidden if cfg.name == "mlp" else ()
+    return MLP(shape, hidden, out)
 
 
 def loss_function(layout: FederatedLayout) -> nn.Module:

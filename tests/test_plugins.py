@@ -1,0 +1,152 @@
+"""Bring your own algorithm, model and dataset without forking mpifl: the README's example package
+(``examples/plugin``) is built and installed outside the environment, found through its entry points
+on 1 and 3 ranks (bitwise the same, exact bytes), named by ``module:callable`` paths, and refused with one
+line when a name is unknown or a plug-in is broken."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.registry import known_algorithms
+from mpifl.results import read_results
+from tests.conftest import REPO, assert_same, deterministic, mpi_env, mpirun_cmd, run_config
+from tests.test_fuzz import call
+
+ENTRY_POINTS = {
+    "algorithm": "damped_fedavg",
+    "damped_fedavg": {"rate": 0.25},
+    "rounds": 3,
+    "clients_per_round": 4,
+    "seed": 3,
+    "data": {"dataset": "blobs", "num_clients": 8, "partition": "dirichlet", "alpha": 1.0,
+             "options": {"samples": 400}},
+    "model": {"name": "tanh_mlp", "options": {"width": 16}},
+    "client": {"lr": 0.1, "batch_size": 16},
+}
+# tanh_mlp on blobs' 8 features and 3 classes, two hidden layers of 16: 8·16+16 + 16·16+16 + 16·3+3 parameters
+PARAMS = 467
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:  # noqa: ANN001
+    """The example package built from a copy and installed into a directory of its own, offline, so the shared
+    environment never sees it; processes find its entry points when the directory is on their path."""
+    root = tmp_path_factory.mktemp("plugin")
+    shutil.copytree(REPO / "examples" / "plugin", root / "src")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    proc = subprocess.run([*pip, "--target", str(root / "site"), str(root / "src")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return root / "site"
+
+
+@pytest.fixture
+def on_path(site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The installed example importable in this process too (and a folder for single-module plug-ins)."""
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def write(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run(site: Path, config: Path, out: Path, ranks: int) -> None:
+    """``mpifl run`` in a fresh process (under ``mpirun -n ranks`` when ranks > 1) that sees the plug-ins."""
+    env = {**mpi_env(), "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
+                                                      str(out), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_entry_points_run_bitwise_the_same_on_1_and_3_ranks_with_exact_bytes(site, tmp_path):
+    config = write(tmp_path / "cfg.yaml", ENTRY_POINTS)
+    for ranks in (1, 3):
+        run(site, config, tmp_path / f"p{ranks}.h5", ranks)
+    assert_same(deterministic(tmp_path / "p1.h5"), deterministic(tmp_path / "p3.h5"))
+    res = read_results(tmp_path / "p3.h5")
+    assert res.attrs["algorithm"] == "damped_fedavg" and res.table("model")["global_model"].shape == (PARAMS,)
+    ledger, attrs = res.table("ledger"), res.table_attrs["ledger"]
+    names = np.asarray(attrs["message_names"])[ledger["message"]]
+    stages = np.asarray(attrs["stages"])[ledger["stage"]]
+    train = stages == "train"
+    assert np.all(ledger["bytes"] == 4 * PARAMS)  # every row: the fp32 model or its delta, one client
+    for message in ("model", "delta"):  # 3 rounds × 4 clients, each way
+        assert ledger["bytes"][train & (names == message)].sum() == 3 * 4 * 4 * PARAMS
+    assert ledger["bytes"][~train].sum() == 3 * 8 * 4 * PARAMS  # 3 evaluations, the model to all 8 clients
+    assert res.table("eval")["global.seen.acc_pooled"][-1] > 0.5  # 3 balanced classes: better than chance
+
+
+def test_module_callable_paths_and_the_algorithms_option(on_path, tmp_path):
+    """The same plug-ins named by path, in this process; ``rate`` reaches the server: damped FedAvg at rate r
+    is FedAvg at server.lr = r, bit for bit (the default rate, 0.5, would differ)."""
+    algorithm = "mpifl_example.algorithm:ALGORITHM"
+    paths = {**ENTRY_POINTS, "algorithm": algorithm, algorithm: ENTRY_POINTS["damped_fedavg"],
+             "data": {**ENTRY_POINTS["data"], "dataset": "mpifl_example.data:load"},
+             "model": {**ENTRY_POINTS["model"], "name": "mpifl_example.model:build"}}
+    del paths["damped_fedavg"]
+    run_config(write(tmp_path / "paths.yaml", paths), tmp_path / "paths.h5")
+    fedavg = {**paths, "algorithm": "fedavg", "server": {"lr": 0.25}}
+    del fedavg[algorithm]
+    run_config(write(tmp_path / "fedavg.yaml", fedavg), tmp_path / "fedavg.h5")
+    assert_same(deterministic(tmp_path / "paths.h5"), deterministic(tmp_path / "fedavg.h5"))
+    assert read_results(tmp_path / "paths.h5").attrs["algorithm"] == algorithm
+
+
+BROKEN_MODULE = "import not_installed_dependency  # noqa: F401\n\n\ndef build(cfg, layout):\n    pass\n"
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"algorithm": "damped_fedav"},
+     "algorithm: unknown algorithm 'damped_fedav' (did you mean 'damped_fedavg'?); built-in: fedals, fedavg, "),
+    ({"model": {"name": "tanh_mpl"}}, "model.name: unknown model 'tanh_mpl' (did you mean 'tanh_mlp'?); built-in: "),
+    ({"data": {"dataset": "blob"}}, "data.dataset: unknown dataset 'blob' (did you mean 'blobs'?); built-in: "),
+    ({"model": {"name": "broken_plugin:build"}},
+     "model.name: model plug-in 'broken_plugin:build': cannot import module 'broken_plugin': ModuleNotFoundError: "
+     "No module named 'not_installed_dependency'"),
+    ({"model": {"name": "mpifl_example.model:biuld"}},
+     "model.name: model plug-in 'mpifl_example.model:biuld': module 'mpifl_example.model' has no attribute 'biuld'"),
+    ({"algorithm": "mpifl_example.model:build"},
+     "algorithm: plug-in 'mpifl_example.model:build' must be a tuple (options dataclass or None, ServerAlgorithm "
+     "subclass, ClientAlgorithm subclass), got <function build"),
+    ({"model": {"name": "mpifl_example:"}}, "model.name: 'mpifl_example:' is not a 'module:callable' path"),
+    ({"model": {"options": {"widht": 8}}}, "model.options: unknown key 'widht' (did you mean 'width'?)"),
+    ({"damped_fedavg": {"rate": 2}}, "damped_fedavg.rate: must be <= 1, got 2.0"),
+    ({"model": {"name": "mlp"}}, "model.options: only plug-in models take options; 'mlp' is built in"),
+])
+def test_unknown_or_broken_plugins_are_one_line_and_exit_code_2(on_path, tmp_path, change, error):
+    (on_path / "broken_plugin.py").write_text(BROKEN_MODULE)
+    cfg = {**ENTRY_POINTS, **{k: {**ENTRY_POINTS[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
+    code, err = call(["validate", str(write(tmp_path / "cfg.yaml", cfg))])
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"mpifl: error: {error}"), err
+
+
+def test_an_unknown_name_lists_the_choices_and_says_how_to_add_one(on_path, tmp_path):
+    code, err = call(["validate", str(write(tmp_path / "cfg.yaml", {**ENTRY_POINTS, "algorithm": "fedavgg"}))])
+    assert code == 2 and err == (
+        f"mpifl: error: algorithm: unknown algorithm 'fedavgg' (did you mean 'fedavg'?); built-in: "
+        f"{', '.join(known_algorithms())}; installed plug-ins: damped_fedavg; add your own as an entry point in "
+        "group 'mpifl.algorithms' or name it as 'module:callable' (README: Extending mpifl)\n")
+
+
+def test_a_broken_plugin_stops_3_ranks_with_one_line(site, tmp_path):
+    (tmp_path / "broken_plugin.py").write_text(BROKEN_MODULE)
+    config = write(tmp_path / "cfg.yaml", {**ENTRY_POINTS, "model": {"name": "broken_plugin:build"}})
+    env = {**mpi_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(site), str(REPO)])}
+    cmd = [*mpirun_cmd(3), sys.executable, "-m", "mpifl", "run", str(config), "--out", str(tmp_path / "x.h5")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert lines == ["mpifl: error: model.name: model plug-in 'broken_plugin:build': cannot import module "
+                     "'broken_plugin': ModuleNotFoundError: No module named 'not_installed_dependency'"]
+    assert not (tmp_path / "x.h5").exists()
