@@ -20,17 +20,8 @@ from mpifl.results import read_results
 from tests.conftest import REPO, assert_same, deterministic, mpi_env, mpirun_cmd, run_config
 from tests.test_fuzz import call
 
-ENTRY_POINTS = {
-    "algorithm": "damped_fedavg",
-    "damped_fedavg": {"rate": 0.25},
-    "rounds": 3,
-    "clients_per_round": 4,
-    "seed": 3,
-    "data": {"dataset": "blobs", "num_clients": 8, "partition": "dirichlet", "alpha": 1.0,
-             "options": {"samples": 400}},
-    "model": {"name": "tanh_mlp", "options": {"width": 16}},
-    "client": {"lr": 0.1, "batch_size": 16},
-}
+EXAMPLE = REPO / "examples" / "plugin"
+ENTRY_POINTS = yaml.safe_load((EXAMPLE / "damped_blobs.yaml").read_text())  # the README's example config
 # tanh_mlp on blobs' 8 features and 3 classes, two hidden layers of 16: 8·16+16 + 16·16+16 + 16·3+3 parameters
 PARAMS = 467
 
@@ -40,7 +31,7 @@ def site(tmp_path_factory) -> Path:  # noqa: ANN001
     """The example package built from a copy and installed into a directory of its own, offline, so the shared
     environment never sees it; processes find its entry points when the directory is on their path."""
     root = tmp_path_factory.mktemp("plugin")
-    shutil.copytree(REPO / "examples" / "plugin", root / "src")
+    shutil.copytree(EXAMPLE, root / "src")
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
     proc = subprocess.run([*pip, "--target", str(root / "site"), str(root / "src")], capture_output=True, text=True,
                           timeout=120)
@@ -150,3 +141,13 @@ def test_a_broken_plugin_stops_3_ranks_with_one_line(site, tmp_path):
     assert lines == ["mpifl: error: model.name: model plug-in 'broken_plugin:build': cannot import module "
                      "'broken_plugin': ModuleNotFoundError: No module named 'not_installed_dependency'"]
     assert not (tmp_path / "x.h5").exists()
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    """The README's "Extending mpifl" is the package these tests install, file for file."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Extending mpifl"):]
+    files = [EXAMPLE / "pyproject.toml", EXAMPLE / "damped_blobs.yaml", *(EXAMPLE / "mpifl_example").glob("[!_]*.py")]
+    assert len(files) == 5
+    for path in files:
+        assert f"\n{path.read_text()}```" in section, path
