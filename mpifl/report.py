@@ -34,6 +34,37 @@ def logical_totals(results: Results) -> dict[str, dict[str, dict[str, int]]]:
     return out
 
 
+def per_client_round(results: Results) -> dict[str, dict[str, dict[str, float]]]:
+    """Logical bytes one client received (down) or sent (up) in one round, by stage → direction: min, max,
+    mean over the (round, client) pairs that had traffic, and their count. Min = max is the protocol's exact
+    per-client cost; a spread shows what varies (rounds that send more, dropped uploads)."""
+    ledger = results.table("ledger")
+    directions = np.array(results.table_attrs.get("ledger", {}).get("directions", []))
+    stages = results.table_attrs.get("ledger", {}).get("stages", [])
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    if not ledger:
+        return out
+    for s, stage in enumerate(stages):
+        for direction in ("down", "up"):
+            mask = (ledger["stage"] == s) & (directions[ledger["message"]] == direction)
+            if not mask.any():
+                continue
+            pairs = np.stack([ledger["round"][mask], ledger["client"][mask]], axis=1)
+            _, which = np.unique(pairs, axis=0, return_inverse=True)
+            sums = np.bincount(which.ravel(), weights=ledger["bytes"][mask]).astype(np.int64)
+            out.setdefault(stage, {})[direction] = {"min": int(sums.min()), "max": int(sums.max()),
+                                                    "mean": float(sums.mean()), "count": len(sums)}
+    return out
+
+
+def _per_client_round_line(stage: str, by_dir: dict[str, dict[str, float]]) -> str:
+    """One line: the exact bytes where every client-round had the same, else the range and mean."""
+    cells = [f"{d} {s['min']:,} B" if s["min"] == s["max"]
+             else f"{d} {s['min']:,}–{s['max']:,} B (mean {s['mean']:,.0f})" for d, s in by_dir.items()]
+    counts = ", ".join(f"{s['count']} {d}" for d, s in by_dir.items())
+    return f"logical {stage} per client-round: {', '.join(cells)} (client-rounds: {counts})"
+
+
 def selected_row(res: Results, select: str, path: str | Path) -> int:
     """Which evaluation row a selection reports: the last (``final``), or the one with the best validation
     accuracy of the seen clients under the first model kind (``best-val``, the papers' model selection;
@@ -59,7 +90,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
     final: dict[str, float] = {}
     if ev:
         final = {k: float(v[row]) for k, v in ev.items() if k not in ("round",) and np.isfinite(v[row])}
-    totals = logical_totals(res)
+    totals, per_client = logical_totals(res), per_client_round(res)
     ranks = res.table("ranks")
     summary: dict[str, Any] = {
         "file": str(path),
@@ -72,6 +103,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         "last_eval_round": int(ev["round"][-1]) if ev else None,
         "final": final,
         "logical_bytes": totals,
+        "logical_bytes_per_client_round": per_client,
         "physical_mpi_bytes": int(ranks["mpi_bytes"].sum() if ranks else np.sum(res.table("physical").get("bytes", 0))),
         "mpi_seconds_by_rank": [float(s) for s in ranks["mpi_seconds"]] if ranks else None,
         "wall_time_s": res.attrs.get("wall_time_s"),
@@ -92,6 +124,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         for direction, by_msg in by_dir.items():
             detail = ", ".join(f"{name} {_bytes(b)}" for name, b in by_msg.items())
             lines.append(f"logical {stage} {direction:<4} {_bytes(sum(by_msg.values())):>10}  ({detail})")
+        lines.append(_per_client_round_line(stage, per_client[stage]))
     lines.append(f"physical MPI traffic       {_bytes(summary['physical_mpi_bytes']):>10}")
     if ranks:
         summary["time_by_rank"] = time_breakdown(ranks)
@@ -146,6 +179,7 @@ def plot(paths: list[str], output: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     runs = [(path, read_results(path)) for path in paths]
+    colors: dict[tuple[str, str], str] = {}
     for path, res in runs:
         ev, rounds = res.table("eval"), res.table("rounds")
         if not ev:
@@ -155,8 +189,10 @@ def plot(paths: list[str], output: str) -> None:
         label = f"{Path(path).stem} ({res.attrs.get('algorithm')})"
         for key in sorted(k for k in ev if k.endswith(".acc_pooled") and np.isfinite(ev[k]).any()):
             kind, group = key.split(".")[:2]
+            color = colors.setdefault((path, kind), f"C{len(colors)}")  # seen and unseen of one model alike
             for ax, x in zip(axes, xs):
-                ax.plot(x, ev[key], "o-" if group == "seen" else "s--", markersize=3, label=f"{label} {kind} {group}")
+                ax.plot(x, ev[key], "o-" if group == "seen" else "s--", color=color, markersize=3,
+                        label=f"{label} {kind} {group}")
     score = "R²" if runs[0][1].attrs.get("task") == "regression" else "accuracy"
     labels = (("round", "rounds"), ("cumulative logical bytes, training (MB)", "communication"),
               ("simulated time (s)", "simulated time"))
