@@ -63,6 +63,8 @@ class FederatedLayout:
     task: str  # "classification" | "regression"
     input_dtype: str  # "float32" | "int64"
     class_counts: np.ndarray  # int64 [num_clients, num_classes] training-label histogram
+    # the data brings its own validation rows (data.prepared written elsewhere); otherwise data.val_fraction says
+    has_val: bool = False
 
     def __post_init__(self) -> None:
         for name in ("train_sizes", "unseen", "class_counts"):

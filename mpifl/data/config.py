@@ -63,7 +63,7 @@ class DataConfig:
     normalize: bool = True
     pad_to: int | None = field(default=None, metadata=limits(ge=1))
     synthetic: SyntheticConfig = SyntheticConfig()
-    prepared: str | None = None  # an HDF5 file written by `mpifl prepare` for these same settings
+    prepared: str | None = None  # federated-data HDF5 file or .npz directory (docs/data_format.md)
     options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
 
     def __post_init__(self) -> None:

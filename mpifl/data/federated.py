@@ -30,9 +30,9 @@ def build_federated_dataset(cfg: DataConfig, seed: int) -> FederatedDataset:
         raise ConfigError(f"seed: expected a non-negative integer for the data streams, got {seed!r}")
     seed = int(seed)
     if cfg.prepared is not None:
-        from mpifl.data.prepared import PreparedDataset
+        from mpifl.data.prepared import open_prepared
 
-        return PreparedDataset(cfg, seed)
+        return open_prepared(cfg, seed)
     if cfg.dataset not in LEAF_DATASETS and cfg.test_fraction + cfg.val_fraction >= 1:
         raise ConfigError(
             f"data.val_fraction: test_fraction + val_fraction = {cfg.test_fraction + cfg.val_fraction} leaves "

@@ -104,7 +104,7 @@ class Engine:
         self.checkpointer = Checkpointer(self.transport, self.clock)
         self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
         # every model kind on the test split, and on the validation split where the data has one (model selection)
-        self.eval_splits = ("test", "val") if cfg.data.val_fraction > 0 else ("test",)
+        self.eval_splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
         fields = len(self.protocol.eval_kinds) * len(self.eval_splits) * len(EVAL_FIELDS)
         self.eval_msg = Message("eval_metrics", "up", fields, "float64", logical=False)
         self.recorder = Recorder(cfg, layout, self.protocol.eval_kinds, self.eval_splits, self.output, self.size)
