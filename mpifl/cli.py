@@ -45,10 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
     plot.add_argument("results", nargs="+")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
-    exp = sub.add_parser("export", help="write a results file's metrics as CSV and/or TensorBoard events")
-    exp.add_argument("results")
+    exp = sub.add_parser("export", help="write a results file's (or a sweep directory's) metrics as CSV, "
+                                        "TensorBoard events and/or MLflow runs")
+    exp.add_argument("results", help="results file, or a directory of them (one run per file)")
     exp.add_argument("--csv", metavar="DIR", help="write rounds.csv, eval.csv, clients.csv here")
-    exp.add_argument("--tensorboard", metavar="DIR", help="write a TensorBoard event file here")
+    exp.add_argument("--tensorboard", metavar="DIR",
+                     help="write a TensorBoard event file here (needs pip install 'mpifl[tensorboard]')")
+    exp.add_argument("--mlflow", metavar="DIR|URI", help="log MLflow runs into this local file store (or tracking "
+                                                         "URI; needs pip install 'mpifl[mlflow]')")
+    exp.add_argument("--experiment", help="MLflow experiment name (default: the results' directory name)")
     sweep = sub.add_parser("sweep", help="run a grid of configs × seeds (locally, or as a SLURM array)")
     sweep.add_argument("sweep_file")
     sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
@@ -87,9 +92,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "export":
             from mpifl.export import export
 
-            if not (args.csv or args.tensorboard):
-                raise ConfigError("export: give --csv DIR and/or --tensorboard DIR")
-            for path in export(args.results, args.csv, args.tensorboard):
+            if not (args.csv or args.tensorboard or args.mlflow):
+                raise ConfigError("export: give --csv DIR, --tensorboard DIR and/or --mlflow DIR")
+            for path in export(args.results, args.csv, args.tensorboard, args.mlflow, args.experiment):
                 print(f"wrote {path}")
             return 0
         if args.command == "sweep":

@@ -1,100 +1,112 @@
-"""Exporting a results file's metrics to CSV files and TensorBoard event files.
+"""Exporting results files to what people already track runs with: CSV files, TensorBoard and MLflow.
 
-The TensorBoard writer is self-contained (TFRecord framing with masked CRC-32C around hand-encoded
-``Event``/``Summary`` protobufs), so exporting needs neither TensorFlow nor TensorBoard installed.
+A results file becomes one run; a directory of them (a sweep) one run per file. Every metric carries the
+round as its step and the real time its round ended as its wall time (the rounds table's ``unix_time_s``),
+and the run's config, flattened, becomes its hyper-parameters (TensorBoard) or params (MLflow), so runs
+of a sweep can be compared by what they varied. TensorBoard and MLflow are optional extras
+(``pip install 'mpifl[tensorboard]'``, ``'mpifl[mlflow]'``); CSV needs nothing.
 """
 
 from __future__ import annotations
 
 import csv
-import socket
-import struct
-import time
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from mpifl.results import Results, read_results
+from mpifl.results import Results, flatten, optional_import, read_results
+from mpifl.schema import ConfigError
 
-_CRC32C_TABLE = []
-for _byte in range(256):
-    _crc = _byte
-    for _ in range(8):
-        _crc = (_crc >> 1) ^ 0x82F63B78 if _crc & 1 else _crc >> 1
-    _CRC32C_TABLE.append(_crc)
+# MLflow's limits on one log_batch call (params; metrics)
+_MLFLOW_PARAMS_PER_BATCH, _MLFLOW_METRICS_PER_BATCH = 100, 1000
 
 
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC32C_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+@dataclass(frozen=True)
+class Series:
+    """One scalar column of the rounds or eval table, row by row: round, value, Unix time of the round's end."""
 
+    tag: str
+    steps: np.ndarray
+    values: np.ndarray
+    times: np.ndarray
 
-def _masked_crc(data: bytes) -> int:
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        bits = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(bits | 0x80)
-        else:
-            out.append(bits)
-            return bytes(out)
-
-
-def _length_delimited(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _event(wall_time: float, step: int, body: bytes) -> bytes:
-    """An ``Event`` message: wall_time (1, double), step (2, int64), then ``body`` (version or summary)."""
-    return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + body
-
-
-def _scalar_summary(tag: str, value: float) -> bytes:
-    value_msg = _length_delimited(1, tag.encode()) + b"\x15" + struct.pack("<f", value)
-    return _length_delimited(5, _length_delimited(1, value_msg))
-
-
-def _record(data: bytes) -> bytes:
-    header = struct.pack("<Q", len(data))
-    return header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
-
-
-def _scalar_series(res: Results) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    series = {}
-    for table, x in (("rounds", "round"), ("eval", "round")):
-        columns = res.table(table)
-        for name, values in columns.items():
-            if name != x and values.dtype.kind == "f":
-                series[f"{table}/{name}"] = (columns[x].astype(np.int64), values)
-    return series
-
-
-def write_tensorboard(res: Results, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    now = time.time()
-    path = directory / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.mpifl"
-    records = [_record(_event(now, 0, _length_delimited(3, b"brain.Event:2")))]
-    for tag, (steps, values) in _scalar_series(res).items():
-        for step, value in zip(steps, values):
+    def finite(self) -> Iterator[tuple[int, float, float]]:
+        for step, value, when in zip(self.steps, self.values, self.times):
             if np.isfinite(value):
-                records.append(_record(_event(now, int(step), _scalar_summary(tag, float(value)))))
-    path.write_bytes(b"".join(records))
-    return path
+                yield int(step), float(value), float(when)
 
 
-def write_csv(res: Results, directory: Path) -> list[Path]:
+@dataclass(frozen=True)
+class Run:
+    """A results file read back for export."""
+
+    path: Path
+    results: Results
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def round_times(self) -> np.ndarray:
+        """The Unix time each round ended. Files written before mpifl recorded it get an estimate: back from
+        the file's last write by each later round's wall time."""
+        rounds = self.results.table("rounds")
+        wall = rounds.get("wall_time_s", np.zeros(0))
+        estimate = self.path.stat().st_mtime - (wall.sum() - np.cumsum(wall))
+        recorded = rounds.get("unix_time_s", np.full(len(wall), np.nan))
+        return np.where(np.isfinite(recorded), recorded, estimate)
+
+    def span(self) -> tuple[float, float]:
+        """When the run's first round started and its last round ended (Unix seconds)."""
+        times = self.round_times()
+        if not len(times):
+            return (self.path.stat().st_mtime,) * 2
+        return float(times[0] - self.results.table("rounds")["wall_time_s"][0]), float(times[-1])
+
+    def series(self) -> list[Series]:
+        """Every numeric column of the rounds and eval tables; an evaluation's time is that of the round it
+        evaluated (the round's end)."""
+        when = dict(zip(self.results.table("rounds").get("round", np.zeros(0)).astype(int).tolist(),
+                        self.round_times()))
+        start = self.span()[0]
+        out = []
+        for table in ("rounds", "eval"):
+            columns = self.results.table(table)
+            if not columns:
+                continue
+            steps = columns["round"].astype(np.int64)
+            times = np.array([when.get(int(s), start) for s in steps])
+            out += [Series(f"{table}/{name}", steps, values, times) for name, values in columns.items()
+                    if name not in ("round", "unix_time_s") and values.dtype.kind in "fiu"]
+        return out
+
+    def hyperparameters(self) -> dict[str, bool | int | float | str]:
+        """The flattened config; values other than numbers, booleans and strings as JSON (``[4, 8]``, ``null``)."""
+        return {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+                for key, value in flatten(self.results.config).items()}
+
+
+def results_files(source: str) -> list[Path]:
+    """A results file, or every ``*.h5`` in a directory (a sweep), in name order."""
+    path = Path(source)
+    if not path.is_dir():
+        return [path]
+    files = sorted(path.glob("*.h5"))
+    if not files:
+        raise ConfigError(f"{source}: no .h5 results files to export")
+    return files
+
+
+def write_csv(run: Run, directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for table in ("rounds", "eval", "clients"):
-        columns = res.table(table)
+        columns = run.results.table(table)
         if not columns:
             continue
         path = directory / f"{table}.csv"
@@ -107,11 +119,114 @@ def write_csv(res: Results, directory: Path) -> list[Path]:
     return written
 
 
-def export(path: str, csv_dir: str | None, tensorboard_dir: str | None) -> list[Path]:
-    res = read_results(path)
-    written: list[Path] = []
-    if csv_dir:
-        written += write_csv(res, Path(csv_dir))
-    if tensorboard_dir:
-        written.append(write_tensorboard(res, Path(tensorboard_dir)))
+def write_tensorboard(run: Run, directory: Path) -> Path:
+    """One event file in ``directory``: every series (step = round, real wall times) and the hyper-parameters
+    (TensorBoard's HPARAMS tab, with the eval series as its metrics)."""
+    tensorboard = optional_import("torch.utils.tensorboard", "tensorboard", "--tensorboard")
+    from torch.utils.tensorboard.summary import hparams
+
+    series = run.series()
+    start, end = run.span()
+    metrics = {s.tag: 0.0 for s in series if s.tag.startswith("eval/")}  # names only: TensorBoard reads the values
+    experiment, session_start, session_end = hparams(run.hyperparameters(), metrics)
+    with tensorboard.SummaryWriter(log_dir=str(directory)) as writer:
+        writer.file_writer.add_summary(experiment, walltime=start)
+        writer.file_writer.add_summary(session_start, walltime=start)
+        for s in series:
+            for step, value, when in s.finite():
+                writer.add_scalar(s.tag, value, step, walltime=when)
+        writer.file_writer.add_summary(session_end, walltime=end)
+    return directory
+
+
+def write_mlflow(runs: list[Run], target: str, experiment: str) -> str:
+    """One MLflow run per results file in ``experiment``: params (the flattened config), metrics per round
+    (step = round, timestamp = the round's end) and tags naming the file. ``target`` is a directory (a local
+    file store: offline, on any file system) or a tracking URI. Exporting a file again replaces its run."""
+    mlflow = optional_import("mlflow", "mlflow", "--mlflow")
+    if "://" in target:
+        uri = target
+    else:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks file stores to opt in
+        Path(target).mkdir(parents=True, exist_ok=True)
+        uri = Path(target).resolve().as_uri()
+    try:
+        _log_runs(mlflow.MlflowClient(tracking_uri=uri), runs, experiment)
+    except mlflow.exceptions.MlflowException as exc:  # an unusable store or URI: the user's input
+        raise ConfigError(f"--mlflow {target}: {exc.message.strip()}") from None
+    return uri
+
+
+def _log_runs(client: Any, runs: list[Run], experiment: str) -> None:
+    from mlflow.entities import Metric, Param
+
+    found = client.get_experiment_by_name(experiment)
+    if found is not None and found.lifecycle_stage == "deleted":
+        client.restore_experiment(found.experiment_id)
+    experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+    earlier = _runs_by_file(client, experiment_id)
+    for run in runs:
+        source = str(run.path.resolve())
+        for run_id in earlier.get(source, []):
+            client.delete_run(run_id)
+        start, end = run.span()
+        attrs = run.results.attrs
+        tags = {"mpifl.results_file": source, "mpifl.status": str(attrs.get("status")),
+                "mpifl.algorithm": str(attrs.get("algorithm")), "mpifl.world_size": str(attrs.get("world_size")),
+                "mpifl.version": str(attrs.get("mpifl_version"))}
+        created = client.create_run(experiment_id, start_time=int(start * 1000), tags=tags, run_name=run.name)
+        run_id = created.info.run_id
+        params = [Param(key, str(value)) for key, value in run.hyperparameters().items()]
+        for i in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=params[i : i + _MLFLOW_PARAMS_PER_BATCH])
+        metrics = [Metric(s.tag, value, int(when * 1000), step)
+                   for s in run.series() for step, value, when in s.finite()]
+        for i in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=metrics[i : i + _MLFLOW_METRICS_PER_BATCH])
+        if attrs.get("status") == "completed":  # a file still "running" stays an open run
+            client.set_terminated(run_id, "FINISHED", end_time=int(end * 1000))
+
+
+def _runs_by_file(client: Any, experiment_id: str) -> dict[str, list[str]]:
+    """The ids of the experiment's runs, by the results file they were exported from."""
+    out: dict[str, list[str]] = {}
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], page_token=token)
+        for found in page:
+            out.setdefault(found.data.tags.get("mpifl.results_file", ""), []).append(found.info.run_id)
+        token = page.token
+        if not token:
+            return out
+
+
+def export(source: str, csv_dir: str | None = None, tensorboard_dir: str | None = None,
+           mlflow_target: str | None = None, experiment: str | None = None) -> list[str]:
+    """Export a results file, or each in a directory (then into a subdirectory per file for CSV and
+    TensorBoard); returns what was written. The MLflow experiment defaults to the source's directory name."""
+    if tensorboard_dir:  # a missing extra is said before anything is written
+        optional_import("torch.utils.tensorboard", "tensorboard", "--tensorboard")
+    if mlflow_target:
+        optional_import("mlflow", "mlflow", "--mlflow")
+    files = results_files(source)
+    runs = [Run(path, read_results(path)) for path in files]
+    try:
+        return _write(runs, Path(source).is_dir(), csv_dir, tensorboard_dir, mlflow_target,
+                      experiment or (Path(source) if Path(source).is_dir() else files[0].parent).resolve().name)
+    except OSError as exc:  # a target that cannot be created or written: the user's input
+        raise ConfigError(f"export: cannot write: {exc}") from None
+
+
+def _write(runs: list[Run], sweep: bool, csv_dir: str | None, tensorboard_dir: str | None,
+           mlflow_target: str | None, experiment: str) -> list[str]:
+    written: list[str] = []
+    for run in runs:
+        if csv_dir:
+            written += [str(p) for p in write_csv(run, Path(csv_dir) / run.name if sweep else Path(csv_dir))]
+        if tensorboard_dir:
+            directory = Path(tensorboard_dir) / run.name if sweep else Path(tensorboard_dir)
+            written.append(str(write_tensorboard(run, directory)))
+    if mlflow_target:
+        uri = write_mlflow(runs, mlflow_target, experiment)
+        written.append(f"{uri} (MLflow experiment {experiment!r}, {len(runs)} run{'s' * (len(runs) != 1)})")
     return written

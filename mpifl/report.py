@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.results import Results, read_results
+from mpifl.results import Results, flatten, read_results
 
 
 def _bytes(n: float) -> str:
@@ -83,6 +83,38 @@ def selected_row(res: Results, select: str, path: str | Path) -> int:
     return int(np.nanargmax(ev[key]))
 
 
+def diagnostics(res: Results, row: int) -> dict[str, dict[str, dict[str, float | None]]]:
+    """The algorithm's own diagnostics (e.g. Karula's projection δ, FedALS's consensus distances, PeFLL's
+    descriptor correlation), by table: per-round ones at the last round that recorded them, evaluation ones at
+    the reported evaluation (``row``); each with its round, and min and max over the rows that recorded it."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for table in ("rounds", "eval"):
+        columns = res.table(table)
+        for name in res.diagnostics(table):
+            values = columns[name]
+            finite = np.isfinite(values)
+            if not finite.any():
+                continue
+            at = row if table == "eval" else int(np.flatnonzero(finite)[-1])
+            out.setdefault(table, {})[name] = {
+                "round": int(columns["round"][at]), "value": float(values[at]) if finite[at] else None,
+                "min": float(values[finite].min()), "max": float(values[finite].max()), "rows": int(finite.sum())}
+    return out
+
+
+def _diagnostic_lines(diags: dict[str, dict[str, dict[str, float | None]]]) -> list[str]:
+    lines = []
+    for table, what, rows in (("rounds", "per round (the last value", "rounds"),
+                              ("eval", "per evaluation (at the reported one", "evaluations")):
+        if table in diags:
+            lines.append(f"algorithm diagnostics {what}; min and max over the {rows} that recorded it):")
+            for name, d in diags[table].items():
+                value = "–" if d["value"] is None else f"{d['value']:.4g}"
+                lines.append(f"  {name:<32} {value:>10} (round {d['round']})  min {d['min']:.4g}  max {d['max']:.4g}"
+                             f"  ({d['rows']} {rows})")
+    return lines
+
+
 def report(path: str, select: str = "final") -> dict[str, Any]:
     res = read_results(path)
     ev, rounds = res.table("eval"), res.table("rounds")
@@ -102,6 +134,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         "selected_round": int(ev["round"][row]) if ev else None,
         "last_eval_round": int(ev["round"][-1]) if ev else None,
         "final": final,
+        "diagnostics": diagnostics(res, row),
         "logical_bytes": totals,
         "logical_bytes_per_client_round": per_client,
         "physical_mpi_bytes": int(ranks["mpi_bytes"].sum() if ranks else np.sum(res.table("physical").get("bytes", 0))),
@@ -118,8 +151,9 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy"
         lines.append(f"{how} (round {summary['selected_round']}):")
         for key in sorted(final):
-            if key != "cum_logical_bytes":
+            if key != "cum_logical_bytes" and key not in summary["diagnostics"].get("eval", {}):
                 lines.append(f"  {key:<32} {final[key]:.4f}")
+    lines += _diagnostic_lines(summary["diagnostics"])
     for stage, by_dir in totals.items():
         for direction, by_msg in by_dir.items():
             detail = ", ".join(f"{name} {_bytes(b)}" for name, b in by_msg.items())
@@ -206,17 +240,6 @@ def plot(paths: list[str], output: str) -> None:
     plt.close(fig)
 
 
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def mean_2se(values: np.ndarray) -> tuple[float, float]:
     """Mean and 2·SE (sample standard deviation over √n; NaN for one value) of finite ``values``: the
     spread the seed papers' tables print."""
@@ -232,7 +255,8 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     """Mean ± 2·SE over seeds of every run in ``directory``: runs whose configs differ only in ``seed``
     (and output path) form one row; the columns that name a row are the config keys that differ between
     rows (an algorithm's own options only among that algorithm's runs). Test metrics at each run's final
-    evaluation or at its best-validation one (``select``). Writes ``summary.md`` and ``summary.csv`` into
+    evaluation or at its best-validation one (``select``), and the algorithm's diagnostics (see
+    :func:`diagnostics`). Writes ``summary.md`` and ``summary.csv`` into
     the directory."""
     import csv
 
@@ -245,14 +269,19 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     if not files:
         raise ConfigError(f"{directory}: no .h5 results files to aggregate")
     groups: dict[str, list[tuple[dict[str, Any], dict[str, float]]]] = {}
+    diagnostic_names: set[str] = set()  # printed with significant digits: they span many magnitudes
     for path in files:
         res = read_results(path)
-        config = _flatten(yaml.safe_load(res.attrs["config"]))
+        config = flatten(res.config)
         key_config = {k: v for k, v in config.items() if k not in ("seed", "output")}
         ev = res.table("eval")
         at = selected_row(res, select, path)
         metrics = {k: float(v[at]) for k, v in ev.items()
                    if k.endswith((".acc_pooled", ".acc_mean")) and ".val_" not in k}
+        diags = {name: np.nan if d["value"] is None else d["value"]
+                 for table in diagnostics(res, at).values() for name, d in table.items()}
+        diagnostic_names.update(diags)
+        metrics.update(diags)
         metrics["round"] = float(ev["round"][at]) if ev else float("nan")
         metrics["train_MB"] = float(ev["cum_logical_bytes"][at]) / 1e6 if ev else float("nan")
         groups.setdefault(yaml.safe_dump(key_config, sort_keys=True), []).append((key_config, metrics))
@@ -280,7 +309,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [str(row[k]) for k in (*varying, "seeds")]
-        cells += [_mean_2se_cell(*row[m]) for m in metric_names]
+        cells += [_mean_2se_cell(row[m], ".4g" if m in diagnostic_names else ".4f") for m in metric_names]
         md.append("| " + " | ".join(cells) + " |")
     text = "\n".join(md)
     (Path(directory) / "summary.md").write_text(text + "\n")
@@ -292,7 +321,8 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     return {"rows": rows, "text": text, "varying": varying, "selection": select}
 
 
-def _mean_2se_cell(mean: float, two_se: float) -> str:
+def _mean_2se_cell(stats: tuple[float, float], form: str) -> str:
+    mean, two_se = stats
     if not np.isfinite(mean):
         return "–"
-    return f"{mean:.4f} ± {two_se:.4f}" if np.isfinite(two_se) else f"{mean:.4f}"
+    return f"{mean:{form}} ± {two_se:{form}}" if np.isfinite(two_se) else f"{mean:{form}}"

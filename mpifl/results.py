@@ -5,10 +5,12 @@ Layout (every table is a group of equal-length 1-D columns):
     /                 attrs: config (YAML), status (running|completed), mpifl/torch/mpi versions,
                       world_size, mpi_library, wall_time_s, rounds_completed
     /rounds           one row per training round: round, sim_time_s, wall_time_s, server_time_s,
-                      train_loss, logical_up_bytes, logical_down_bytes, + algorithm scalars
+                      unix_time_s (when the round ended), train_loss, logical_up_bytes,
+                      logical_down_bytes, + the algorithm's diagnostics (attr diagnostics: their names)
     /eval             one row per evaluation: round, cum_logical_bytes, and for each model kind
                       K (global, local, personal, ...) and group G (seen, unseen):
-                      K/G/acc_pooled, K/G/acc_mean, K/G/loss (flattened as "K.G.acc_pooled")
+                      K/G/acc_pooled, K/G/acc_mean, K/G/loss (flattened as "K.G.acc_pooled"),
+                      + the algorithm's evaluation diagnostics (attr diagnostics: their names)
     /ledger           logical bytes: round, client, message, stage, bytes; attrs message_names,
                       directions, stages
     /physical         rank 0's collectives: round, message, op, bytes, seconds
@@ -30,6 +32,36 @@ from typing import Any
 
 import h5py
 import numpy as np
+import yaml
+
+from mpifl.schema import ConfigError
+
+
+class MissingExtra(ConfigError, ImportError):
+    """An optional dependency is not installed: one line that names the extra to install (the CLI exits
+    with code 2; code that imports mpifl sees an ImportError)."""
+
+
+def optional_import(module: str, extra: str, purpose: str) -> Any:
+    """``module``, imported, or :class:`MissingExtra` saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtra(f"{purpose} needs {exc.name or module}: pip install 'mpifl[{extra}]'") from None
+
+
+def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys (``{"client": {"lr": 0.1}}`` → ``{"client.lr": 0.1}``)."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
 
 
 @dataclass
@@ -98,11 +130,27 @@ class Results:
     def table(self, name: str) -> dict[str, np.ndarray]:
         return self.tables.get(name, {})
 
+    def frame(self, name: str) -> Any:
+        """Table ``name`` as a pandas DataFrame (one column per column, byte strings decoded), for analysis in
+        notebooks; pandas is optional (``pip install 'mpifl[pandas]'``)."""
+        pandas = optional_import("pandas", "pandas", "Results.frame")
+        if name not in self.tables:
+            raise ConfigError(f"no table {name!r} in this results file (it has: {', '.join(sorted(self.tables))})")
+        columns = {k: np.char.decode(v) if v.dtype.kind == "S" else v for k, v in self.tables[name].items()}
+        return pandas.DataFrame(columns)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's config as the mapping it was written from (every default filled in)."""
+        return yaml.safe_load(self.attrs["config"])
+
+    def diagnostics(self, table: str) -> list[str]:
+        """The columns of ``table`` (rounds or eval) that the algorithm added: its own per-round diagnostics."""
+        return [name for name in self.table_attrs.get(table, {}).get("diagnostics", []) if name in self.table(table)]
+
 
 def read_results(path: str | Path, checkpoint: bool = False) -> Results:
     """Read a results file; its (possibly large) checkpoint group only when asked for."""
-    from mpifl.schema import ConfigError
-
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}

@@ -13,6 +13,7 @@ import yaml
 from mpifl.checkpoint import read_client_states
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
+from mpifl.results import read_results
 from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL
@@ -44,6 +45,8 @@ def test_resume_after_a_failure_is_bitwise_identical(algorithm, tmp_path, monkey
     monkeypatch.delenv("MPIFL_INJECT_FAULT")
     assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
     assert_same(deterministic(full), deterministic(part))
+    for table in ("rounds", "eval"):  # which columns are the algorithm's own diagnostics survives a resume
+        assert read_results(part).diagnostics(table) == read_results(full).diagnostics(table)
 
 
 def keeps_client_state(algorithm: str, tmp_path) -> bool:  # noqa: ANN001

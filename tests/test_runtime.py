@@ -157,26 +157,6 @@ def test_client_store_stages_generated_clients_lazily_and_drops_visitors():
     assert generated.cheap_clients and files.cheap_clients  # both may place clients anew every round
 
 
-def test_export_csv_and_tensorboard_events(write_config, tmp_path):
-    out = tmp_path / "r.h5"
-    res = run(write_config(), out)
-    assert main(["export", str(out), "--csv", str(tmp_path / "csv"), "--tensorboard", str(tmp_path / "tb")]) == 0
-    lines = (tmp_path / "csv" / "eval.csv").read_text().splitlines()
-    assert len(lines) == 1 + 3 and "global.seen.acc_pooled" in lines[0]
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
-    scalars = acc.Scalars("eval/global.seen.acc_pooled")
-    assert [s.step for s in scalars] == [1, 2, 3]
-    assert np.allclose([s.value for s in scalars], res.table("eval")["global.seen.acc_pooled"], atol=1e-6)
-
-
-def test_crc32c_matches_the_standard_check_value():
-    from mpifl.export import crc32c
-
-    assert crc32c(b"123456789") == 0xE3069283
-
-
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])
 def test_chunked_evaluation_changes_nothing_but_peak_memory(write_config, tmp_path, algorithm):
     whole = run(write_config({"algorithm": algorithm}), tmp_path / "whole.h5")

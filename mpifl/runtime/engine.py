@@ -227,8 +227,7 @@ class Engine:
             "participants": len(clients),
             "load_imbalance": self._load_imbalance(placement, clients),
             "rejected_updates": self.walker.rejected,
-            **self.server.round_metrics(),
-        })
+        }, self.server.round_metrics())
 
     def _walk_training(self, round_: int, plan: Sequence[Step], sampled: np.ndarray, clients: np.ndarray) -> Walk:
         """The round's training plan among its participants: all together, or one after another (``turns``)."""

@@ -32,6 +32,7 @@ class Recorder:
         self.cfg, self.layout, self.output, self.world_size = cfg, layout, output, world_size
         self.eval_kinds, self.eval_splits = eval_kinds, eval_splits
         self.rounds, self.evaluations = Table(), Table()
+        self.diagnostics: dict[str, set[str]] = {"rounds": set(), "eval": set()}  # the algorithm's own columns
         self.final_rows: np.ndarray | None = None  # the last evaluation's per-client rows
         self.owner: np.ndarray | None = None  # each client's home rank (the clients table)
         self.started = time.time()
@@ -39,8 +40,12 @@ class Recorder:
         self.pending_write: Future | None = None
 
     # ---------------------------------------------------------------------------------- rows
-    def record_round(self, row: dict[str, float]) -> None:
-        self.rounds.append(row)
+    def record_round(self, row: dict[str, float], diagnostics: dict[str, float] | None = None) -> None:
+        """A round's row: the engine's columns, the algorithm's ``diagnostics`` and when the round ended (Unix
+        time, so exported metrics carry real wall times)."""
+        diagnostics = diagnostics or {}
+        self.diagnostics["rounds"].update(diagnostics)
+        self.rounds.append({**row, **diagnostics, "unix_time_s": time.time()})
 
     def record_evaluation(self, round_: int, rows: np.ndarray, train_bytes: int, extra: dict[str, float]) -> None:
         """One evaluation row from every client's :data:`EVAL_FIELDS` sums (per model kind and data split):
@@ -54,6 +59,7 @@ class Recorder:
                 for name, value in summarize(block[mask], regression).items():
                     row[f"{kind}.{group}.{prefix}{name}"] = value
         row.update(extra)
+        self.diagnostics["eval"].update(extra)
         self.evaluations.append(row)
 
     def blocks(self, rows: np.ndarray) -> list[tuple[tuple[str, str], np.ndarray]]:
@@ -82,6 +88,7 @@ class Recorder:
             if columns:
                 keep = columns["round"] <= round_
                 target.extend({k: v[keep] for k, v in columns.items()})
+            self.diagnostics[table].update(saved.diagnostics(table))
 
     # ---------------------------------------------------------------------------------- file
     def write(self, status: str, ledger: Ledger, physical: PhysicalLog, checkpoint: dict[str, Any] | None = None,
@@ -105,7 +112,8 @@ class Recorder:
         }
         table_attrs: dict[str, dict[str, Any]] = {
             "ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
-                       "stages": ["train", "eval", "setup"]}}
+                       "stages": ["train", "eval", "setup"]},
+            **{table: {"diagnostics": sorted(names)} for table, names in self.diagnostics.items() if names}}
         if checkpoint:
             tables["checkpoint"] = checkpoint["blobs"]
             table_attrs["checkpoint"] = {"round": checkpoint["round"]}
