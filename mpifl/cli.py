@@ -116,7 +116,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from mpifl.data import build_federated_dataset
     from mpifl.data.prepared import prepare
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
     dataset = build_federated_dataset(cfg.data, cfg.seed)

@@ -51,6 +51,9 @@ class RunConfig:
     eval_every: int = field(default=1, metadata=limits(ge=1))
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
     eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
+    # torch's intra-op threads on every rank: a fixed count keeps results bitwise the same on any rank count
+    # (another count may change the bits, as it changes how reductions are split)
+    threads_per_rank: int = field(default=1, metadata=limits(ge=1))
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
     # re-spread over the workers by their work, state and all. auto: dynamic where allowed
@@ -150,14 +153,38 @@ def _check_cross_fields(cfg: RunConfig) -> None:
         )
     if d.test_fraction + d.val_fraction >= 1:
         raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
-    if cfg.eval_every > cfg.rounds:
-        raise ConfigError(f"eval_every: {cfg.eval_every} exceeds rounds ({cfg.rounds}); no round would be evaluated")
     if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
         raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    return parse_config(apply_overrides(load_raw(path), overrides or []))
+REQUIRED = ("algorithm", "data.dataset")  # what a run trains, and on what: never silently the defaults
+
+
+def check_required(raw: dict[str, Any], source: str | Path, keys: tuple[str, ...] = REQUIRED) -> None:
+    """An empty or truncated config file must not run on defaults: name what it lacks (a key under a
+    non-mapping counts as present; the schema reports that)."""
+    def given(key: str) -> bool:
+        node: Any = raw
+        for part in key.split("."):
+            if not isinstance(node, dict):
+                return True
+            if part not in node:
+                return False
+            node = node[part]
+        return True
+
+    # data.prepared names the data as data.dataset does (clients written elsewhere: docs/data_format.md)
+    missing = [key for key in keys if not given(key) and not (key == "data.dataset" and given("data.prepared"))]
+    if missing:
+        raise ConfigError(f"{source}: missing {' and '.join(missing)}; name {'them' if len(missing) > 1 else 'it'} "
+                          "in the file or with --set (e.g. algorithm: fedavg, data: {dataset: digits})")
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, required: tuple[str, ...] = REQUIRED
+                ) -> RunConfig:
+    raw = apply_overrides(load_raw(path), overrides or [])
+    check_required(raw, path, required)
+    return parse_config(raw)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -24,7 +24,9 @@ run killed at any moment leaves either the previous complete file or the new one
 
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,23 @@ def _write_attrs(node: h5py.Group, attrs: dict[str, Any]) -> None:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             value = np.array(value, dtype=h5py.string_dtype())
         node.attrs[key] = value
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse, before anything trains, a results path the first write would fail on: not a directory, and
+    its nearest existing directory (where the missing ones will be created) takes a new file. A file
+    probed there is removed at once, so a refused run leaves nothing behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"output {path}: is a directory, not a results file")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"output {path}: cannot be written: {exc.strerror or exc} ({existing})") from None
 
 
 def write_atomically(path: str | Path, attrs: dict[str, Any], tables: dict[str, dict[str, np.ndarray]],

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from mpifl.config import apply_overrides, load_raw, parse_config
+from mpifl.config import apply_overrides, check_required, load_raw, parse_config
 from mpifl.schema import ConfigError, build, limits
 
 
@@ -68,7 +68,9 @@ def load_sweep(path: str | Path) -> tuple[Path, SweepSpec, list[Run]]:
         for seed in spec.seeds:
             overrides = tuple(f"{k}={_fmt(v)}" for k, v in zip(keys, combo)) + (f"seed={seed}",)
             try:
-                parse_config(apply_overrides(raw_base, list(overrides)))
+                raw = apply_overrides(raw_base, list(overrides))
+                check_required(raw, base)
+                parse_config(raw)
             except ConfigError as exc:
                 raise ConfigError(f"sweep run {' '.join(overrides)}: {exc}") from None
             name = ",".join(o.replace("/", "_").replace(" ", "") for o in overrides)
@@ -125,7 +127,9 @@ set -euo pipefail
 line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {run_list.resolve()})
 eval "set -- $line"
 out=$1; shift
-run=({shlex.quote(sys.executable)} -m mpifl run {shlex.quote(str(base))} --out "$out" --quiet "$@")
+# threads_per_rank from --cpus-per-task, unless the sweep's own overrides (after it) set it
+run=({shlex.quote(sys.executable)} -m mpifl run {shlex.quote(str(base))} --out "$out" --quiet \\
+     --set "threads_per_rank=${{SLURM_CPUS_PER_TASK:-1}}" "$@")
 if [ "${{MPIFL_LAUNCHER:-srun}}" = mpirun ]; then
   exec mpirun --bind-to none -n "$SLURM_NTASKS" "${{run[@]}}"
 fi

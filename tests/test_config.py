@@ -1,7 +1,14 @@
+from pathlib import Path
+
 import pytest
 
+from mpifl.cli import main
 from mpifl.config import apply_overrides, config_to_dict, load_config, parse_config
+from mpifl.results import check_writable, read_results
 from mpifl.schema import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml") if not p.name.startswith("sweep"))
 
 
 def test_defaults_parse_and_round_trip():
@@ -25,7 +32,10 @@ def test_defaults_parse_and_round_trip():
         ({"data": {"test_fraction": 0.6, "val_fraction": 0.5}}, "test_fraction + val_fraction"),
         ({"data": "digits"}, "data: expected a mapping"),
         ({"network": {"up_mbps": 0}}, "network.up_mbps: must be > 0"),
-        ({"eval_every": 5, "rounds": 2}, "eval_every: 5 exceeds rounds"),
+        ({"model": {"channels": [16, -3]}}, "model.channels: must be >= 1, got -3"),
+        ({"model": {"hidden": [0]}}, "model.hidden: must be >= 1, got 0"),
+        ({"data": {"synthetic": {"image_shape": [1, 0, 8]}}}, "data.synthetic.image_shape: must be >= 1, got 0"),
+        ({"threads_per_rank": 0}, "threads_per_rank: must be >= 1"),
         ({"local": {"x": 1}}, "local: unknown key 'x'"),  # another algorithm's section is validated too
         ({"pefll": {"lambda_h": 0.1}}, "pefll.lambda_h: applies to Alg. 2's step (optimizer: paper) only"),
         ({"fedavg": {"x": 1}}, "fedavg: unknown key 'x'"),
@@ -77,3 +87,43 @@ def test_sections_of_other_algorithms_are_kept_out_of_the_run():
     assert cfg.algorithm_options.server_steps == "averaged"
     assert "local" not in config_to_dict(cfg) and config_to_dict(cfg)["pfedhn"]["server_steps"] == "averaged"
     assert parse_config({**raw, "algorithm": "local"}).algorithm_options.mode == "all"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_shipped_configs_take_few_rounds_and_name_what_they_run(path):
+    """A short trial run (--set rounds=3) of a config that evaluates every 5 rounds: the final round is evaluated
+    anyway, so it is no error; every shipped config names its algorithm and dataset (no defaults silently)."""
+    assert load_config(path, ["rounds=3"]).rounds == 3
+
+
+def test_the_final_round_is_evaluated_when_eval_every_exceeds_rounds(write_config, tmp_path):
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config({"rounds": 2, "eval_every": 5})), "--out", str(out), "--quiet"]) == 0
+    assert list(read_results(out).table("eval")["round"]) == [2]
+
+
+def test_an_empty_config_names_what_it_lacks(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml: missing algorithm and data.dataset; name them in the file"):
+        load_config(empty)
+    with pytest.raises(ConfigError, match=r"missing data.dataset; name it"):
+        load_config(empty, ["algorithm=fedavg", "data.num_clients=4"])
+    cfg = load_config(empty, ["algorithm=local", "data.dataset=gaussian_images"])  # --set supplies them
+    assert (cfg.algorithm, cfg.data.dataset) == ("local", "gaussian_images")
+    assert load_config(empty, ["data.dataset=digits"], required=("data.dataset",)).data.dataset == "digits"
+    assert main(["validate", str(empty)]) == 2
+    assert capsys.readouterr().err == (f"mpifl: error: {empty}: missing algorithm and data.dataset; name them in the "
+                                       "file or with --set (e.g. algorithm: fedavg, data: {dataset: digits})\n")
+
+
+def test_results_paths_that_cannot_be_written_are_refused_and_creatable_ones_left_alone(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError) as info:
+        check_writable(blocker / "x" / "run.h5")
+    assert str(info.value) == f"output {blocker}/x/run.h5: cannot be written: Not a directory ({blocker})"
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_writable(tmp_path)
+    check_writable(tmp_path / "new" / "dir" / "run.h5")  # created at the first write
+    assert sorted(tmp_path.iterdir()) == [blocker]  # the check itself leaves nothing behind

@@ -24,6 +24,7 @@ from tests.data.data_files import write_idx
 
 KEYS = [
     "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
+    "threads_per_rank",
     "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
     "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
     "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.size_sigma", "data.synthetic.image_shape",
@@ -60,6 +61,9 @@ def call(argv: list[str]) -> tuple[int, str]:
 
 @settings(max_examples=300, deadline=None)
 @given(mutations=st.lists(st.tuples(st.sampled_from(KEYS), VALUES), min_size=1, max_size=4))
+@example(mutations=[("model.channels", [-3])])  # was a traceback from torch's Conv2d
+@example(mutations=[("model.name", "mlp"), ("model.hidden", [8, 0])])
+@example(mutations=[("data.dataset", "gaussian_images"), ("data.synthetic.image_shape", [-1, 4])])
 def test_broken_configs_validate_or_fail_with_one_line(mutations):
     with tempfile.TemporaryDirectory() as tmp:
         _validate_once(Path(tmp), mutations)
@@ -76,6 +80,30 @@ def _validate_once(tmp_path: Path, mutations) -> None:
     if code == 2:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("mpifl: error: "), err
+
+
+@settings(max_examples=40, deadline=None)
+@given(dropped=st.sets(st.sampled_from(["algorithm", "data", "data.dataset", "model", "rounds", "eval_every"])))
+@example(dropped={"algorithm", "data"})  # what an empty file lacks
+def test_configs_lacking_keys_run_on_defaults_only_where_they_name_algorithm_and_dataset(dropped):
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _merge(TINY, {})
+        for key in dropped:
+            *parents, leaf = key.split(".")
+            node = cfg
+            for part in parents:
+                node = node.get(part, {})
+            node.pop(leaf, None)
+        path = Path(tmp) / "short.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        code, err = call(["validate", str(path)])
+    missing = [key for key in ("algorithm", "data.dataset") if any(f"{key}.".startswith(f"{d}.") for d in dropped)]
+    if missing:
+        assert (code, err) == (2, f"mpifl: error: {path}: missing {' and '.join(missing)}; name "
+                                  f"{'them' if len(missing) > 1 else 'it'} in the file or with --set (e.g. algorithm: "
+                                  "fedavg, data: {dataset: digits})\n")
+    else:
+        assert code == 0, err
 
 
 @settings(max_examples=8, deadline=None)

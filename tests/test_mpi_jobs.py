@@ -6,8 +6,9 @@ import time
 import h5py
 import numpy as np
 import pytest
+import torch
 
-from tests.conftest import run_mpifl
+from tests.conftest import assert_same, deterministic, run_config, run_mpifl
 
 
 def mpifl_lines(stderr: str) -> list[str]:
@@ -36,6 +37,39 @@ def test_global_model_is_bitwise_identical_for_1_to_4_ranks(write_config, tmp_pa
             assert np.array_equal(results[ranks][1][key], values, equal_nan=True), key
     with h5py.File(tmp_path / "p3.h5") as f:
         assert sorted(f["ranks/clients"][()]) == [0, 5, 5]
+
+
+def test_threads_per_rank_keep_results_bitwise_identical_on_1_and_3_ranks(write_config, tmp_path):
+    """Two torch threads on every rank (what --cpus-per-task=2 gives under jobs/mpifl.sbatch): a client's
+    arithmetic depends on its rank's thread count, which is the same on every rank, never on the rank count."""
+    settings = {"rounds": 2, "model": {"channels": [16], "fc_hidden": 64},
+                "client": {"momentum": 0.9, "batch_size": 32}}
+    config = write_config({**settings, "threads_per_rank": 2})
+    before = torch.get_num_threads()
+    try:
+        run_config(config, tmp_path / "p1.h5")  # in this process: 1 rank
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    run_config(config, tmp_path / "p3.h5", ranks=3)
+    two_threads = deterministic(tmp_path / "p1.h5")
+    assert_same(two_threads, deterministic(tmp_path / "p3.h5"))
+    run_config(write_config(settings, name="one.yaml"), tmp_path / "one.h5")  # the default: 1 thread
+    # the thread count reaches the bits here, so a rank computing with another count would show above
+    one_thread = deterministic(tmp_path / "one.h5")
+    assert not np.array_equal(two_threads["model/global_model"], one_thread["model/global_model"])
+
+
+@pytest.mark.parametrize("ranks", [0, 3])
+def test_unwritable_output_is_refused_before_training(write_config, tmp_path, ranks):
+    """As root too (where permissions do not stop writes): the results path runs through a regular file."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "sub" / "run.h5"
+    proc = run_mpifl(["run", str(write_config({"rounds": 20})), "--out", str(out)], ranks=ranks, timeout=90)
+    assert proc.returncode == 2
+    assert mpifl_lines(proc.stderr) == [f"mpifl: error: output {out}: cannot be written: Not a directory ({blocker})"]
+    assert "round" not in proc.stdout  # nothing trained
 
 
 def test_dynamic_placement_balances_rounds_without_changing_results(write_config, tmp_path):

@@ -82,4 +82,5 @@ def test_slurm_array_script(write_config, tmp_path):
     assert main(["sweep", str(sweep), "--slurm"]) == 0
     script = (tmp_path / "out" / "sweep.sbatch").read_text()
     assert "#SBATCH --array=0-3" in script and "srun" in script
+    assert '--set "threads_per_rank=${SLURM_CPUS_PER_TASK:-1}" "$@")' in script  # a run's own --set wins
     assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 4

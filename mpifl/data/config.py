@@ -36,7 +36,7 @@ class SyntheticConfig:
     # gaussian_images: client sizes log-normal with this sigma around samples_per_client (0: equal)
     size_sigma: float = field(default=0.0, metadata=limits(ge=0))
     num_classes: int = field(default=10, metadata=limits(ge=2))
-    image_shape: tuple[int, ...] = (1, 28, 28)
+    image_shape: tuple[int, ...] = field(default=(1, 28, 28), metadata=limits(ge=1))
     num_features: int = field(default=60, metadata=limits(ge=1))
     class_separation: float = field(default=1.0, metadata=limits(ge=0))
     leaf_alpha: float = field(default=1.0, metadata=limits(ge=0))

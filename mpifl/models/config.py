@@ -15,8 +15,8 @@ PLUGIN_CONTRACT = "a callable (model config, data layout) -> torch.nn.Module"
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "mlp"  # one of MODELS, or a plug-in (mpifl.plugins): entry point of group mpifl.models, module:callable
-    hidden: tuple[int, ...] = (64,)
-    channels: tuple[int, ...] = (16, 32)
+    hidden: tuple[int, ...] = field(default=(64,), metadata=limits(ge=1))  # each layer's width
+    channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))
     kernel_size: int = field(default=5, metadata=limits(ge=1))  # convnet
     batch_norm: bool = False  # resnet20
     fc_hidden: int = field(default=128, metadata=limits(ge=1))

@@ -24,6 +24,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.registry import get_algorithm
+from mpifl.results import check_writable
 from mpifl.runtime.checkpointer import Checkpointer
 from mpifl.runtime.clock import TIME_PARTS, RankClock, peak_rss_bytes
 from mpifl.runtime.faults import FaultModel, selection_size
@@ -75,10 +76,13 @@ class Engine:
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
         """Everything that can fail on bad input happens here, before the first collective of training."""
-        torch.set_num_threads(1)  # a client's arithmetic must not depend on its rank's thread count
         setup_start = time.perf_counter()
         cfg = self.cfg
+        # the same on every rank, whatever the rank count: a client's arithmetic must not depend on where it runs
+        torch.set_num_threads(cfg.threads_per_rank)
         device = rank_device(cfg.device, self.comm)  # first: a collective (unless cpu), then may raise
+        if self.rank == 0:
+            check_writable(self.output)  # now, not at the first evaluation after training up to it
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
         ctx = dataclasses.replace(check_run(cfg, layout), device=device)  # where this rank's clients compute

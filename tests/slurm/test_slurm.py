@@ -14,6 +14,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+import yaml
 
 from mpifl.cli import main
 from tests.conftest import REPO, mpi_env
@@ -100,9 +101,11 @@ def test_batch_job_runs_on_three_ranks(slurm, write_config, tmp_path, launcher):
         if not pmix_works(env):
             pytest.skip("Slurm's PMIx plugin is not usable here (install libpmix-dev)")
         env["MPIFL_SRUN_MPI"] = "pmix"
-    sbatch(env, "--ntasks=3", f"--output={tmp_path}/job.out", "jobs/mpifl.sbatch", str(write_config()), "--quiet")
+    sbatch(env, "--ntasks=3", "--cpus-per-task=2", f"--output={tmp_path}/job.out", "jobs/mpifl.sbatch",
+           str(write_config()), "--quiet")
     with h5py.File(tmp_path / "r.h5") as f:
         assert f.attrs["status"] == "completed" and f.attrs["world_size"] == 3
+        assert yaml.safe_load(f.attrs["config"])["threads_per_rank"] == 2  # from --cpus-per-task
 
 
 def test_sweep_as_job_array_then_report(slurm, write_config, tmp_path, capsys):
@@ -110,8 +113,11 @@ def test_sweep_as_job_array_then_report(slurm, write_config, tmp_path, capsys):
     sweep.write_text(f"base: {write_config({'rounds': 2})}\noutput_dir: {tmp_path / 'out'}\nranks: 2\n"
                      "seeds: [0, 1]\ngrid:\n  algorithm: [fedavg, local]\n")
     assert main(["sweep", str(sweep), "--slurm"]) == 0
-    sbatch({**slurm, "MPIFL_LAUNCHER": "mpirun"}, str(tmp_path / "out" / "sweep.sbatch"))
+    sbatch({**slurm, "MPIFL_LAUNCHER": "mpirun"}, "--cpus-per-task=2", str(tmp_path / "out" / "sweep.sbatch"))
     assert len(list((tmp_path / "out").glob("*.h5"))) == 4
+    for path in (tmp_path / "out").glob("*.h5"):
+        with h5py.File(path) as f:
+            assert yaml.safe_load(f.attrs["config"])["threads_per_rank"] == 2  # from --cpus-per-task
     assert main(["report", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     assert "| fedavg | 2 |" in table and "| local | 2 |" in table
