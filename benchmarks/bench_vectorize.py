@@ -1,12 +1,11 @@
-"""Vectorized local training of small models: one-at-a-time loop vs torch.func vs auto.
+"""Vectorized local training of small models: one-at-a-time loop vs torch.func.
 
     python benchmarks/bench_vectorize.py [--rounds 10] [--ranks 1 3] [--write]
 
 FedAvg on tabular class-conditional Gaussians (60 features, 10 classes, 1,000 clients of 64 training
 samples, 50 clients per round, 2 epochs of batch 16), with a logistic model, an MLP 64 and an MLP
-256-256, each with ``client.vectorize`` false, true and auto. Reported: median seconds per round
-over rounds 2..R and the ratio to the loop. The three settings give bitwise the same model
-(tests/test_vectorized.py), so only time differs; auto should track the faster of the two.
+256-256, each with ``client.vectorize`` false and true. Reported: median seconds per round over
+rounds 2..R and the ratio to the loop.
 """
 
 from __future__ import annotations
@@ -35,24 +34,23 @@ def main() -> None:
         for ranks in args.ranks:
             for model, overrides in MODELS.items():
                 median = {}
-                for mode in ("false", "true", "auto"):
+                for mode in ("false", "true"):
                     settings = [*WORKLOAD, *overrides, f"client.vectorize={mode}", f"rounds={args.rounds}",
                                 f"eval_every={args.rounds}"]
                     res = mpifl_job(REPO / "configs" / "b1.yaml", ranks, Path(tmp) / "v.h5", settings)
                     median[mode] = float(np.median(res.table("rounds")["wall_time_s"][1:]))
-                    if mode == "auto":
+                    if mode == "true":
                         vectorized = int(res.table("ranks")["clients_trained_vectorized"].sum())
                 loop = median["false"]
                 rows.append(f"| {ranks} | {model} | {loop:.3f} | {median['true']:.3f} ({median['true'] / loop:.2f}×) | "
-                            f"{median['auto']:.3f} ({median['auto'] / loop:.2f}×) | "
                             f"{vectorized / (50 * args.rounds):.0%} |")
     record([
         heading("Vectorized local training (torch.func), FedAvg, tabular"),
         "",
         f"`python benchmarks/bench_vectorize.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))}`",
         "",
-        "| P | model | loop s/round | vectorized s/round | auto s/round | auto: share of clients vectorized |",
-        "|---|---|---|---|---|---|",
+        "| P | model | loop s/round | vectorized s/round | share of clients vectorized |",
+        "|---|---|---|---|---|",
         *rows,
     ], args.write)
 

@@ -9,7 +9,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from torch import nn
 
 from mpifl.algorithms.base import (
@@ -110,11 +109,11 @@ class DeltaClient(ClientAlgorithm):
 class FedAvgClient(DeltaClient):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        cls, mode = type(self), ctx.cfg.client.vectorize
+        cls = type(self)
         plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
         self.vectorizer = None
-        if plain_sgd and mode is not False and ctx.cfg.model.name in VECTORIZABLE_MODELS:
-            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn, mode)
+        if plain_sgd and ctx.cfg.client.vectorize and ctx.cfg.model.name in VECTORIZABLE_MODELS:
+            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn)
         self.trained_together = 0
 
     def compute(self, step: StepContext, client: int) -> None:
@@ -124,45 +123,34 @@ class FedAvgClient(DeltaClient):
         self.deltas[client] = self.workspace.numpy() - start
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """Plain FedAvg may train clients with equally many samples together (``client.vectorize``);
-        each then reports an equal share of its group's seconds."""
-        vectorizer = self.vectorizer
-        if vectorizer is None:
+        """With ``client.vectorize``, plain FedAvg trains every client through the vectorized kernel, those
+        with equally many samples and the same start together (each then reports an equal share of its
+        group's seconds): one kernel for every client, whichever clients share its rank."""
+        if self.vectorizer is None:
             return super().compute_clients(step, clients)
         seconds = np.empty(len(clients))
-        sizes = np.array([len(self.data[int(c)].x_train) for c in clients])
-        for size in np.unique(sizes):
-            members = np.flatnonzero(sizes == size)
+        groups: dict[tuple[int, bytes], list[int]] = {}
+        for k, client in enumerate(clients):
+            groups.setdefault((len(self.data[int(client)].x_train), self.start[int(client)].tobytes()), []).append(k)
+        for members in groups.values():
             start = time.perf_counter()
-            if self._train_together(vectorizer, step, clients[members]):
-                seconds[members] = (time.perf_counter() - start) / len(members)
-            else:
-                seconds[members] = super().compute_clients(step, clients[members])
+            self._train_together(self.vectorizer, step, clients[members])
+            seconds[members] = (time.perf_counter() - start) / len(members)
         return seconds
 
-    def _train_together(self, vectorizer: VectorizedSGD, step: StepContext, group: np.ndarray) -> bool:
-        """Train ``group`` as one computation if they share their start and the vectorizer says so."""
+    def _train_together(self, vectorizer: VectorizedSGD, step: StepContext, group: np.ndarray) -> None:
+        """Train ``group`` (equally many samples, one start) as one computation."""
         start = self.start[int(group[0])]
-        if not all(np.array_equal(self.start[int(c)], start) for c in group[1:]):
-            return False
         splits = [self.data[int(c)] for c in group]
-        together = vectorizer.decided(len(group))
-        if together is None:  # measure once, on the group's first batches
-            batch = min(self.ctx.cfg.client.batch_size, len(splits[0].x_train))
-            probe = [torch.stack([getattr(s, f)[:batch] for s in splits]) for f in ("x_train", "y_train")]
-            together = vectorizer.worth_it(len(group), *probe)
-        if not together:
-            return False
         seed = self.ctx.cfg.seed
         params, stats = vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
-                                              [client_generator(seed, step.round, int(c)) for c in group],
-                                              self.ctx.cfg.client)
+                                         [client_generator(seed, step.round, int(c)) for c in group],
+                                         self.ctx.cfg.client)
         for k, client in enumerate(group):
             self.start.pop(int(client))
             self.deltas[int(client)] = host_numpy(params[k]) - start
             self.round_losses[int(client)] = stats[k].mean_loss
         self.trained_together += len(group)
-        return True
 
     def rank_stats(self) -> dict[str, float]:
         return {"clients_trained_vectorized": self.trained_together}
