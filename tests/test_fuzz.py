@@ -64,6 +64,9 @@ def call(argv: list[str]) -> tuple[int, str]:
 @example(mutations=[("model.channels", [-3])])  # was a traceback from torch's Conv2d
 @example(mutations=[("model.name", "mlp"), ("model.hidden", [8, 0])])
 @example(mutations=[("data.dataset", "gaussian_images"), ("data.synthetic.image_shape", [-1, 4])])
+@example(mutations=[("data.pad_to", 32994)])  # a 70 GB cnn head: was torch's allocator traceback
+@example(mutations=[("model.name", "mlp"), ("model.hidden", [2**20, 2**20])])  # 4.4 TB of weights
+@example(mutations=[("data.pad_to", 2**40)])  # sizes past torch's 64 bits
 def test_broken_configs_validate_or_fail_with_one_line(mutations):
     with tempfile.TemporaryDirectory() as tmp:
         _validate_once(Path(tmp), mutations)

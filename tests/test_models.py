@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +8,7 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError
+from tests.conftest import run_mpifl
 
 
 def layout(shape, classes=10, task="classification", dtype="float32"):
@@ -66,3 +69,30 @@ def test_model_task_mismatch_is_a_config_error():
         build_model(ModelConfig(name="linear"), layout((5,)), seed=0)
     with pytest.raises(ConfigError, match="image"):
         build_model(ModelConfig(name="lenet"), layout((64,)), seed=0)
+
+
+def test_a_model_too_large_for_the_machine_is_one_error_line_before_any_allocation(write_config):
+    # digits (64 inputs, 10 classes): 64·2²⁰ + 2²⁰ + 2⁴⁰ + 2²⁰ + 10·2²⁰ + 10 weights, 4.4 TB, counted on
+    # torch's meta device; allocating them would be a torch traceback
+    config = write_config({"model": {"name": "mlp", "hidden": [2**20, 2**20]}})
+    proc = run_mpifl(["validate", str(config)], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(r"mpifl: error: model: 1,099,591,319,562 parameters \(4,398\.4 GB as float32, twice that "
+                        r"with their gradients\) do not fit in this machine's memory \([\d,]+\.\d GB\)\n", proc.stderr)
+
+
+def test_layer_sizes_past_64_bits_are_a_config_error():
+    with pytest.raises(ConfigError, match="^model: a layer of 'mlp' has more weights than torch's 64-bit sizes"):
+        build_model(ModelConfig(name="mlp", hidden=(2**40, 2**40)), layout((4,)), seed=0)
+
+
+def unallocatable(cfg: ModelConfig, data: FederatedLayout) -> torch.nn.Module:
+    """A plug-in model of 2**50 weights (4.5 PB): its allocation really fails, with torch's RuntimeError."""
+    return torch.nn.Linear(2**25, 2**25)
+
+
+def test_a_plugin_model_that_cannot_be_allocated_is_a_config_error():
+    cfg = ModelConfig(name="tests.test_models:unallocatable")
+    with pytest.raises(ConfigError, match=r"^model: building 'tests.test_models:unallocatable' ran out of this "
+                                          r"machine's memory \([\d,.]+ GB\): .*can't allocate memory"):
+        build_model(cfg, layout((4,)), seed=0)

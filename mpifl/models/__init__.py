@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -16,10 +18,53 @@ __all__ = ["FlatModel", "build_model", "loss_function"]
 
 
 def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Module:
-    """Construct ``cfg.name`` for ``layout`` with weights drawn from ``seed`` alone (never global RNG state)."""
+    """Construct ``cfg.name`` for ``layout`` with weights drawn from ``seed`` alone (never global RNG state).
+
+    A built-in model is first built on the ``meta`` device (shapes only, no memory) so one too large for
+    this machine is a ConfigError, not an allocator traceback; a plug-in (which may not support ``meta``)
+    is covered by turning a real allocation failure into the same kind of error."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _builtin(cfg, layout) if cfg.name in MODELS else _plugin(cfg, layout)
+        if cfg.name in MODELS:
+            _check_fits(cfg, layout)
+        torch.manual_seed(seed)  # after the meta build, so the weights are the same as without it
+        try:
+            return _builtin(cfg, layout) if cfg.name in MODELS else _plugin(cfg, layout)
+        except (RuntimeError, MemoryError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            raise ConfigError(f"model: building {cfg.name!r} ran out of this machine's memory "
+                              f"({_gb(_physical_memory())}): {_first_line(exc)}") from None
+
+
+def _physical_memory() -> int:
+    """This machine's RAM in bytes (every rank on a node shares it; a bound, not what is free now)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB"
+
+
+def _first_line(exc: BaseException) -> str:
+    """torch's own words, on the one line an error gets (the rest of its message is a C++ stack)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_fits(cfg: ModelConfig, layout: FederatedLayout) -> None:
+    """Refuse a built-in model whose float32 weights and gradients (what FlatModel holds, the least
+    training needs) exceed physical memory, i.e. whose weights alone take more than half of it."""
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated and no RNG is drawn
+            params = sum(p.numel() for p in _builtin(cfg, layout).parameters())
+    except (RuntimeError, TypeError) as exc:  # a size, or a product of sizes, past 2**63
+        if "overflow" not in str(exc).lower():
+            raise
+        raise ConfigError(f"model: a layer of {cfg.name!r} has more weights than torch's 64-bit sizes can "
+                          "count") from None
+    weights, memory = 4 * params, _physical_memory()
+    if 2 * weights > memory:
+        raise ConfigError(f"model: {params:,} parameters ({_gb(weights)} as float32, twice that with their "
+                          f"gradients) do not fit in this machine's memory ({_gb(memory)})")
 
 
 def _plugin(cfg: ModelConfig, layout: FederatedLayout) -> nn.Module:
