@@ -49,6 +49,8 @@ class VectorizedSGD:
         """Local SGD of clients with equally many samples from ``start``: their final parameters as rows,
         and their statistics (computed on one thread: see the module's docstring)."""
         threads = torch.get_num_threads()
+        if threads == 1:
+            return self._train(start, x_train, y_train, generators, cfg)
         torch.set_num_threads(1)
         try:
             return self._train(start, x_train, y_train, generators, cfg)
