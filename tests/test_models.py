@@ -96,3 +96,15 @@ def test_a_plugin_model_that_cannot_be_allocated_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^model: building 'tests.test_models:unallocatable' ran out of this "
                                           r"machine's memory \([\d,.]+ GB\): .*can't allocate memory"):
         build_model(cfg, layout((4,)), seed=0)
+
+
+def test_a_server_network_too_large_for_the_machine_is_one_error_line(write_config):
+    # PeFLL's hypernetwork with hidden layers of 10⁷ units: 3·10¹⁴ weights, however small the client model
+    config = write_config({"algorithm": "pefll", "rounds": 1, "model": {"name": "logistic"},
+                           "pefll": {"hyper_hidden": 10**7, "embedding": "linear"}})
+    proc = run_mpifl(["run", str(config), "--quiet", "--out", str(config.with_suffix(".h5"))], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(r"mpifl: error: model: the hypernetwork or embedding this model needs: [\d,]+ parameters "
+                        r"\([\d,.]+ GB as float32, twice that with their gradients\) do not fit in this machine's "
+                        r"memory \([\d,.]+ GB\)\n", proc.stderr), proc.stderr
+    assert not config.with_suffix(".h5").exists()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -11,6 +9,7 @@ from mpifl import plugins
 from mpifl.data import FederatedLayout
 from mpifl.models.config import MODELS, ModelConfig
 from mpifl.models.flat import FlatModel
+from mpifl.models.memory import check_fits, first_line, gb, physical_memory
 from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20
 from mpifl.schema import ConfigError
 
@@ -25,7 +24,7 @@ def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Modu
     is covered by turning a real allocation failure into the same kind of error."""
     with torch.random.fork_rng(devices=[]):
         if cfg.name in MODELS:
-            _check_fits(cfg, layout)
+            check_fits(lambda: _builtin(cfg, layout), "model", repr(cfg.name))
         torch.manual_seed(seed)  # after the meta build, so the weights are the same as without it
         try:
             return _builtin(cfg, layout) if cfg.name in MODELS else _plugin(cfg, layout)
@@ -33,38 +32,7 @@ def build_model(cfg: ModelConfig, layout: FederatedLayout, seed: int) -> nn.Modu
             if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
                 raise
             raise ConfigError(f"model: building {cfg.name!r} ran out of this machine's memory "
-                              f"({_gb(_physical_memory())}): {_first_line(exc)}") from None
-
-
-def _physical_memory() -> int:
-    """This machine's RAM in bytes (every rank on a node shares it; a bound, not what is free now)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:,.1f} GB"
-
-
-def _first_line(exc: BaseException) -> str:
-    """torch's own words, on the one line an error gets (the rest of its message is a C++ stack)."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _check_fits(cfg: ModelConfig, layout: FederatedLayout) -> None:
-    """Refuse a built-in model whose float32 weights and gradients (what FlatModel holds, the least
-    training needs) exceed physical memory, i.e. whose weights alone take more than half of it."""
-    try:
-        with torch.device("meta"):  # shapes only: nothing is allocated and no RNG is drawn
-            params = sum(p.numel() for p in _builtin(cfg, layout).parameters())
-    except (RuntimeError, TypeError) as exc:  # a size, or a product of sizes, past 2**63
-        if "overflow" not in str(exc).lower():
-            raise
-        raise ConfigError(f"model: a layer of {cfg.name!r} has more weights than torch's 64-bit sizes can "
-                          "count") from None
-    weights, memory = 4 * params, _physical_memory()
-    if 2 * weights > memory:
-        raise ConfigError(f"model: {params:,} parameters ({_gb(weights)} as float32, twice that with their "
-                          f"gradients) do not fit in this machine's memory ({_gb(memory)})")
+                              f"({gb(physical_memory())}): {first_line(exc)}") from None
 
 
 def _plugin(cfg: ModelConfig, layout: FederatedLayout) -> nn.Module:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpifl.models.memory import check_fits
 from mpifl.models.zoo import ConvNet
 
 
@@ -27,9 +28,11 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def seeded(factory: Callable[[], M], seed: int, stream: int) -> M:
-    """``factory()`` with its initial weights drawn from (seed, stream) alone, never the global RNG state."""
+    """``factory()`` with its initial weights drawn from (seed, stream) alone, never the global RNG state;
+    a config error if it cannot fit in memory (a hypernetwork is about ``hidden`` times its client model)."""
     state = np.random.SeedSequence([seed, stream]).generate_state(1, dtype=np.uint64)[0]
     with torch.random.fork_rng(devices=[]):
+        check_fits(factory, "model", "the hypernetwork or embedding this model needs")
         torch.manual_seed(int(state >> np.uint64(1)))
         return factory()
 
