@@ -13,6 +13,12 @@ test rows, and the mean of per-client R², both from the runtime's own evaluatio
 
     python benchmarks/karula_table1.py                 # defaults: 3 repeats, 300 rounds, 5 folds
     python benchmarks/karula_table1.py --write         # also replace the table in docs/karula.md
+    python benchmarks/karula_table1.py --results results/evidence/karula   # score a sweep's results files
+
+``--results DIR`` scores the runs an ``mpifl sweep`` left in DIR instead (configs/evidence/karula.yaml): the
+estimation error of every strategy, which the runtime logs only for Karula, from each results file's final
+state and checkpoint (so the runs need ``checkpoint_every`` = ``rounds``), in each run's
+``karula.estimation_error`` form; mean ± 2·SE over seeds.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpifl.algorithms.karula import estimation_errors  # noqa: E402
 from mpifl.checkpoint import read_client_states  # noqa: E402
 from mpifl.config import load_raw, parse_config  # noqa: E402
 from mpifl.data import ClientSplit, build_federated_dataset  # noqa: E402
@@ -165,9 +172,31 @@ def truth_of(dataset: FederatedDataset) -> np.ndarray:
     return np.hstack([truth, np.zeros((len(truth), 1))])
 
 
-def estimation_error(models: np.ndarray, truth: np.ndarray) -> float:
-    """Mean over clients of ‖θ̂_i − θ_i‖²."""
-    return float(np.mean(np.sum((models - truth) ** 2, axis=1)))
+def estimation_error(models: np.ndarray, truth: np.ndarray, kind: str = "squared") -> float:
+    """Mean over clients of ‖θ̂_i − θ_i‖² (``squared``) or ‖θ̂_i − θ_i‖ (``norm``)."""
+    return float(np.mean(estimation_errors(models, truth, kind)))
+
+
+def score_directory(directory: Path) -> str:
+    """A markdown table of every strategy's estimation error (Karula per t) over the sweep runs in ``directory``."""
+    groups: dict[str, list[float]] = {}
+    for path in sorted(directory.glob("*.h5")):
+        results = read_results(path)
+        cfg = parse_config(results.config)
+        dataset = build_federated_dataset(cfg.data, cfg.seed)
+        states = {}
+        if cfg.algorithm in ("local", "pfedme"):  # their models live only in the clients' checkpointed states
+            if cfg.checkpoint_every != cfg.rounds:
+                raise SystemExit(f"{path}: {cfg.algorithm} needs checkpoint_every = rounds to be scored")
+            states = {c: s for worker in read_client_states(path).values() for c, s in worker.items()}
+        models = client_models(Run(results, states), cfg, dataset)
+        karula = results.config.get("karula", {})  # every run of the sweep carries the base's karula section
+        label = LABELS[cfg.algorithm] + (f" t={karula['t']:g}" if cfg.algorithm == "karula" else "")
+        error = estimation_error(models, truth_of(dataset), karula.get("estimation_error", "squared"))
+        groups.setdefault(label, []).append(error)
+    lines = ["| Strategy | seeds | Estimation error |", "|---|---|---|"]
+    lines += [f"| {label} | {len(v)} | {'{:.2f} ± {:.2f}'.format(*mean_2se(v))} |" for label, v in groups.items()]
+    return "\n".join(lines)
 
 
 def scores(run: Run, cfg, dataset: FederatedDataset, truth: np.ndarray) -> dict[str, float]:  # noqa: ANN001
@@ -239,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--cv-baselines", action="store_true", help="also cross-validate pFedMe λ and IFCA k")
     ap.add_argument("--write", action="store_true", help="replace the table block in docs/karula.md")
+    ap.add_argument("--results", type=Path, help="score the results files of a sweep in this directory instead")
     args = ap.parse_args(argv)
+    if args.results:
+        print(score_directory(args.results))
+        return 0
     base = load_raw(args.config)
     rounds = args.rounds or int(base.get("rounds", 10))
     strategies = [s for s in args.strategies.split(",") if s]

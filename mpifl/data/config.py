@@ -44,6 +44,9 @@ class SyntheticConfig:
     ridge_min_samples: int = field(default=10, metadata=limits(ge=1))
     ridge_max_samples: int = field(default=100, metadata=limits(ge=1))
     ridge_noise_std: float = field(default=1.0, metadata=limits(ge=0))
+    # std of each coordinate of a client's true θ around its group mean (Karula §5.1 leaves it open; 0.1 the
+    # spec's proposal, 1 what the paper's Table 1(a) numbers point to: docs/karula.md)
+    ridge_theta_std: float = field(default=0.1, metadata=limits(ge=0))
     ridge_feature_groups: Literal["aligned", "crossed"] = "aligned"
 
 

@@ -126,11 +126,10 @@ class LeafSyntheticDataset(FederatedDataset):
 
 RIDGE_THETA_MEANS = (1.0, 1.5, 2.0)
 RIDGE_FEATURE_MEANS = (0.0, 0.5, 1.0)
-RIDGE_THETA_STD = 0.1
 
 
 class KarulaRidgeDataset(FederatedDataset):
-    """Karula's 3-group ridge regression (karula.md §5.2 proposal): theta_i ~ N(m_g·1, 0.1²·I) with
+    """Karula's 3-group ridge regression (karula.md §5.2 proposal): theta_i ~ N(m_g·1, theta_std²·I) with
     m_g in (1, 1.5, 2) for parameter group g = i mod 3; x ~ N(mu_f·1, I) with mu_f in (0, 0.5, 1) for
     feature group f = g ("aligned") or f = (i // 3) mod 3 ("crossed": every (g, f) pair occurs, so
     feature clusters cut across parameter clusters); N_i ~ U{min..max} training rows plus val/test rows
@@ -146,6 +145,7 @@ class KarulaRidgeDataset(FederatedDataset):
                 f"{syn.ridge_max_samples}"
             )
         self.seed, self.num_features, self.noise = seed, syn.num_features, syn.ridge_noise_std
+        self.theta_std = syn.ridge_theta_std
         ids = np.arange(cfg.num_clients)
         self.groups = ids % 3
         self.feature_groups = self.groups.copy() if syn.ridge_feature_groups == "aligned" else (ids // 3) % 3
@@ -170,7 +170,7 @@ class KarulaRidgeDataset(FederatedDataset):
     def true_parameters(self, client_id: int) -> np.ndarray:
         """The ground-truth theta (float64 [num_features]) client ``client_id``'s targets were drawn with."""
         mean = RIDGE_THETA_MEANS[self.groups[client_id]]
-        return make_rng(self.seed, Tag.RIDGE_THETA, client_id).normal(mean, RIDGE_THETA_STD, self.num_features)
+        return make_rng(self.seed, Tag.RIDGE_THETA, client_id).normal(mean, self.theta_std, self.num_features)
 
     def _load(self, client_ids: list[int]) -> dict[int, ClientSplit]:
         out = {}

@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from mpifl.algorithms.base import RunContext
-from mpifl.algorithms.karula import KarulaServer
+from mpifl.algorithms.karula import KarulaServer, curvature, estimation_errors, theory_step_size
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.results import read_results
+from mpifl.schema import ConfigError
 from tests.conftest import _merge, rank_dependent, run_config
 
 N0, FEATURES, CLIENTS = 12, 5, 6
@@ -101,6 +102,7 @@ def deterministic(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("algorithm,overrides", [
     ("karula", KARULA),
+    pytest.param("karula", {"karula": {**KARULA["karula"], "lr_rule": "theory"}}, marks=pytest.mark.slow),
     pytest.param("ifca", {"ifca": {"clusters": 2}}, marks=pytest.mark.slow),
     pytest.param("pfedme", {"pfedme": {"inner_steps": 2}}, marks=pytest.mark.slow),
     pytest.param("fedsgd", {}, marks=pytest.mark.slow),
@@ -112,3 +114,63 @@ def test_three_ranks_reproduce_one_bitwise(tmp_path, algorithm, overrides):
     assert one.keys() == three.keys()
     for key, value in one.items():
         assert np.array_equal(value, three[key], equal_nan=value.dtype.kind == "f"), key
+
+
+def test_theta_std_scales_the_spread_around_the_group_means():
+    """θ_i = m_g + theta_std·z_i with the same z_i for any theta_std: 0 gives the group means exactly."""
+    def truth(std: float) -> np.ndarray:
+        cfg = parse_config(_merge(RIDGE, {"data": {"synthetic": {"ridge_theta_std": std}}}))
+        dataset = build_federated_dataset(cfg.data, cfg.seed)
+        return np.stack([dataset.true_parameters(c) for c in range(CLIENTS)])
+
+    means = np.array([1.0, 1.5, 2.0, 1.0, 1.5, 2.0])[:, None]  # group g = i mod 3
+    np.testing.assert_array_equal(truth(0.0), np.broadcast_to(means, (CLIENTS, FEATURES)))
+    np.testing.assert_allclose(truth(2.0) - means, 2 * (truth(1.0) - means), rtol=1e-12)
+    with pytest.raises(ConfigError, match="ridge_theta_std"):
+        parse_config(_merge(RIDGE, {"data": {"synthetic": {"ridge_theta_std": -1}}}))
+
+
+def test_estimation_error_squared_and_norm_by_hand():
+    models, truth = np.array([[3.0, 4.0], [1.0, 1.0]]), np.array([[0.0, 0.0], [1.0, 2.0]])
+    np.testing.assert_array_equal(estimation_errors(models, truth), [25.0, 1.0])
+    np.testing.assert_array_equal(estimation_errors(models, truth, "norm"), [5.0, 1.0])
+
+
+def test_logged_norm_error_is_the_mean_distance_of_the_final_models(tmp_path):
+    res = read_results(run(tmp_path, {**KARULA, "karula": {**KARULA["karula"], "estimation_error": "norm"}}))
+    cfg = parse_config(_merge(RIDGE, KARULA))
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    truth = np.stack([np.append(dataset.true_parameters(c), 0.0) for c in range(CLIENTS)])
+    models = res.table("model")["personal_models"]
+    expected = np.mean(np.linalg.norm(models - truth, axis=1))
+    assert np.isclose(res.table("rounds")["estimation_error"][-1], expected, rtol=1e-12)
+
+
+def test_curvature_of_a_hand_quadratic():
+    """∇(p) = A·p − b with A = [[3, 1], [1, 3]]: eigenvalues 4 and 2, so λ_max = 4."""
+    a, b = np.array([[3.0, 1.0], [1.0, 3.0]]), np.array([1.0, -2.0])
+    assert np.isclose(curvature(lambda p: a @ p - b, np.zeros(2), np.array([1.0, 0.0])), 4.0, rtol=1e-10)
+    assert theory_step_size(np.array([0.5, 2.0]), np.array([4.0, 1.0])) == (3 / 16, 2.0)  # L = max(2, 2)
+    with pytest.raises(ConfigError, match="lr_rule"):
+        theory_step_size(np.ones(2), np.zeros(2))
+
+
+def test_theory_step_size_is_three_eighths_over_the_ridge_smoothness(tmp_path):
+    """η = 3/(8L), L = max_i α_i·λ_max(2/N_i·Z_iᵀZ_i + wd·I), Z_i = [X_i, 1] (MSE of a linear model)."""
+    theory = {"karula": {**KARULA["karula"], "lr_rule": "theory"}}
+    res = read_results(run(tmp_path, theory))
+    cfg = parse_config(_merge(RIDGE, theory))
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    splits = dataset.load_clients(range(CLIENTS))
+    sizes = dataset.layout.train_sizes.astype(np.float64)
+    curv = []
+    for c in range(CLIENTS):
+        z = np.hstack([splits[c].x_train.astype(np.float64), np.ones((len(splits[c].x_train), 1))])
+        curv.append(np.linalg.eigvalsh(2 / len(z) * z.T @ z)[-1] + cfg.client.weight_decay)
+    smoothness = np.max(CLIENTS * sizes / sizes.sum() * np.array(curv))
+    rounds = res.table("rounds")
+    np.testing.assert_allclose(rounds["smoothness_L"], smoothness, rtol=1e-4)
+    np.testing.assert_allclose(rounds["step_size"], 3 / (8 * smoothness), rtol=1e-4)
+    ledger, attrs = res.table("ledger"), res.table_attrs["ledger"]
+    rows = ledger["message"] == attrs["message_names"].index("curvature")
+    assert sorted(ledger["client"][rows]) == list(range(CLIENTS)) and (ledger["bytes"][rows] == 8).all()
