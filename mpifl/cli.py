@@ -41,10 +41,16 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     rep.add_argument("--select", choices=("final", "best-val"), default="final",
                      help="report the final evaluation, or the one with the best validation accuracy of the seen "
-                          "clients (the papers' model selection; needs data.val_fraction > 0)")
-    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes")
-    plot.add_argument("results", nargs="+")
+                          "clients (the papers' model selection; needs data.val_fraction > 0); for a directory, "
+                          "whose table shows both, the one listed first and used for diagnostics and train_MB")
+    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes (mean ± 2·SE over seeds)")
+    plot.add_argument("results", nargs="+", help="results files, or a sweep directory (runs that differ only in seed: "
+                                                 "one curve, their mean, with a ±2·SE band)")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
+    plot.add_argument("--metric", metavar="NAME|PATTERN",
+                      help="plot this rounds or eval column (a glob, quoted: 'consensus_layer*') over rounds instead, "
+                           "one panel per run group, one line per matching column")
+    plot.add_argument("--log", action="store_true", help="logarithmic y axis")
     exp = sub.add_parser("export", help="write a results file's (or a sweep directory's) metrics as CSV, "
                                         "TensorBoard events and/or MLflow runs")
     exp.add_argument("results", help="results file, or a directory of them (one run per file)")
@@ -103,7 +109,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_sweep(args.sweep_file, slurm=args.slurm, dry_run=args.dry_run)
         from mpifl.report import plot
 
-        plot(args.results, args.output)
+        plot(args.results, args.output, args.metric, args.log)
         print(f"wrote {args.output}")
         return 0
     except ConfigError as exc:
