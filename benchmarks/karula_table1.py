@@ -17,8 +17,8 @@ test rows, and the mean of per-client R², both from the runtime's own evaluatio
 
 ``--results DIR`` scores the runs an ``mpifl sweep`` left in DIR instead (configs/evidence/karula.yaml): the
 estimation error of every strategy, which the runtime logs only for Karula, from each results file's final
-state and checkpoint (so the runs need ``checkpoint_every`` = ``rounds``), in each run's
-``karula.estimation_error`` form; mean ± 2·SE over seeds.
+state and checkpoint (so the runs need ``checkpoint_every`` = ``rounds``), squared or (``--error norm``) not;
+mean ± 2·SE over seeds.
 """
 
 from __future__ import annotations
@@ -177,8 +177,9 @@ def estimation_error(models: np.ndarray, truth: np.ndarray, kind: str = "squared
     return float(np.mean(estimation_errors(models, truth, kind)))
 
 
-def score_directory(directory: Path) -> str:
-    """A markdown table of every strategy's estimation error (Karula per t) over the sweep runs in ``directory``."""
+def score_directory(directory: Path, kind: str) -> str:
+    """A markdown table of every strategy's estimation error (``kind``: squared or norm; Karula per t) over the
+    sweep runs in ``directory``."""
     groups: dict[str, list[float]] = {}
     for path in sorted(directory.glob("*.h5")):
         results = read_results(path)
@@ -190,9 +191,8 @@ def score_directory(directory: Path) -> str:
                 raise SystemExit(f"{path}: {cfg.algorithm} needs checkpoint_every = rounds to be scored")
             states = {c: s for worker in read_client_states(path).values() for c, s in worker.items()}
         models = client_models(Run(results, states), cfg, dataset)
-        karula = results.config.get("karula", {})  # every run of the sweep carries the base's karula section
-        label = LABELS[cfg.algorithm] + (f" t={karula['t']:g}" if cfg.algorithm == "karula" else "")
-        error = estimation_error(models, truth_of(dataset), karula.get("estimation_error", "squared"))
+        label = LABELS[cfg.algorithm] + (f" t={cfg.algorithm_options.t:g}" if cfg.algorithm == "karula" else "")
+        error = estimation_error(models, truth_of(dataset), kind)
         groups.setdefault(label, []).append(error)
     lines = ["| Strategy | seeds | Estimation error |", "|---|---|---|"]
     lines += [f"| {label} | {len(v)} | {'{:.2f} ± {:.2f}'.format(*mean_2se(v))} |" for label, v in groups.items()]
@@ -269,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cv-baselines", action="store_true", help="also cross-validate pFedMe λ and IFCA k")
     ap.add_argument("--write", action="store_true", help="replace the table block in docs/karula.md")
     ap.add_argument("--results", type=Path, help="score the results files of a sweep in this directory instead")
+    ap.add_argument("--error", choices=("squared", "norm"), default="squared",
+                    help="with --results: mean ‖θ̂_i − θ_i‖² or mean ‖θ̂_i − θ_i‖")
     args = ap.parse_args(argv)
     if args.results:
-        print(score_directory(args.results))
+        print(score_directory(args.results, args.error))
         return 0
     base = load_raw(args.config)
     rounds = args.rounds or int(base.get("rounds", 10))
