@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("sweep_file")
     sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
     sweep.add_argument("--dry-run", action="store_true", help="print the commands only")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value in every run, after the sweep's own (repeatable; "
+                            "e.g. --set rounds=2 for a smoke test)")
+    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="run these seeds instead of the file's")
+    sweep.add_argument("--output-dir", help="write the results here instead of the file's output_dir")
     return p
 
 
@@ -106,7 +111,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "sweep":
             from mpifl.sweep import run_sweep
 
-            return run_sweep(args.sweep_file, slurm=args.slurm, dry_run=args.dry_run)
+            return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds,
+                             args.output_dir)
         from mpifl.report import plot
 
         plot(args.results, args.output, args.metric, args.log)

@@ -84,3 +84,44 @@ def test_slurm_array_script(write_config, tmp_path):
     assert "#SBATCH --array=0-3" in script and "srun" in script
     assert '--set "threads_per_rank=${SLURM_CPUS_PER_TASK:-1}" "$@")' in script  # a run's own --set wins
     assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 4
+
+
+def test_variants_times_grid_times_seeds_with_cli_overrides(write_config, tmp_path, capsys):
+    """Each variant carries its own settings into every grid point and seed; run names stay unique and readable;
+    ``--set``, ``--seeds`` and ``--output-dir`` shrink or move a sweep for a smoke test."""
+    path = tmp_path / "sweep.yaml"
+    variants = [{"name": "fedavg", "set": {"algorithm": "fedavg"}},
+                {"set": {"algorithm": "local", "local.mode": "all"}}]
+    path.write_text(yaml.safe_dump({"base": str(write_config()), "output_dir": str(tmp_path / "out"),
+                                    "seeds": [0, 1], "variants": variants, "grid": {"client.lr": [0.1, 0.2]}}))
+    _, _, runs = load_sweep(path)
+    assert [r.name for r in runs[:2]] == ["fedavg,client.lr=0.1,seed=0", "fedavg,client.lr=0.1,seed=1"]
+    assert runs[-1].name == "algorithm=local,local.mode=all,client.lr=0.2,seed=1" and len(runs) == 8
+    assert runs[-1].overrides == ("algorithm=local", "local.mode=all", "client.lr=0.2", "seed=1")
+    _, spec, smoke = load_sweep(path, ["rounds=2"], [3], str(tmp_path / "smoke"))
+    assert len(smoke) == 4 and spec.output_dir == str(tmp_path / "smoke")
+    assert smoke[0].overrides == ("algorithm=fedavg", "client.lr=0.1", "rounds=2", "seed=3")
+    assert smoke[0].output == tmp_path / "smoke" / "fedavg,client.lr=0.1,seed=3.h5"
+    assert main(["sweep", str(path), "--dry-run", "--set", "rounds=2", "--seeds", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "[4/4] algorithm=local,local.mode=all,client.lr=0.2,seed=5" in out
+    assert "--set local.mode=all --set client.lr=0.2 --set rounds=2 --set seed=5" in out
+
+
+@pytest.mark.parametrize("variants, message", [
+    ([{"name": "a", "set": {"algorithm": "fedavg"}}, {"name": "a", "set": {"algorithm": "local"}}],
+     r"sweep.variants\[1\]: the name 'a' is used twice"),
+    ([{"set": {}}], r"sweep.variants\[0\]: give it a name or a non-empty set"),
+    ([{"name": "x", "sets": {}}], r"sweep.variants\[0\]: unknown key 'sets' \(did you mean 'set'\?\)"),
+    ([{"name": "bad", "set": {"client.lr": -1}}], "sweep run client.lr=-1 seed=0: client.lr: must be > 0"),
+])
+def test_bad_variants_are_one_error_line(write_config, tmp_path, capsys, variants, message):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": str(write_config()), "output_dir": str(tmp_path / "out"),
+                                    "variants": variants}))
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(path)
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpifl: error: sweep") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
