@@ -129,13 +129,18 @@ class FedAvgClient(DeltaClient):
         if self.vectorizer is None:
             return super().compute_clients(step, clients)
         seconds = np.empty(len(clients))
-        groups: dict[tuple[int, bytes], list[int]] = {}
+        groups: list[tuple[int, np.ndarray, list[int]]] = []  # (samples, start, positions in clients)
         for k, client in enumerate(clients):
-            groups.setdefault((len(self.data[int(client)].x_train), self.start[int(client)].tobytes()), []).append(k)
-        for members in groups.values():
-            start = time.perf_counter()
+            size, start = len(self.data[int(client)].x_train), self.start[int(client)]
+            group = next((g for g in groups if g[0] == size and (g[1] is start or np.array_equal(g[1], start))), None)
+            if group is None:
+                groups.append((size, start, [k]))
+            else:
+                group[2].append(k)
+        for _, _, members in groups:
+            began = time.perf_counter()
             self._train_together(self.vectorizer, step, clients[members])
-            seconds[members] = (time.perf_counter() - start) / len(members)
+            seconds[members] = (time.perf_counter() - began) / len(members)
         return seconds
 
     def _train_together(self, vectorizer: VectorizedSGD, step: StepContext, group: np.ndarray) -> None:
