@@ -1,9 +1,10 @@
-"""The ``network:`` section of a run config: the emulated client links."""
+"""The wire sections of a run config: emulated client links (``network``), codecs (``compression``), differential
+privacy (``privacy``) and the secure-aggregation cost model (``secagg``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mpifl.schema import limits
 
@@ -18,3 +19,57 @@ class NetworkConfig:
     distribution: Literal["fixed", "lognormal"] = "fixed"
     sigma: float = field(default=0.5, metadata=limits(ge=0))
     seconds_per_sample: float = field(default=0.0, metadata=limits(ge=0))  # expected compute, for deadlines
+
+
+CodecName = Literal["none", "fp16", "bf16", "qsgd", "topk", "randk", "sign"]
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How one message's payload is encoded on the wire (``mpifl.comm.codecs``).
+
+    ``qsgd``: stochastic uniform quantization to ``bits`` bits per entry (sign included) with the row's L2 norm;
+    ``topk``/``randk``: the ``fraction`` largest-magnitude (or random) entries as indices + values; ``sign``: one
+    bit per entry and one scale (the mean magnitude). ``error_feedback`` keeps what the encoding lost in the
+    client's state and adds it to the next upload (up messages only).
+    """
+
+    codec: CodecName = "none"
+    bits: int = field(default=8, metadata=limits(ge=2, le=16))
+    fraction: float = field(default=0.01, metadata=limits(gt=0, le=1))
+    error_feedback: bool = False
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Codecs on the wire: ``up`` for every float upload, ``down`` for every float download, and ``messages``
+    (message name → codec section) to override either for one message. An algorithm never sees the codec."""
+
+    up: CodecConfig = CodecConfig()
+    down: CodecConfig = CodecConfig()
+    messages: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Differential privacy on model updates (DP-FedAvg, McMahan et al. 2018): each client's update is clipped
+    to L2 norm ``clip``; Gaussian noise of std ``noise_multiplier``·``clip`` is added to the sum by the server
+    (``central``) or to each update by its client (``local``). ε at ``delta`` is reported every round."""
+
+    mode: Literal["off", "central", "local"] = "off"
+    clip: float = field(default=1.0, metadata=limits(gt=0))
+    noise_multiplier: float = field(default=1.0, metadata=limits(ge=0))
+    delta: float = field(default=1e-5, metadata=limits(gt=0, lt=1))
+    sampling: Literal["fixed", "poisson"] = "fixed"  # how a round's cohort is drawn (and accounted)
+    accountant: Literal["rdp", "pld"] = "rdp"
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Parameters of the secure-aggregation cost model (``secure_aggregation:`` names the protocol)."""
+
+    degree: int = field(default=0, metadata=limits(ge=0))  # SecAgg+ neighbours; 0: the paper's choice for n
+    field_bits: int = field(default=32, metadata=limits(ge=8, le=64))  # bits per masked entry
+    key_bytes: int = field(default=32, metadata=limits(ge=1))  # one public key (X25519: 32)
+    share_bytes: int = field(default=16, metadata=limits(ge=1))  # one Shamir share of a 128-bit secret
+    aead_overhead_bytes: int = field(default=28, metadata=limits(ge=0))  # nonce + tag of one encrypted share
