@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mpifl.comm.config import NetworkConfig
+from mpifl.comm.config import CompressionConfig, NetworkConfig, PrivacyConfig, SecAggConfig
 from mpifl.data.config import DataConfig
 from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError, build, limits, to_dict
@@ -29,6 +29,9 @@ class ServerConfig:
 
     lr: float = field(default=1.0, metadata=limits(gt=0))
     momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
+    # the uniform mean, whose sensitivity to one client is clip / cohort)
+    weighting: Literal["samples", "uniform"] = "samples"
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class RunConfig:
     server: ServerConfig = ServerConfig()
     network: NetworkConfig = NetworkConfig()
     faults: FaultsConfig = FaultsConfig()
+    compression: CompressionConfig = CompressionConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    # counts the bytes and round trips of secure aggregation of the updates (the sum itself is computed in the clear)
+    secure_aggregation: Literal["none", "secagg", "secagg_plus"] = "none"
+    secagg: SecAggConfig = SecAggConfig()
     algorithm_options: Any = None  # the algorithm's own frozen options, built from its section
 
 
@@ -155,6 +163,11 @@ def _check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
     if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
         raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
+    if cfg.privacy.mode == "central" and cfg.server.weighting != "uniform":
+        raise ConfigError("privacy.mode: central noise is calibrated to the uniform mean of the updates; set "
+                          "server.weighting: uniform")
+    if cfg.compression.down.error_feedback:
+        raise ConfigError("compression.down.error_feedback: error feedback is client state, for uploads only")
 
 
 REQUIRED = ("algorithm", "data.dataset")  # what a run trains, and on what: never silently the defaults

@@ -57,7 +57,10 @@ class RunContext:
         return FlatModel(build_model(self.cfg.model, self.layout, self.cfg.seed).to(device))
 
     def weights(self, clients: np.ndarray) -> np.ndarray:
-        """Sample-count weights of ``clients`` (known to the server from the data layout), summing to 1."""
+        """Aggregation weights of ``clients``, summing to 1: by sample count (known to the server from the data
+        layout), or equal (``server.weighting: uniform``)."""
+        if self.cfg.server.weighting == "uniform":
+            return np.full(len(clients), 1.0 / len(clients))
         sizes = self.layout.train_sizes[clients].astype(np.float64)
         return sizes / sizes.sum()
 
@@ -113,6 +116,16 @@ class Protocol:
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         raise NotImplementedError
+
+    def messages(self) -> list[Message]:
+        """Every message this protocol declares (its attributes that are messages or tuples of them): what the
+        wire format checks its per-message settings against."""
+        found: list[Message] = []
+        for value in vars(self).values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, Message) and item not in found:
+                    found.append(item)
+        return found
 
     def eval_prelude(self) -> Sequence[Step]:
         """Messages among every seen client that the server needs before any client's evaluation model is

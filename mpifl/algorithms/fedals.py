@@ -115,7 +115,7 @@ class FedALSProtocol(Protocol):
             kinds: tuple[Kind, ...] = ("params", "control") if opts.scaffold else ("params",)
             names = {"params": name, "control": f"{name}_control"}
             down = tuple(Message(names[k], "down", span.stop - span.start, broadcast=True) for k in kinds)
-            up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start) for k in kinds)
+            up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start, update=True) for k in kinds)
             part = Part(name, span, period, tuple(groups), down, up)
             self.route.update({m.name: (part, k) for msgs in (down, up) for m, k in zip(msgs, kinds, strict=True)})
             parts.append(part)

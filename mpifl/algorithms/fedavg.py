@@ -32,7 +32,7 @@ class FedAvgProtocol(Protocol):
         super().__init__(ctx)
         numel = ctx.new_model().numel
         self.model_msg = Message("model", "down", numel, broadcast=True)
-        self.delta_msg = Message("delta", "up", numel)
+        self.delta_msg = Message("delta", "up", numel, update=True)
         self.eval_msg = Message("eval_model", "down", numel, broadcast=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:

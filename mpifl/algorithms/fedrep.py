@@ -57,7 +57,7 @@ class FedRepProtocol(FedAvgProtocol):
         boundary = groups[-layers].start
         self.body, self.head = slice(0, boundary), slice(boundary, model.numel)
         self.model_msg = Message("body", "down", boundary, broadcast=True)
-        self.delta_msg = Message("body_delta", "up", boundary)
+        self.delta_msg = Message("body_delta", "up", boundary, update=True)
         self.eval_msg = Message("eval_body", "down", boundary, broadcast=True)
 
     def samples_per_round(self) -> np.ndarray:

@@ -19,7 +19,7 @@ from mpifl.comm.messages import LOCAL, Message, Step
 class FedSGDProtocol(FedAvgProtocol):
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
-        self.grad_msg = Message("gradient", "up", self.delta_msg.numel)
+        self.grad_msg = Message("gradient", "up", self.delta_msg.numel, update=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, LOCAL, self.grad_msg)

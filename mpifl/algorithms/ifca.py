@@ -41,7 +41,7 @@ class IFCAProtocol(Protocol):
         self.numel = ctx.new_model().numel
         self.models_msg = Message("cluster_models", "down", self.k * self.numel, broadcast=True)
         self.cluster_msg = Message("cluster_id", "up", 1, "int32")
-        self.delta_msg = Message("delta", "up", self.numel)
+        self.delta_msg = Message("delta", "up", self.numel, update=True)
         self.eval_msg = Message("eval_cluster_models", "down", self.k * self.numel, broadcast=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:

@@ -136,10 +136,10 @@ class KarulaProtocol(Protocol):
         self.standardizer_msg = Message("standardizer", "down", 2 * p, "float64", broadcast=True)
         self.reference_msg = Message("reference_set", "down", opts.reference_size * p, broadcast=True)
         self.embedding_msg = Message("embedding", "up", opts.reference_size * p)
-        self.initial_grad_msg = Message("initial_gradient", "up", numel)
+        self.initial_grad_msg = Message("initial_gradient", "up", numel, update=True)
         self.curvature_msg = Message("curvature", "up", 1, "float64")
         self.model_msg = Message("personal_model", "down", numel)
-        self.grad_msg = Message("gradient", "up", numel)
+        self.grad_msg = Message("gradient", "up", numel, update=True)
         self.eval_msg = Message("eval_personal_model", "down", numel)
 
     def setup_plan(self) -> Sequence[Step]:

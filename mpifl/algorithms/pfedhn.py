@@ -58,7 +58,7 @@ class PFedHNProtocol(HyperProtocol):
         self.turns = ctx.options.server_steps == "per_client"
         d = self.model_numel
         self.model_msg = Message("model", "down", d)
-        self.delta_msg = Message("delta", "up", d)
+        self.delta_msg = Message("delta", "up", d, update=True)
         self.newcomer_model_msg = Message("newcomer_model", "down", d)
         self.newcomer_delta_msg = Message("newcomer_delta", "up", d)
         self.eval_model_msg = Message("eval_model", "down", d)

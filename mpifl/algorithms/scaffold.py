@@ -80,7 +80,7 @@ class ScaffoldProtocol(FedAvgProtocol):
         super().__init__(ctx)
         numel = self.model_msg.numel
         self.control_msg = Message("control", "down", numel, broadcast=True)
-        self.control_delta_msg = Message("control_delta", "up", numel)
+        self.control_delta_msg = Message("control_delta", "up", numel, update=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, self.control_msg, LOCAL, self.delta_msg, self.control_delta_msg)

@@ -30,17 +30,21 @@ class Ledger:
             self.directions.append(msg.direction)
         return self.message_names.index(msg.name)
 
-    def record(self, round_: int, stage: str, msg: Message, clients: np.ndarray) -> None:
+    def record(self, round_: int, stage: str, msg: Message, clients: np.ndarray,
+               nbytes: np.ndarray | int | None = None) -> None:
+        """``clients`` each moved ``msg`` this round: ``nbytes`` per client (an array, or one size for all),
+        ``msg.nbytes`` by default (an encoded message has its own size per client)."""
         if not msg.logical or len(clients) == 0:
             return
         n = len(clients)
+        sizes = np.broadcast_to(np.asarray(msg.nbytes if nbytes is None else nbytes, dtype=np.int64), (n,))
         self._rounds.append(np.full(n, round_, dtype=np.int64))
         self._clients.append(np.asarray(clients, dtype=np.int64))
         self._messages.append(np.full(n, self._message_id(msg), dtype=np.int32))
         self._stages.append(np.full(n, STAGES.index(stage), dtype=np.int8))
-        self._bytes.append(np.full(n, msg.nbytes, dtype=np.int64))
+        self._bytes.append(sizes.copy())
         if stage == "train":
-            self.train_bytes += n * msg.nbytes
+            self.train_bytes += int(sizes.sum())
 
     def load(self, columns: dict[str, np.ndarray], message_names: list[str], directions: list[str]) -> None:
         """Start from rows read back from a results file (resuming a run)."""
@@ -62,6 +66,32 @@ class Ledger:
             "stage": cat(self._stages, np.int8),
             "bytes": cat(self._bytes, np.int64),
         }
+
+    def client_round_bytes(self, round_: int, clients: np.ndarray, stage: str = "train"
+                           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per direction, each of ``clients``' logical bytes and messages in one round (cheap: the newest rows
+        only), for the network model: ``{"down": (bytes, messages), "up": (bytes, messages)}``."""
+        up = np.array([d == "up" for d in self.directions], dtype=bool)
+        out = {d: (np.zeros(len(clients), np.int64), np.zeros(len(clients), np.int64)) for d in ("down", "up")}
+        for r, c, m, s, b in zip(reversed(self._rounds), reversed(self._clients), reversed(self._messages),
+                                 reversed(self._stages), reversed(self._bytes)):
+            if r.max() < round_:
+                break
+            rows = (r == round_) & (s == STAGES.index(stage)) & np.isin(c, clients)
+            where = np.searchsorted(clients, c[rows])
+            for direction, mask in (("up", up[m[rows]]), ("down", ~up[m[rows]])):
+                np.add.at(out[direction][0], where[mask], b[rows][mask])
+                np.add.at(out[direction][1], where[mask], 1)
+        return out
+
+    def participants(self, stage: int, direction: str) -> dict[int, np.ndarray]:
+        """The clients that sent (``up``) or received (``down``) anything in ``stage`` (an index of
+        :data:`STAGES`), by round: who took part in each round, e.g. to replay a privacy accountant."""
+        columns = self.columns()
+        wanted = np.array([d == direction for d in self.directions], dtype=bool)
+        rows = (columns["stage"] == stage) & wanted[columns["message"]] if len(wanted) else columns["stage"] < 0
+        rounds, clients = columns["round"][rows], columns["client"][rows]
+        return {int(r): np.unique(clients[rounds == r]) for r in np.unique(rounds)}
 
     def round_totals(self, round_: int, stage: str = "train") -> dict[str, int]:
         """Logical bytes of one round by direction (cheap: looks only at the newest rows)."""

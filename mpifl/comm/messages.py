@@ -18,9 +18,11 @@ class Message:
     ``Bcast``); the others carry one row per client (``Scatterv``/``Gatherv``). ``logical``
     messages are what a real deployment would send and go into the ledger; the simulator's own
     bookkeeping (evaluation metrics, compute timings) is marked ``logical=False`` and only shows
-    up as physical MPI traffic. An ``everyone`` step of a training plan reaches every seen client
-    that is up this round, not only the sampled participants (pFedMe's Algorithm 1: all clients
-    receive w and train, the sampled ones upload); only down messages and local steps can be.
+    up as physical MPI traffic. An ``update`` is a model delta or gradient the server aggregates: what
+    differential privacy clips and noises and secure aggregation masks. An ``everyone`` step of a training
+    plan reaches every seen client that is up this round, not only the sampled participants (pFedMe's
+    Algorithm 1: all clients receive w and train, the sampled ones upload); only down messages and local steps
+    can be.
     """
 
     name: str
@@ -30,12 +32,15 @@ class Message:
     broadcast: bool = False
     logical: bool = True
     everyone: bool = False
+    update: bool = False
 
     def __post_init__(self) -> None:
         if self.broadcast and self.direction != "down":
             raise ValueError(f"message {self.name}: only down messages can be broadcast")
         if self.everyone and self.direction != "down":
             raise ValueError(f"message {self.name}: only down messages can reach every client")
+        if self.update and (self.direction != "up" or np.dtype(self.dtype).kind != "f"):
+            raise ValueError(f"message {self.name}: an update is a float upload")
         if self.numel < 0:
             raise ValueError(f"message {self.name}: negative size")
 
@@ -47,6 +52,12 @@ class Message:
     def nbytes(self) -> int:
         """Bytes one client sends or receives for this message: numel × itemsize."""
         return self.numel * self.itemsize
+
+
+def masked_nbytes(numel: int, field_bits: int) -> int:
+    """Bytes of a vector of ``numel`` entries as ``field_bits``-bit field elements (secure aggregation's masked
+    input), packed."""
+    return -(-numel * field_bits // 8)
 
 
 @dataclass(frozen=True)

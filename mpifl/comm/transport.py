@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mpifl.comm.ledger import Ledger, PhysicalLog
-from mpifl.comm.messages import Message
+from mpifl.comm.messages import Message, masked_nbytes
 from mpifl.comm.placement import Placement
 
 _MIN_SLEEP_S = 20e-6
@@ -44,6 +44,14 @@ class Transport:
     ledger: Ledger = field(default_factory=Ledger)
     physical: PhysicalLog = field(default_factory=PhysicalLog)
     pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers
+    masked_field_bits: int = 0  # secure aggregation: an update's logical size is its masked field elements
+
+    def logical_nbytes(self, msg: Message) -> int:
+        """What one client's ``msg`` costs a real deployment: its raw bytes, or under secure aggregation an
+        update's masked vector of ``masked_field_bits``-bit field elements (the simulator moves the raw rows)."""
+        if self.masked_field_bits and msg.update:
+            return masked_nbytes(msg.numel, self.masked_field_bits)
+        return msg.nbytes
 
     @property
     def rank(self) -> int:
@@ -77,7 +85,7 @@ class Transport:
         Returns this rank's rows, one per local client in ``clients`` (a read-only view for broadcasts).
         """
         if self.is_server:
-            payload = self._check_payload(msg, payload, 1 if msg.broadcast else len(clients))
+            payload = self.check_payload(msg, payload, 1 if msg.broadcast else len(clients))
             self.ledger.record(round_, stage, msg, clients)
         local = self.local_clients(clients)
         if self.size == 1:  # the server alone: its payload, checked above
@@ -94,7 +102,7 @@ class Transport:
         """The server's ``payload`` on every rank (for the simulator's own bookkeeping: not per client,
         so nothing enters the ledger)."""
         if self.size == 1:
-            return self._check_payload(msg, payload, 1)
+            return self.check_payload(msg, payload, 1)
         return self._bcast(round_, msg, payload)
 
     def up(self, round_: int, stage: str, msg: Message, rows: np.ndarray, clients: np.ndarray) -> np.ndarray | None:
@@ -108,14 +116,81 @@ class Transport:
         waited for, so they overlap. One result per message, as :meth:`up`."""
         local = self.local_clients(clients)
         for msg, block in zip(msgs, rows):
-            self._check_payload(msg, block, len(local))
+            self.check_payload(msg, block, len(local))
             if self.is_server:
-                self.ledger.record(round_, stage, msg, clients)
+                self.ledger.record(round_, stage, msg, clients, self.logical_nbytes(msg))
         if self.size == 1:
             return list(rows)
         order = self.placement.rank_order(clients) if self.is_server else None
         started = [self._start_gather(msg, block, order) for msg, block in zip(msgs, rows)]
         return [self._finish_gather(round_, msg, order, *flight) for msg, flight in zip(msgs, started)]
+
+    def up_blobs(self, round_: int, stage: str, msg: Message, blobs: list[np.ndarray], clients: np.ndarray
+                 ) -> list[np.ndarray] | None:
+        """Clients → server for an encoded message: one uint8 blob per local client, each its own size. The sizes
+        go first (one int64 per client), then exactly the bytes (``Igatherv``), never padded; the ledger records
+        each client's encoded size. Returns every client's blob in ``clients`` order on the server."""
+        sizes = np.array([blob.size for blob in blobs], dtype=np.int64)
+        if self.size == 1:
+            self.ledger.record(round_, stage, msg, clients, sizes)
+            return list(blobs)
+        order = self.placement.rank_order(clients) if self.is_server else None
+        sizes_msg = Message(f"{msg.name}_sizes", "up", 1, "int64", logical=False)
+        request, gathered, nbytes = self._start_gather(sizes_msg, sizes.reshape(-1, 1), order)
+        all_sizes = self._finish_gather(round_, sizes_msg, order, request, gathered, nbytes)
+        send = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+        byte = _mpi_type(Message(msg.name, "up", 0, "uint8"))
+        if order is None or all_sizes is None:
+            self._timed(round_, msg, "gatherv", send.nbytes, self.comm.Igatherv(send, None, root=0))
+            return None
+        perm, per_rank = order
+        in_rank_order = all_sizes.reshape(-1)[perm]  # the rows as they arrive: rank by rank
+        counts = _per_rank_sums(in_rank_order, per_rank)
+        recv = np.empty(int(in_rank_order.sum()), dtype=np.uint8)
+        self._timed(round_, msg, "gatherv", recv.nbytes,
+                    self.comm.Igatherv(send, [recv, counts, _displacements(counts), byte], root=0))
+        self.ledger.record(round_, stage, msg, clients, all_sizes.reshape(-1))
+        pieces = np.split(recv, np.cumsum(in_rank_order)[:-1])
+        out: list[np.ndarray] = [np.zeros(0, np.uint8)] * len(perm)
+        for position, client_index in enumerate(perm):
+            out[client_index] = pieces[position]
+        return out
+
+    def down_blobs(self, round_: int, stage: str, msg: Message, blobs: list[np.ndarray] | None,
+                   clients: np.ndarray) -> list[np.ndarray]:
+        """Server → clients for an encoded message: ``blobs`` (server only) holds one blob for a broadcast, else
+        one per client in ``clients`` order. Sizes first, then exactly the bytes (``Ibcast``/``Iscatterv``); the
+        ledger records each client's encoded size. Returns this rank's blobs, one per local client."""
+        n_local = len(self.local_clients(clients))
+        if self.is_server:
+            blobs = require_blobs(msg, blobs, 1 if msg.broadcast else len(clients))
+            sizes = np.array([b.size for b in blobs], dtype=np.int64)
+            self.ledger.record(round_, stage, msg, clients, np.repeat(sizes, len(clients)) if msg.broadcast else sizes)
+        if self.size == 1:
+            return list(blobs) * n_local if msg.broadcast else list(blobs)  # type: ignore[arg-type]
+        sizes_msg = Message(f"{msg.name}_sizes", "down", 1, "int64", broadcast=msg.broadcast, logical=False)
+        byte = _mpi_type(Message(msg.name, "down", 0, "uint8"))
+        if msg.broadcast:
+            size = self._bcast(round_, sizes_msg, sizes if self.is_server else None)
+            buf = blobs[0] if self.is_server else np.empty(int(size[0]), np.uint8)  # type: ignore[index]
+            nbytes = buf.nbytes * (self.size - 1) if self.is_server else buf.nbytes
+            self._timed(round_, msg, "bcast", nbytes, self.comm.Ibcast([buf, byte], root=0))
+            return [buf] * n_local
+        payload = sizes.reshape(-1, 1) if self.is_server else None
+        local_sizes = self._scatter(round_, sizes_msg, payload, clients, n_local).reshape(-1)
+        recv = np.empty(int(local_sizes.sum()), dtype=np.uint8)
+        if self.is_server:
+            perm, per_rank = self.placement.rank_order(clients)
+            in_rank_order = sizes[perm]
+            counts = _per_rank_sums(in_rank_order, per_rank)
+            send = np.concatenate([blobs[i] for i in perm]) if len(perm) else np.zeros(0, np.uint8)  # type: ignore[index]
+            request = self.comm.Iscatterv([send, counts, _displacements(counts), byte], [recv, byte], root=0)
+            nbytes = send.nbytes
+        else:
+            request = self.comm.Iscatterv(None, [recv, byte], root=0)
+            nbytes = recv.nbytes
+        self._timed(round_, msg, "scatterv", nbytes, request)
+        return np.split(recv, np.cumsum(local_sizes)[:-1]) if n_local else []
 
     def gather_bytes(self, round_: int, name: str, blob: np.ndarray) -> list[np.ndarray]:
         """Every rank's variable-length uint8 ``blob`` (e.g. its checkpoint) on the server, indexed by
@@ -158,7 +233,7 @@ class Transport:
         return {r: recv[d : d + n] for r, (d, n) in enumerate(zip(recv_displs, recv_counts)) if n}
 
     @staticmethod
-    def _check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> np.ndarray:
+    def check_payload(msg: Message, payload: np.ndarray | None, rows: int) -> np.ndarray:
         """``payload``, checked to be ``rows`` rows of ``msg``'s size and dtype."""
         if payload is None or payload.dtype != np.dtype(msg.dtype) or payload.size != rows * msg.numel:
             got = "None" if payload is None else f"{payload.dtype}{list(payload.shape)}"
@@ -221,10 +296,24 @@ class Transport:
         return out
 
 
+def require_blobs(msg: Message, blobs: list[np.ndarray] | None, count: int) -> list[np.ndarray]:
+    """``blobs``, checked to be ``count`` uint8 buffers (the server's encoded payload of ``msg``)."""
+    if blobs is None or len(blobs) != count or any(b.dtype != np.uint8 or b.ndim != 1 for b in blobs):
+        raise ValueError(f"message {msg.name}: expected {count} encoded uint8 buffers")
+    return blobs
+
+
 def exchange_names(name: str) -> tuple[str, str]:
     """The physical-log message names an :meth:`Transport.exchange` called ``name`` records: its bytes and its
     sizes."""
     return name, f"{name}_sizes"
+
+
+def _per_rank_sums(values: np.ndarray, per_rank: np.ndarray) -> np.ndarray:
+    """Each rank's total of ``values`` (consecutive runs of ``per_rank`` entries, rank by rank)."""
+    ends = np.cumsum(per_rank)
+    totals = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
+    return totals[ends] - totals[ends - per_rank]
 
 
 def _displacements(counts: np.ndarray) -> np.ndarray:

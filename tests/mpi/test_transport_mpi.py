@@ -60,3 +60,49 @@ def test_wrong_payload_shape_is_refused(transport):
     msg = Message("delta", "up", 4)
     with pytest.raises(ValueError, match="expected"):
         transport.up(1, "train", msg, np.zeros((99, 4), dtype=np.float32), np.arange(11))
+
+
+def _blob(client: int) -> np.ndarray:
+    """A client's encoded message of its own length (client 4's is empty): its id repeated id % 5 times."""
+    return np.full(client % 5, client, dtype=np.uint8)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_variable_size_uploads_arrive_exactly_in_client_order(transport):
+    clients = np.array([0, 1, 4, 6, 9, 10])
+    msg = Message("delta", "up", 8)
+    local = transport.local_clients(clients)
+    out = transport.up_blobs(3, "train", msg, [_blob(int(c)) for c in local], clients)
+    if not transport.is_server:
+        assert out is None
+        return
+    assert [b.tolist() for b in out] == [_blob(int(c)).tolist() for c in clients]
+    ledger = transport.ledger.columns()
+    assert ledger["client"].tolist() == clients.tolist()
+    assert ledger["bytes"].tolist() == [c % 5 for c in clients]  # each client's own size, nothing padded
+    moved = sum(r[3] for r in transport.physical.rows if r[1] == "delta")
+    assert moved == sum(c % 5 for c in clients)  # the MPI gather carried exactly the encoded bytes
+
+
+@pytest.mark.mpi(min_size=2)
+def test_variable_size_downloads_reach_their_clients(transport):
+    clients = np.array([2, 3, 4, 7, 8])  # some ranks may hold none of them
+    msg = Message("model", "down", 8)
+    blobs = [_blob(int(c)) for c in clients] if transport.is_server else None
+    local = transport.local_clients(clients)
+    arrived = transport.down_blobs(5, "train", msg, blobs, clients)
+    assert [b.tolist() for b in arrived] == [_blob(int(c)).tolist() for c in local]
+    if transport.is_server:
+        assert transport.ledger.columns()["bytes"].tolist() == [c % 5 for c in clients]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_encoded_broadcast_is_sent_once_and_counted_per_client(transport):
+    clients = np.arange(11)
+    msg = Message("model", "down", 8, broadcast=True)
+    blob = np.arange(7, dtype=np.uint8)
+    arrived = transport.down_blobs(2, "train", msg, [blob] if transport.is_server else None, clients)
+    assert len(arrived) == len(transport.local_clients(clients))
+    assert all(b.tolist() == list(range(7)) for b in arrived)
+    if transport.is_server:
+        assert transport.ledger.round_totals(2) == {"up": 0, "down": 11 * 7}
