@@ -73,3 +73,6 @@ class SecAggConfig:
     key_bytes: int = field(default=32, metadata=limits(ge=1))  # one public key (X25519: 32)
     share_bytes: int = field(default=16, metadata=limits(ge=1))  # one Shamir share of a 128-bit secret
     aead_overhead_bytes: int = field(default=28, metadata=limits(ge=0))  # nonce + tag of one encrypted share
+    # the threat model SecAgg+'s default degree is sized for (Bell et al.): fractions of corrupt and dropped clients
+    adversarial_rate: float = field(default=0.33, metadata=limits(ge=0, lt=1))
+    dropout_rate: float = field(default=0.33, metadata=limits(ge=0, lt=1))
