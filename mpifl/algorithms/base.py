@@ -57,10 +57,13 @@ class RunContext:
         return FlatModel(build_model(self.cfg.model, self.layout, self.cfg.seed).to(device))
 
     def weights(self, clients: np.ndarray) -> np.ndarray:
-        """Aggregation weights of ``clients``, summing to 1: by sample count (known to the server from the data
-        layout), or equal (``server.weighting: uniform``)."""
+        """Aggregation weights of ``clients``: by sample count (known to the server from the data layout), or
+        equal (``server.weighting: uniform``); they sum to 1 except under DP's Poisson sampling."""
         if self.cfg.server.weighting == "uniform":
-            return np.full(len(clients), 1.0 / len(clients))
+            # under Poisson sampling the cohort's size is random: DP-FedAvg divides by its expected size
+            # (McMahan et al. 2018), so that one client's influence is bounded by clip / expected size
+            poisson = self.cfg.privacy.mode != "off" and self.cfg.privacy.sampling == "poisson"
+            return np.full(len(clients), 1.0 / (self.cfg.clients_per_round if poisson else len(clients)))
         sizes = self.layout.train_sizes[clients].astype(np.float64)
         return sizes / sizes.sum()
 

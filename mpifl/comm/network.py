@@ -38,9 +38,9 @@ class NetworkModel:
         self,
         clients: np.ndarray,
         down_bytes: np.ndarray,
-        down_messages: int,
+        down_messages: int | np.ndarray,
         up_bytes: np.ndarray,
-        up_messages: int,
+        up_messages: int | np.ndarray,
         compute_s: np.ndarray,
     ) -> np.ndarray:
         """Download + compute + upload time of each client; every message pays its link's latency."""

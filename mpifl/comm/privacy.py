@@ -44,6 +44,7 @@ and not hardened against floating-point attacks (Mironov 2012).
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 from typing import Any
@@ -97,6 +98,8 @@ def _library() -> Any:
         import dp_accounting
     except ImportError as e:
         raise ConfigError("privacy: needs the dp-accounting package (pip install 'mpifl[dp]')") from e
+    # its numerical fall-backs log through absl on every composition (several lines a round): keep errors only
+    logging.getLogger("absl").setLevel(logging.ERROR)
     return dp_accounting
 
 

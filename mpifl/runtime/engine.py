@@ -20,7 +20,11 @@ import torch
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext, require
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message, Placement, Step, Transport
+from mpifl.comm.ledger import STAGES
 from mpifl.comm.network import NetworkModel
+from mpifl.comm.privacy import PrivacyAccountant, poisson_cohort
+from mpifl.comm.secagg import UNMASKING_ROUND
+from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.registry import get_algorithm
@@ -55,8 +59,15 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
                           f"shape {layout.input_shape}")
     entry = get_algorithm(cfg.algorithm)
     ctx = RunContext(cfg, layout)
-    entry.server.protocol_type(ctx)
+    wire_format(cfg).check(entry.server.protocol_type(ctx).messages())
+    if cfg.privacy.mode != "off":
+        PrivacyAccountant(cfg.privacy, seen, cfg.clients_per_round, layout.num_clients)  # the library is there
     return ctx
+
+
+def wire_format(cfg: RunConfig) -> WireFormat:
+    """How this run's messages travel: codecs, differential privacy, secure aggregation."""
+    return WireFormat(cfg.compression, cfg.privacy, cfg.secure_aggregation, cfg.secagg, cfg.seed)
 
 
 class Engine:
@@ -103,7 +114,13 @@ class Engine:
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
         self.samples_per_round = self.protocol.samples_per_round()
-        self.walker = PlanWalker(self.transport, self.server, self.client, store, self.faults, self.clock)
+        self.wire = wire_format(cfg)
+        if self.wire.masks:
+            self.transport.masked_field_bits = cfg.secagg.field_bits
+        self.walker = PlanWalker(self.transport, self.server, self.client, store, self.faults, self.clock, self.wire)
+        self.accountant = None
+        if cfg.privacy.mode != "off" and self.server is not None:
+            self.accountant = PrivacyAccountant(cfg.privacy, len(self.seen), cfg.clients_per_round, layout.num_clients)
         self.visits = Visits(self.transport, self.placement, store, state, self.clock)
         self.checkpointer = Checkpointer(self.transport, self.clock)
         self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
@@ -131,6 +148,10 @@ class Engine:
         keep = ledger["round"] <= round_
         attrs = saved.table_attrs["ledger"]
         self.transport.ledger.load({k: v[keep] for k, v in ledger.items()}, attrs["message_names"], attrs["directions"])
+        if self.accountant is not None:  # ε so far: every round again, with the clients that uploaded in it
+            train_uploads = self.transport.ledger.participants(STAGES.index("train"), "up")
+            for past in range(1, round_ + 1):
+                self.accountant.step(train_uploads.get(past, np.zeros(0, np.int64)))
 
     def _fault_injection(self, round_: int) -> None:
         """Resilience drills: ``MPIFL_INJECT_FAULT=RANK:ROUND`` makes that rank raise at that round."""
@@ -185,13 +206,16 @@ class Engine:
         server_before = self.clock.server
         plan = self.protocol.train_plan(round_)
         logical = [m for m in plan if isinstance(m, Message) and m.logical]
-        down = [m for m in logical if m.direction == "down"]
-        up = [m for m in logical if m.direction == "up"]
-        down_bytes, up_bytes = sum(m.nbytes for m in down), sum(m.nbytes for m in up)
+        down_bytes = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down")
+        up_bytes = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "up")
         wanted = self.cfg.clients_per_round
-        sampled = sample_clients(self.cfg.seed, round_, self.seen, self.faults.selection_size(wanted))
+        if self.cfg.privacy.sampling == "poisson":  # each seen client independently, as the accountant assumes
+            sampled = poisson_cohort(self.cfg.seed, round_, self.seen, wanted / len(self.seen))
+        else:
+            sampled = sample_clients(self.cfg.seed, round_, self.seen, self.faults.selection_size(wanted))
         clients = self.faults.participants(round_, sampled, wanted, down_bytes, up_bytes, len(logical),
                                            self.samples_per_round)
+        participants = clients
         self.walker.rejected = 0
         placement = self.placement
         if self.dynamic:
@@ -209,15 +233,13 @@ class Engine:
             return
         clients = walk.clients
         server_s = self.clock.server - server_before
+        ledger = self.transport.ledger
+        if self.wire.masks:
+            self._record_secure_aggregation(round_, plan, participants, clients)
+        moved = ledger.client_round_bytes(round_, clients)  # encoded sizes: each client's own
         per_client_s = self.network.client_seconds(
-            clients,
-            np.full(len(clients), down_bytes),
-            len(down),
-            np.full(len(clients), up_bytes),
-            len(up),
-            telemetry[:, 0],
-        )
-        totals = self.transport.ledger.round_totals(round_)
+            clients, moved["down"][0], moved["down"][1], moved["up"][0], moved["up"][1], telemetry[:, 0])
+        totals = ledger.round_totals(round_)
         clients_s = per_client_s.sum() if self.protocol.turns else per_client_s.max(initial=0.0)
         self.recorder.record_round({
             "round": round_,
@@ -231,7 +253,19 @@ class Engine:
             "participants": len(clients),
             "load_imbalance": self._load_imbalance(placement, clients),
             "rejected_updates": self.walker.rejected,
+            **({"epsilon": self.accountant.step(clients)} if self.accountant is not None else {}),
         }, self.server.round_metrics())
+
+    def _record_secure_aggregation(self, round_: int, plan: Sequence[Step], participants: np.ndarray,
+                                   survivors: np.ndarray) -> None:
+        """The secure-aggregation protocol's own messages of this round in the ledger: key advertisement and
+        shares for every participant, the unmasking for those whose masked input arrived. The masked inputs
+        themselves are the update messages, already counted at their masked size."""
+        numel = sum(m.numel for m in plan if isinstance(m, Message) and m.update)
+        for sent in self.wire.secagg_round(len(participants), len(survivors), numel):
+            who = survivors if sent.name in UNMASKING_ROUND else participants
+            self.transport.ledger.record(round_, "train", Message(sent.name, sent.direction, sent.nbytes, "uint8"),
+                                         who)
 
     def _walk_training(self, round_: int, plan: Sequence[Step], sampled: np.ndarray, clients: np.ndarray) -> Walk:
         """The round's training plan among its participants: all together, or one after another (``turns``)."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
+from mpifl.comm.wire import BROADCAST, WireFormat
 from mpifl.runtime.clock import RankClock
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
@@ -41,8 +42,9 @@ class PlanWalker:
     workers (both when the job has one rank)."""
 
     def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
-                 store: ClientStore | None, faults: FaultModel, clock: RankClock):
+                 store: ClientStore | None, faults: FaultModel, clock: RankClock, wire: WireFormat | None = None):
         self.transport, self.server, self.client, self.store = transport, server, client, store
+        self.wire = wire or WireFormat()
         self.faults, self.clock = faults, clock
         self.rejected = 0  # training uploads rejected as non-finite since the counter was last reset
 
@@ -77,7 +79,7 @@ class PlanWalker:
                     self._charge_compute(start)
             elif step.direction == "down":
                 payload = self._server(server.payload, step, here) if server is not None else None
-                rows = self.transport.down(round_, LEDGER_STAGES[stage], step, payload, targets)
+                rows = self._down(round_, stage, step, payload, targets, len(hosted))
                 if client is not None and len(hosted):
                     spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
                                       for i, c in enumerate(hosted)])
@@ -110,12 +112,12 @@ class PlanWalker:
             if client is not None:
                 for i, c in enumerate(local):
                     start = time.perf_counter()
-                    rows[i] = client.send(msg, step, int(c))
+                    rows[i] = self.wire.client_upload(msg, round_, int(c), client.send(msg, step, int(c)))
                     seconds[i] += self._charge_compute(start)
             if rows.dtype.kind == "f":
                 rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
             blocks.append(rows)
-        gathered = self.transport.up_many(round_, LEDGER_STAGES[stage], group, blocks, clients)
+        gathered = self._up(round_, LEDGER_STAGES[stage], group, blocks, clients, local)
         accepted = self._screen(round_, stage, group, clients, gathered) if server is not None else None
         if stage == "train":  # every rank learns the verdict: it decides whose state edits survive.
             # Before the server's steps, so the workers go on while the server computes.
@@ -123,9 +125,66 @@ class PlanWalker:
         if server is not None and accepted is not None and accepted.any():
             keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
             for msg, rows_in in zip(group, gathered):
-                self._server(server.consume, msg, step.with_clients(clients[accepted]),
-                             require(rows_in, "the gathered rows")[keep])
+                rows_in = self.wire.server_noise(msg, round_, require(rows_in, "the gathered rows")[keep])
+                self._server(server.consume, msg, step.with_clients(clients[accepted]), rows_in)
         return accepted
+
+    def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,
+              hosted: int) -> np.ndarray:
+        """Move a down message: its raw rows, or (with a codec) each client's encoding, decoded on arrival.
+        Returns one row per hosted target."""
+        if self.wire.codec(msg) is None:
+            return self.transport.down(round_, LEDGER_STAGES[stage], msg, payload, targets)
+        start = time.perf_counter()
+        blobs = None
+        if payload is not None:
+            payload = Transport.check_payload(msg, payload, 1 if msg.broadcast else len(targets))
+            keys = [BROADCAST] if msg.broadcast else [int(c) for c in targets]
+            blobs = [self.wire.encode(msg, round_, key, row, None)[0]
+                     for key, row in zip(keys, payload.reshape(len(keys), msg.numel))]
+        self.clock.serialization += time.perf_counter() - start
+        arrived = self.transport.down_blobs(round_, LEDGER_STAGES[stage], msg, blobs, targets)
+        start = time.perf_counter()
+        if msg.broadcast:  # one encoding for everyone: decoded once
+            row = self.wire.decode(msg, arrived[0]) if arrived else np.zeros(msg.numel, msg.dtype)
+            rows = np.broadcast_to(row, (hosted, msg.numel))
+        else:
+            rows = np.array([self.wire.decode(msg, blob) for blob in arrived], dtype=msg.dtype).reshape(-1, msg.numel)
+        self.clock.serialization += time.perf_counter() - start
+        return rows
+
+    def _up(self, round_: int, stage: str, group: list[Message], blocks: list[np.ndarray], clients: np.ndarray,
+            local: np.ndarray) -> list[np.ndarray | None]:
+        """Move an update's messages: the raw ones together (``up_many``), each encoded one as every local
+        client's encoding (its error feedback kept in the client's state), decoded on the server."""
+        raw = [i for i, msg in enumerate(group) if self.wire.codec(msg) is None]
+        out: list[np.ndarray | None] = [None] * len(group)
+        for i, rows in zip(raw, self.transport.up_many(round_, stage, [group[i] for i in raw],
+                                                       [blocks[i] for i in raw], clients)):
+            out[i] = rows
+        for i, msg in enumerate(group):
+            if i in raw:
+                continue
+            start = time.perf_counter()
+            blobs = [self._encode_upload(msg, round_, int(c), row) for c, row in zip(local, blocks[i])]
+            self.clock.serialization += time.perf_counter() - start
+            arrived = self.transport.up_blobs(round_, stage, msg, blobs, clients)
+            if arrived is not None:
+                start = time.perf_counter()
+                out[i] = np.array([self.wire.decode(msg, blob) for blob in arrived],
+                                  dtype=msg.dtype).reshape(-1, msg.numel)
+                self.clock.serialization += time.perf_counter() - start
+        return out
+
+    def _encode_upload(self, msg: Message, round_: int, client: int, row: np.ndarray) -> np.ndarray:
+        """One client's encoding of ``row``; with error feedback, the residual it carries is client state (kept
+        when the server accepts this round's update, rolled back with the rest of its state otherwise)."""
+        residual_name = f"wire_residual:{msg.name}"
+        state = require(self.client, "the client side").state
+        blob, residual = self.wire.encode(msg, round_, client, row, state.get(client, residual_name))
+        if residual is not None:
+            state.edit(client)[residual_name] = residual
+        return blob
 
     def _hosted(self, clients: np.ndarray) -> np.ndarray:
         return self.transport.local_clients(clients) if self.client is not None else clients[:0]

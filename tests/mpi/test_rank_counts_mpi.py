@@ -8,15 +8,16 @@ from mpifl.registry import known_algorithms
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS
 
+WIRE = {"compression": {"up": {"codec": "qsgd", "bits": 6, "error_feedback": True}, "down": {"codec": "bf16"}},
+        "privacy": {"mode": "local", "clip": 1.0, "noise_multiplier": 0.05}}
 
-@pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("algorithm", known_algorithms())
-def test_results_are_bitwise_the_same_on_1_to_4_ranks(algorithm, tmp_path_factory):
+
+def same_on_1_to_4_ranks(raw: dict, name: str, tmp_path_factory) -> None:  # noqa: ANN001
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    cfg = parse_config(_merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1}))
-    directory = shared_dir(tmp_path_factory, f"ranks_{algorithm}")
+    cfg = parse_config(raw)
+    directory = shared_dir(tmp_path_factory, name)
     paths = {}
     for size in (4, 3, 2):
         comm = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
@@ -28,3 +29,20 @@ def test_results_are_bitwise_the_same_on_1_to_4_ranks(algorithm, tmp_path_factor
         alone = deterministic(run_engine(cfg, MPI.COMM_SELF, directory / "p1.h5"))
         for path in paths.values():
             assert_same(deterministic(path), alone)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("algorithm", known_algorithms())
+def test_results_are_bitwise_the_same_on_1_to_4_ranks(algorithm, tmp_path_factory):
+    same_on_1_to_4_ranks(_merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1}), f"ranks_{algorithm}",
+                         tmp_path_factory)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("algorithm", known_algorithms())
+def test_codecs_and_privacy_give_the_same_bits_on_1_to_4_ranks(algorithm, tmp_path_factory):
+    """Any algorithm with a stochastic codec with error feedback on every float upload, bf16 downloads and local
+    DP (its updates clipped and noised), so every keyed draw, encoding and residual must match across ranks."""
+    wire = WIRE if algorithm != "local" else {"compression": WIRE["compression"]}  # local uploads no update
+    same_on_1_to_4_ranks(_merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1, **wire}), f"wire_{algorithm}",
+                         tmp_path_factory)
