@@ -9,15 +9,18 @@ import pytest
 
 from mpifl.algorithms.base import RunContext
 from mpifl.checkpoint import read_client_states
+from mpifl.comm import Message
 from mpifl.comm.codecs import index_width, sparse_k
 from mpifl.comm.config import SecAggConfig
 from mpifl.comm.secagg import secagg_messages
 from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import get_algorithm
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge, run_engine
+from tests.test_checkpoint import CONFIGS
 
 NUMEL = 64 * 16 + 16 + 16 * 10 + 10  # SHARDS' MLP on digits: 64-16-10
 FORMULAS = {
@@ -122,9 +125,9 @@ def test_secure_aggregation_adds_its_messages_and_masks_the_update(tmp_path):
     plain = run(tmp_path, {}, "plain.h5")
     model = results.table("model")["global_model"]
     assert np.array_equal(model, plain.table("model")["global_model"])  # the sum is computed in the clear
-    latency = 0.05  # network.latency_s: 6 more messages, each paying it
-    extra = results.table("rounds")["sim_time_s"] - plain.table("rounds")["sim_time_s"]
-    assert np.all(extra > 6 * latency)
+    latency = 0.05  # network.latency_s: 6 more messages (3 round trips), each paying it; the clients' measured
+    extra = results.table("rounds")["sim_time_s"] - plain.table("rounds")["sim_time_s"]  # compute adds ms of noise
+    assert np.median(np.abs(extra - 6 * latency)) < 0.02
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -143,3 +146,15 @@ def test_bad_wire_settings_are_one_line(settings, message, tmp_path):
         run_engine(parse_config(_merge(SHARDS, {"algorithm": "fedavg", **settings})), MPI.COMM_SELF,
                    tmp_path / "bad.h5")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+def test_a_protocol_lists_every_message_its_plans_send(algorithm):
+    """What ``compression.messages`` and the privacy check see is every message the plans can move."""
+    cfg = parse_config(_merge(CONFIGS[algorithm], {"rounds": 1}))
+    protocol = get_algorithm(algorithm).server.protocol_type(RunContext(cfg, build_federated_dataset(
+        cfg.data, cfg.seed).layout))
+    plans = [protocol.setup_plan(), protocol.eval_prelude(), protocol.eval_plan(), protocol.newcomer_plan(),
+             *(protocol.train_plan(r) for r in range(1, 13))]
+    sent = {step.name for plan in plans for step in plan if isinstance(step, Message)}
+    assert sent <= {m.name for m in protocol.messages()}

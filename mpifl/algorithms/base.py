@@ -121,13 +121,23 @@ class Protocol:
         raise NotImplementedError
 
     def messages(self) -> list[Message]:
-        """Every message this protocol declares (its attributes that are messages or tuples of them): what the
-        wire format checks its per-message settings against."""
+        """Every message this protocol declares (its attributes that are messages, or tuples, lists, dicts and
+        dataclasses holding them at any depth): what the wire format checks its per-message settings against."""
         found: list[Message] = []
-        for value in vars(self).values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(item, Message) and item not in found:
-                    found.append(item)
+
+        def collect(value: object) -> None:
+            if isinstance(value, Message):
+                if value not in found:
+                    found.append(value)
+            elif isinstance(value, (tuple, list)):
+                for item in value:
+                    collect(item)
+            elif isinstance(value, dict):
+                collect(list(value.values()))
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                collect(list(vars(value).values()))
+
+        collect(list(vars(self).values()))
         return found
 
     def eval_prelude(self) -> Sequence[Step]:
