@@ -158,3 +158,36 @@ def test_a_protocol_lists_every_message_its_plans_send(algorithm):
              *(protocol.train_plan(r) for r in range(1, 13))]
     sent = {step.name for plan in plans for step in plan if isinstance(step, Message)}
     assert sent <= {m.name for m in protocol.messages()}
+
+
+def test_a_corrupt_upload_is_rejected_after_decoding_and_its_residual_rolled_back(tmp_path):
+    """faults.corrupt sends NaN: every codec keeps it non-finite, the server rejects it, and the client's error
+    feedback residual stays what it was before that round (its state edits are discarded with the update)."""
+    results = run(tmp_path, {"rounds": 6, "faults": {"corrupt": 0.3},
+                             "compression": {"up": {"codec": "topk", "fraction": 0.05, "error_feedback": True}}})
+    rounds = results.table("rounds")
+    assert rounds["rejected_updates"].sum() > 0
+    assert np.isfinite(results.table("model")["global_model"]).all()
+
+
+def test_resume_with_codecs_and_privacy_is_bitwise_an_uninterrupted_run(tmp_path, monkeypatch):
+    """Error-feedback residuals are checkpointed client state and ε is replayed from the ledger."""
+    import yaml
+
+    from mpifl.cli import main
+    from tests.conftest import assert_same, deterministic
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(_merge(SHARDS, {
+        "algorithm": "scaffold", "rounds": 5, "checkpoint_every": 2, "eval_every": 1, "clients_per_round": 4,
+        "server": {"weighting": "uniform"},
+        "compression": {"up": {"codec": "sign", "error_feedback": True}, "down": {"codec": "fp16"}},
+        "privacy": {"mode": "central", "sampling": "poisson", "noise_multiplier": 0.5}})))
+    full, part = tmp_path / "full.h5", tmp_path / "part.h5"
+    assert main(["run", str(config), "--out", str(full), "--quiet"]) == 0
+    monkeypatch.setenv("MPIFL_INJECT_FAULT", "0:4")
+    assert main(["run", str(config), "--out", str(part), "--quiet"]) == 1
+    monkeypatch.delenv("MPIFL_INJECT_FAULT")
+    assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
+    assert_same(deterministic(full), deterministic(part))
+    assert np.array_equal(read_results(full).table("rounds")["epsilon"], read_results(part).table("rounds")["epsilon"])
