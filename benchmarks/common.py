@@ -18,9 +18,11 @@ sys.path.insert(0, str(REPO))
 from mpifl.results import Results, read_results  # noqa: E402
 
 
-def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = ()) -> Results:
-    """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1); its results."""
-    cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet"]
+def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = (), flags: Sequence[str] = ()
+              ) -> Results:
+    """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1) with ``flags``
+    (e.g. ``--profile``); its results."""
+    cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet", *flags]
     for item in overrides:
         cmd += ["--set", item]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

@@ -211,7 +211,7 @@ class _ClientStates:
 def read_checkpoint(path: str | Path) -> Any:
     from mpifl.results import read_results
 
-    saved = read_results(path, checkpoint=True)
+    saved = read_results(path, checkpoint=True, ledger=False)  # the per-client ledger stays in the file
     if "checkpoint" not in saved.tables:
         raise ConfigError(f"--resume: {path} holds no checkpoint (run with checkpoint_every > 0)")
     return saved

@@ -209,7 +209,7 @@ def export(source: str, csv_dir: str | None = None, tensorboard_dir: str | None 
     if mlflow_target:
         optional_import("mlflow", "mlflow", "--mlflow")
     files = results_files(source)
-    runs = [Run(path, read_results(path)) for path in files]
+    runs = [Run(path, read_results(path, ledger=False)) for path in files]
     try:
         return _write(runs, Path(source).is_dir(), csv_dir, tensorboard_dir, mlflow_target,
                       experiment or (Path(source) if Path(source).is_dir() else files[0].parent).resolve().name)

@@ -24,42 +24,45 @@ def _bytes(n: float) -> str:
     raise AssertionError
 
 
+def _ledger_names(results: Results) -> tuple[list[str], list[str], list[str]]:
+    attrs = results.table_attrs.get("ledger_totals") or results.table_attrs.get("ledger", {})
+    return attrs.get("message_names", []), attrs.get("directions", []), attrs.get("stages", [])
+
+
 def logical_totals(results: Results) -> dict[str, dict[str, dict[str, int]]]:
-    """Logical bytes by stage → direction → message type."""
-    ledger = results.table("ledger")
-    attrs = results.table_attrs.get("ledger", {})
-    names, directions, stages = attrs.get("message_names", []), attrs.get("directions", []), attrs.get("stages", [])
+    """Logical bytes by stage → direction → message type (from the per-round totals, not per-client rows)."""
+    totals = results.table("ledger_totals")
+    names, directions, stages = _ledger_names(results)
     out: dict[str, dict[str, dict[str, int]]] = {}
-    if not ledger:
+    if not totals:
         return out
     for m, name in enumerate(names):
         for s, stage in enumerate(stages):
-            mask = (ledger["message"] == m) & (ledger["stage"] == s)
+            mask = (totals["message"] == m) & (totals["stage"] == s)
             if mask.any():
-                out.setdefault(stage, {}).setdefault(directions[m], {})[name] = int(ledger["bytes"][mask].sum())
+                out.setdefault(stage, {}).setdefault(directions[m], {})[name] = int(totals["bytes"][mask].sum())
     return out
 
 
 def per_client_round(results: Results) -> dict[str, dict[str, dict[str, float]]]:
     """Logical bytes one client received (down) or sent (up) in one round, by stage → direction: min, max,
     mean over the (round, client) pairs that had traffic, and their count. Min = max is the protocol's exact
-    per-client cost; a spread shows what varies (rounds that send more, dropped uploads)."""
-    ledger = results.table("ledger")
-    directions = np.array(results.table_attrs.get("ledger", {}).get("directions", []))
-    stages = results.table_attrs.get("ledger", {}).get("stages", [])
+    per-client cost; a spread shows what varies (rounds that send more, dropped uploads). From the per-round
+    spreads (``ledger_clients``), not per-client rows."""
+    spread = results.table("ledger_clients")
+    stages = _ledger_names(results)[2]
     out: dict[str, dict[str, dict[str, float]]] = {}
-    if not ledger:
+    if not spread:
         return out
     for s, stage in enumerate(stages):
-        for direction in ("down", "up"):
-            mask = (ledger["stage"] == s) & (directions[ledger["message"]] == direction)
+        for d, direction in enumerate(("down", "up")):
+            mask = (spread["stage"] == s) & (spread["direction"] == d)
             if not mask.any():
                 continue
-            pairs = np.stack([ledger["round"][mask], ledger["client"][mask]], axis=1)
-            _, which = np.unique(pairs, axis=0, return_inverse=True)
-            sums = np.bincount(which.ravel(), weights=ledger["bytes"][mask]).astype(np.int64)
-            out.setdefault(stage, {})[direction] = {"min": int(sums.min()), "max": int(sums.max()),
-                                                    "mean": float(sums.mean()), "count": len(sums)}
+            count = int(spread["clients"][mask].sum())
+            out.setdefault(stage, {})[direction] = {
+                "min": int(spread["bytes_min"][mask].min()), "max": int(spread["bytes_max"][mask].max()),
+                "mean": float(spread["bytes_sum"][mask].sum() / count), "count": count}
     return out
 
 
@@ -133,7 +136,7 @@ def _diagnostic_lines(diags: dict[str, dict[str, dict[str, float | None]]]) -> l
 
 
 def report(path: str, select: str = "final") -> dict[str, Any]:
-    res = read_results(path)
+    res = read_results(path, ledger=False)
     ev, rounds = res.table("eval"), res.table("rounds")
     row = selected_row(res, select, path)
     final: dict[str, float] = {}
@@ -386,7 +389,7 @@ def group_runs(paths: Sequence[str | Path]) -> tuple[list[RunGroup], list[str]]:
         raise ConfigError(f"{', '.join(map(str, paths))}: no .h5 results files")
     by_config: dict[str, tuple[dict[str, Any], list[tuple[Path, Results]]]] = {}
     for path in files:
-        res = read_results(path)
+        res = read_results(path, ledger=False)
         config = {k: v for k, v in flatten(res.config).items() if k not in ("seed", "output")}
         by_config.setdefault(yaml.safe_dump(config, sort_keys=True), (config, []))[1].append((path, res))
     configs = [config for config, _ in by_config.values()]

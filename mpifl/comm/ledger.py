@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from mpifl.comm.messages import Message
+from mpifl.results import read_column_chunks
 
 STAGES = ("train", "eval", "setup")
+DIRECTIONS = ("down", "up")
 
 
 @dataclass
 class Ledger:
-    """Logical bytes: one row per (round, client, message) a real deployment would transmit."""
+    """Logical bytes: one row per (round, client, message) a real deployment would transmit.
+
+    Memory stays bounded however long the run: the per-client rows wait only until rank 0's next results
+    write (:meth:`drain`), which appends them to the file; what the runtime needs later (the running training
+    total) is kept as a number, and per-round totals are written beside the rows."""
 
     message_names: list[str] = field(default_factory=list)
     directions: list[str] = field(default_factory=list)
@@ -23,6 +30,7 @@ class Ledger:
     _stages: list[np.ndarray] = field(default_factory=list)
     _bytes: list[np.ndarray] = field(default_factory=list)
     train_bytes: int = 0  # running total of stage "train" (what evaluations report as cumulative bytes)
+    source: tuple[Path, int] | None = None  # resumed: the results file and the round its rows run up to
 
     def _message_id(self, msg: Message) -> int:
         if msg.name not in self.message_names:
@@ -46,33 +54,33 @@ class Ledger:
         if stage == "train":
             self.train_bytes += int(sizes.sum())
 
-    def load(self, columns: dict[str, np.ndarray], message_names: list[str], directions: list[str]) -> None:
-        """Start from rows read back from a results file (resuming a run)."""
+    def load(self, totals: dict[str, np.ndarray], message_names: list[str], directions: list[str],
+             source: Path, round_: int) -> None:
+        """Continue from a results file's per-round totals up to ``round_`` (resuming a run); the per-client
+        rows stay in ``source``, read again only by :meth:`participants`."""
         self.message_names, self.directions = list(message_names), list(directions)
-        rows = len(columns["round"]) > 0
-        self._rounds, self._clients = [columns["round"]] * rows, [columns["client"]] * rows
-        self._messages, self._stages, self._bytes = [columns["message"]] * rows, [columns["stage"]] * rows, \
-            [columns["bytes"]] * rows
-        self.train_bytes = int(columns["bytes"][columns["stage"] == STAGES.index("train")].sum())
+        keep = totals["round"] <= round_
+        self.train_bytes = int(totals["bytes"][keep & (totals["stage"] == STAGES.index("train"))].sum())
+        self.source = (Path(source), round_)
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def drain(self) -> dict[str, np.ndarray]:
+        """The rows recorded since the last drain (for the results file), forgotten here."""
         def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
-        return {
-            "round": cat(self._rounds, np.int64),
-            "client": cat(self._clients, np.int64),
-            "message": cat(self._messages, np.int32),
-            "stage": cat(self._stages, np.int8),
-            "bytes": cat(self._bytes, np.int64),
-        }
+        columns = {"round": cat(self._rounds, np.int64), "client": cat(self._clients, np.int64),
+                   "message": cat(self._messages, np.int32), "stage": cat(self._stages, np.int8),
+                   "bytes": cat(self._bytes, np.int64)}
+        for parts in (self._rounds, self._clients, self._messages, self._stages, self._bytes):
+            parts.clear()
+        return columns
 
     def client_round_bytes(self, round_: int, clients: np.ndarray, stage: str = "train"
                            ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per direction, each of ``clients``' logical bytes and messages in one round (cheap: the newest rows
-        only), for the network model: ``{"down": (bytes, messages), "up": (bytes, messages)}``."""
+        """Per direction, each of ``clients``' logical bytes and messages in the current round (cheap: the newest
+        rows only), for the network model: ``{"down": (bytes, messages), "up": (bytes, messages)}``."""
         up = np.array([d == "up" for d in self.directions], dtype=bool)
-        out = {d: (np.zeros(len(clients), np.int64), np.zeros(len(clients), np.int64)) for d in ("down", "up")}
+        out = {d: (np.zeros(len(clients), np.int64), np.zeros(len(clients), np.int64)) for d in DIRECTIONS}
         for r, c, m, s, b in zip(reversed(self._rounds), reversed(self._clients), reversed(self._messages),
                                  reversed(self._stages), reversed(self._bytes)):
             if r.max() < round_:
@@ -86,15 +94,28 @@ class Ledger:
 
     def participants(self, stage: int, direction: str) -> dict[int, np.ndarray]:
         """The clients that sent (``up``) or received (``down``) anything in ``stage`` (an index of
-        :data:`STAGES`), by round: who took part in each round, e.g. to replay a privacy accountant."""
-        columns = self.columns()
+        :data:`STAGES`), by round, in the rows of the results file this ledger was resumed from (:meth:`load`)
+        and those recorded since: who took part in each round, e.g. to replay a privacy accountant. Reads the
+        file's rows a chunk at a time."""
         wanted = np.array([d == direction for d in self.directions], dtype=bool)
-        rows = (columns["stage"] == stage) & wanted[columns["message"]] if len(wanted) else columns["stage"] < 0
-        rounds, clients = columns["round"][rows], columns["client"][rows]
-        return {int(r): np.unique(clients[rounds == r]) for r in np.unique(rounds)}
+        found: dict[int, list[np.ndarray]] = {}
+
+        def add(rounds: np.ndarray, clients: np.ndarray, stages: np.ndarray, messages: np.ndarray) -> None:
+            rows = (stages == stage) & wanted[messages] if len(wanted) else np.zeros(len(rounds), bool)
+            for r in np.unique(rounds[rows]):
+                found.setdefault(int(r), []).append(clients[rows][rounds[rows] == r])
+
+        if self.source is not None:
+            path, upto = self.source
+            for chunk in read_column_chunks(path, "ledger", ("round", "client", "stage", "message")):
+                keep = chunk["round"] <= upto
+                add(*(chunk[k][keep] for k in ("round", "client", "stage", "message")))
+        for r, c, s, m in zip(self._rounds, self._clients, self._stages, self._messages):
+            add(r, c, s, m)
+        return {r: np.unique(np.concatenate(parts)) for r, parts in sorted(found.items())}
 
     def round_totals(self, round_: int, stage: str = "train") -> dict[str, int]:
-        """Logical bytes of one round by direction (cheap: looks only at the newest rows)."""
+        """Logical bytes of one round (not yet written to the results file) by direction."""
         totals = {"up": 0, "down": 0}
         up = np.array([d == "up" for d in self.directions])
         for r, m, s, b in zip(

@@ -144,10 +144,9 @@ class Engine:
         if self.server is None:  # the tables and the ledger are the server's alone
             return
         self.recorder.restore(saved, round_)
-        ledger = saved.table("ledger")
-        keep = ledger["round"] <= round_
-        attrs = saved.table_attrs["ledger"]
-        self.transport.ledger.load({k: v[keep] for k, v in ledger.items()}, attrs["message_names"], attrs["directions"])
+        attrs = saved.table_attrs["ledger_totals"]  # per-round totals: the per-client rows stay in the file
+        self.transport.ledger.load(saved.table("ledger_totals"), attrs["message_names"], attrs["directions"],
+                                   self.output, round_)
         if self.accountant is not None:  # ε so far: every round again, with the clients that uploaded in it
             train_uploads = self.transport.ledger.participants(STAGES.index("train"), "up")
             for past in range(1, round_ + 1):

@@ -1,5 +1,6 @@
 """Rank 0's record of a run: one row per round, one per evaluation, the final per-client metrics, and the
-results file, written from a background thread so the next round's messages go out while it writes."""
+results file, appended to from a background thread so the next round's messages go out while it writes.
+Each write appends only what is new since the last one (rows, ledger rows, collectives)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import torch
 
 from mpifl import __version__
 from mpifl.comm import Ledger, PhysicalLog
+from mpifl.comm.ledger import STAGES
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout
-from mpifl.results import Results, Table, write_atomically
+from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
 from mpifl.runtime.metrics import summarize
+from mpifl.schema import ConfigError
 from mpifl.training.sgd import EVAL_FIELDS
 
 
@@ -38,6 +41,13 @@ class Recorder:
         self.started = time.time()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpifl-results")
         self.pending_write: Future | None = None
+        self.file: AppendOnlyFile | None = None  # opened by the first write (in the writer thread)
+        self.opening = True  # the next write is the first: it opens the file and writes the run's attributes
+        self.resumed = False  # continue the file a checkpoint was read from, rather than create it
+        self.written = dict.fromkeys(APPENDED, 0)  # rows of each appended table in the file
+        self.physical_written = 0  # rows of rank 0's collectives in the file
+        self.checkpoint_round: int | None = None  # the round of the checkpoint in the file
+        self.clients_changed = True  # the clients table is out of date in the file
 
     # ---------------------------------------------------------------------------------- rows
     def record_round(self, row: dict[str, float], diagnostics: dict[str, float] | None = None) -> None:
@@ -50,7 +60,7 @@ class Recorder:
     def record_evaluation(self, round_: int, rows: np.ndarray, train_bytes: int, extra: dict[str, float]) -> None:
         """One evaluation row from every client's :data:`EVAL_FIELDS` sums (per model kind and data split):
         pooled and mean-of-clients scores for the seen and the unseen clients."""
-        self.final_rows = rows
+        self.final_rows, self.clients_changed = rows, True
         row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(train_bytes)}
         regression = self.layout.task == "regression"
         for (kind, split), block in self.blocks(rows):
@@ -69,7 +79,10 @@ class Recorder:
         return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(pairs)]
 
     def progress_line(self, round_: int) -> str:
-        last, rounds = self.evaluations.arrays(), self.rounds.arrays()
+        """The line printed at an evaluation: the newest scores, and the median wall time of the last 100 rounds
+        (recent rows only, so printing costs the same at round 10,000 as at round 10)."""
+        last = self.evaluations.since(self.evaluations.length - 1)
+        rounds = self.rounds.since(max(self.rounds.length - 100, 0))
         kind = self.eval_kinds[0]
         parts = [f"round {round_:>{len(str(self.cfg.rounds))}}/{self.cfg.rounds}"]
         for group in ("seen", "unseen"):
@@ -82,49 +95,84 @@ class Recorder:
         return " | ".join(parts)
 
     def restore(self, saved: Results, round_: int) -> None:
-        """Start from a results file's rows up to ``round_`` (resuming a run)."""
+        """Start from a results file's rows up to ``round_`` (resuming a run): rank 0's tables here, and the
+        file's appended tables continue after their rows up to that round (later ones are overwritten)."""
+        if saved.attrs.get("layout") != "append":
+            raise ConfigError(f"--resume: {self.output} was written before the append-only results format; "
+                              "resume it with the mpifl version that wrote it")
         for table, target in (("rounds", self.rounds), ("eval", self.evaluations)):
             columns = saved.table(table)
             if columns:
                 keep = columns["round"] <= round_
                 target.extend({k: v[keep] for k, v in columns.items()})
             self.diagnostics[table].update(saved.diagnostics(table))
+        self.written = {table: rows_up_to(self.output, table, round_) for table in APPENDED}
+        self.physical_written = 0  # this process's collectives go after the file's
+        self.resumed, self.checkpoint_round = True, round_
 
     # ---------------------------------------------------------------------------------- file
     def write(self, status: str, ledger: Ledger, physical: PhysicalLog, checkpoint: dict[str, Any] | None = None,
               final: dict[str, dict[str, np.ndarray]] | None = None, wait: bool = False) -> None:
-        """Snapshot the tables and write them from the background thread (one write at a time, in order);
-        ``checkpoint``: {"round": r, "blobs": {...}}; ``final``: the tables only the end has (model, ranks,
-        profile); ``wait``: return once it is on disk."""
-        rows = physical.rows
-        tables: dict[str, dict[str, np.ndarray]] = {
-            "rounds": self.rounds.arrays(),
-            "eval": self.evaluations.arrays(),
-            "ledger": ledger.columns(),
+        """Hand what is new since the last write to the background thread, which appends it to the file and
+        commits it (one write at a time, in order); ``checkpoint``: {"round": r, "blobs": {...}}, written when
+        it is a new one; ``final``: the tables only the end has (model, ranks, profile); ``wait``: return once
+        it is on disk and the file is closed."""
+        rows = physical.rows[self.physical_written :]
+        self.physical_written += len(rows)
+        ledger_rows = ledger.drain()
+        totals, spread = ledger_summaries(ledger_rows, ledger.directions)
+        new: dict[str, dict[str, np.ndarray]] = {
+            "rounds": self.rounds.since(self.written["rounds"]),
+            "eval": self.evaluations.since(self.written["eval"]),
+            "ledger": ledger_rows,
+            "ledger_totals": totals,
+            "ledger_clients": spread,
             "physical": {
                 "round": np.array([r[0] for r in rows], dtype=np.int64),
-                "message": np.array([r[1] for r in rows], dtype="S"),
-                "op": np.array([r[2] for r in rows], dtype="S"),
+                "message": np.array([r[1] for r in rows], dtype="S64"),
+                "op": np.array([r[2] for r in rows], dtype="S64"),
                 "bytes": np.array([r[3] for r in rows], dtype=np.int64),
                 "seconds": np.array([r[4] for r in rows], dtype=np.float64),
             },
-            "clients": self.client_table(),
         }
+        appended = {table: (self.written[table], columns) for table, columns in new.items()}
+        for table, columns in new.items():
+            self.written[table] += len(columns["round"]) if columns else 0
+        replaced = dict(final or {})
+        if self.clients_changed:
+            replaced["clients"], self.clients_changed = self.client_table(), False
+        names = {"message_names": list(ledger.message_names), "directions": list(ledger.directions),
+                 "stages": list(STAGES)}
         table_attrs: dict[str, dict[str, Any]] = {
-            "ledger": {"message_names": ledger.message_names, "directions": ledger.directions,
-                       "stages": ["train", "eval", "setup"]},
+            "ledger": names, "ledger_totals": names,
             **{table: {"diagnostics": sorted(names)} for table, names in self.diagnostics.items() if names}}
-        if checkpoint:
-            tables["checkpoint"] = checkpoint["blobs"]
-            table_attrs["checkpoint"] = {"round": checkpoint["round"]}
-        tables.update(final or {})
-        attrs = {**self.run_attrs, "status": status, "rounds_completed": int(self.rounds.length),
-                 "wall_time_s": time.time() - self.started}
+        blobs = None
+        if checkpoint and checkpoint["round"] != self.checkpoint_round:
+            blobs = (int(checkpoint["round"]), checkpoint["blobs"])
+            self.checkpoint_round = blobs[0]
+        attrs = {**(self.run_attrs if self.opening else {}), "status": status,
+                 "rounds_completed": int(self.rounds.length), "wall_time_s": time.time() - self.started}
         self.await_write()
-        self.pending_write = self.writer.submit(write_atomically, self.output, attrs, tables, table_attrs)
+        contents = (attrs, appended, replaced, table_attrs, blobs)
+        self.pending_write = self.writer.submit(self._append, self.opening, contents, wait)
+        self.opening = False
         if wait:
             self.await_write()
             self.writer.shutdown()
+
+    def _append(self, opening: bool, contents: tuple, last: bool) -> None:
+        """In the writer thread: open the file (the first time), write, and close it after the last write."""
+        if opening:
+            self.file = AppendOnlyFile(self.output, self.resumed)
+        assert self.file is not None, "the first write opens the file"
+        self.file.write(*contents)
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     @functools.cached_property
     def run_attrs(self) -> dict[str, object]:
@@ -154,6 +202,8 @@ class Recorder:
         with contextlib.suppress(Exception):
             self.await_write()
         self.writer.shutdown()
+        with contextlib.suppress(Exception):
+            self.close()
 
     def await_write(self) -> None:
         """Finish the write in flight, raising its error here if it failed."""

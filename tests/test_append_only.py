@@ -1,0 +1,168 @@
+"""The append-only results file: a real job SIGKILLed at random moments leaves a file that reads, reports and
+resumes up to its last committed write, and the resumed run ends bitwise where an uninterrupted one ends;
+files written before the format still read."""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.cli import main
+from mpifl.results import ledger_summaries, read_results
+from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.test_checkpoint import kill_job
+
+OLD_LAYOUT = REPO / "tests" / "data" / "results_before_append_only.h5"  # written by mpifl at 4c6c908
+LOGISTIC = _merge(TINY, {"model": {"name": "logistic"}, "rounds": 40, "eval_every": 1, "checkpoint_every": 3})
+
+
+def check_committed(path: Path) -> int:
+    """A killed job's file: readable by ``read_results`` and ``mpifl report``, every table consistent up to
+    the last committed round (which it returns)."""
+    res = read_results(path)
+    rounds = res.table("rounds").get("round", np.zeros(0, np.int64))
+    last = len(rounds)
+    assert rounds.tolist() == list(range(1, last + 1))  # every round once, in order, none half-written
+    assert res.attrs["rounds_completed"] == last
+    assert res.table("eval")["round"].tolist() == list(range(1, last + 1)) if last else not res.table("eval")
+    ledger, totals = res.table("ledger"), res.table("ledger_totals")
+    if last:
+        assert set(np.unique(ledger["round"])) - {0} == set(range(1, last + 1))
+        expected, spread = ledger_summaries(ledger, res.table_attrs["ledger"]["directions"])
+        for key, values in expected.items():  # the per-round totals agree with the per-client rows
+            assert np.array_equal(totals[key], values), key
+        for key, values in spread.items():
+            assert np.array_equal(res.table("ledger_clients")[key], values), key
+        assert main(["report", str(path)]) == 0
+    return last
+
+
+def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float) -> bool:
+    """Start ``cmd``, wait until it writes ``out`` (the loop has begun: start-up time varies on a loaded machine),
+    then SIGKILL it (every process of it) after a random delay up to ``latest`` seconds; whether it was still
+    running when killed."""
+    before = out.stat().st_mtime_ns if out.exists() else None
+    job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    timeout = time.monotonic() + 60
+    while job.poll() is None and (not out.exists() or out.stat().st_mtime_ns == before):
+        assert time.monotonic() < timeout, "the job wrote nothing in a minute"
+        time.sleep(0.005)
+    deadline = time.monotonic() + rng.uniform(0, latest)
+    while time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.002)
+    running = job.poll() is None
+    kill_job(job, str(out))
+    return running
+
+
+def kill_and_resume(tmp_path: Path, kills: int, ranks: int, latest: float, seed: int) -> tuple[Path, int]:
+    """One file, over and over: run (or resume from its checkpoint), SIGKILL at a random moment, check what the
+    kill left; then resume to the end in this process. Returns the file and how many kills hit a running job."""
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(LOGISTIC))
+    part = tmp_path / "part.h5"
+    rng, hits = random.Random(seed), 0
+    for _ in range(kills):
+        with_checkpoint = part.exists() and "checkpoint" in read_results(part, checkpoint=True).tables
+        where = ["--resume", str(part)] if with_checkpoint else ["--out", str(part)]
+        cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", "run", str(config), *where,
+                                                      "--quiet"]
+        hits += kill_at_random(cmd, part, rng, latest)
+        if part.exists():
+            check_committed(part)
+        if part.exists() and read_results(part).attrs["status"] == "completed":
+            break
+    if read_results(part).attrs["status"] != "completed":
+        assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
+    return part, hits
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, np.ndarray]:
+    directory = tmp_path_factory.mktemp("full")
+    (directory / "cfg.yaml").write_text(yaml.safe_dump(LOGISTIC))
+    assert main(["run", str(directory / "cfg.yaml"), "--out", str(directory / "full.h5"), "--quiet"]) == 0
+    return deterministic(directory / "full.h5")
+
+
+def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    part, hits = kill_and_resume(tmp_path, kills=6, ranks=0, latest=1.0, seed=1)
+    assert hits >= 3, "too few kills hit a running job: the job is too short for the delays"
+    assert check_committed(part) == LOGISTIC["rounds"]
+    assert_same(uninterrupted, deterministic(part))
+
+
+def test_sigkill_of_a_three_rank_job_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    part, hits = kill_and_resume(tmp_path, kills=2, ranks=3, latest=1.5, seed=2)
+    assert hits >= 1
+    assert check_committed(part) == LOGISTIC["rounds"]
+    assert_same(uninterrupted, deterministic(part))
+
+
+WRITER = """
+import sys
+import numpy as np
+from mpifl.results import AppendOnlyFile
+f, rows = AppendOnlyFile(sys.argv[1], resume=False), 0
+for r in range(1, 10**6):
+    ledger = {"round": np.full(40, r), "client": np.arange(40), "bytes": np.arange(40) * r}
+    f.write({"config": "{}", "status": "running"}, {"rounds": (r - 1, {"round": np.array([r])}),
+            "physical": (rows, ledger)}, {}, {"rounds": {"diagnostics": [str(r)]}},
+            (r, {"server": np.full(1000 + r, r % 256, np.uint8)}) if r % 3 == 0 else None)
+    rows += 40
+"""
+
+
+def test_the_writer_killed_at_random_moments_leaves_committed_rows(tmp_path):
+    """The writer alone (no training, so it starts fast and is mid-write most of the time), SIGKILLed 15 times
+    at random moments: every file reads, holds whole writes only, and its checkpoint is a complete one."""
+    rng = random.Random(3)
+    for kill in range(15):
+        out = tmp_path / f"w{kill}.h5"
+        job = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], cwd=REPO, start_new_session=True)
+        while not out.exists():
+            assert job.poll() is None
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.3))
+        kill_job(job, str(out))
+        res = read_results(out, checkpoint=True)
+        last = len(res.table("rounds")["round"])
+        assert res.table("rounds")["round"].tolist() == list(range(1, last + 1))
+        ledger = res.table("physical")
+        assert ledger["round"].tolist() == np.repeat(np.arange(1, last + 1), 40).tolist()
+        assert ledger["bytes"].tolist() == (np.tile(np.arange(40), last) * ledger["round"]).tolist()
+        if last >= 4:  # the newest complete checkpoint, never one past the committed rows
+            blob = res.table("checkpoint")["server"]
+            r = int(res.table_attrs["checkpoint"]["round"])
+            assert r % 3 == 0 and last - 3 <= r <= last and blob.tolist() == [r % 256] * (1000 + r)
+
+
+def test_files_from_before_the_append_only_format_still_read(tmp_path, capsys):
+    """A file the previous writer made (whole tables, no committed counts): read whole, its per-round ledger
+    totals worked out from its rows, reported; resuming from it is refused with one line."""
+    res = read_results(OLD_LAYOUT)
+    assert res.attrs["status"] == "completed" and res.table("rounds")["round"].tolist() == [1, 2, 3]
+    ledger = res.table("ledger")
+    totals = res.table("ledger_totals")
+    assert totals["round"].tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for r in (1, 2, 3):
+        assert totals["bytes"][totals["round"] == r].sum() == ledger["bytes"][ledger["round"] == r].sum()
+    assert read_results(OLD_LAYOUT, ledger=False).table("ledger_totals")["bytes"].tolist() == totals["bytes"].tolist()
+    assert main(["report", str(OLD_LAYOUT), "--json"]) == 0
+    per_client = json.loads(capsys.readouterr().out)["logical_bytes_per_client_round"]
+    assert per_client["train"]["up"] == {"min": 2600, "max": 2600, "mean": 2600.0, "count": 9}
+    copy = tmp_path / "old.h5"
+    shutil.copy(OLD_LAYOUT, copy)
+    config = tmp_path / "old.yaml"
+    config.write_text(res.attrs["config"])
+    assert main(["run", str(config), "--resume", str(copy), "--set=rounds=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "before the append-only results format" in err[0]
