@@ -126,7 +126,7 @@ def test_walk_moves_rows_and_tells_each_side_the_step():
                                                      ("send", 4)]
     assert all(s.round == 5 and s.stage == "train" for _, _, s in client.calls)
     assert client.state.get(3, "rounds").tolist() == [1]  # committed: the server accepted client 3
-    ledger = walker.transport.ledger.columns()
+    ledger = walker.transport.ledger.drain()
     assert ledger["bytes"].tolist() == [12] * 6 and ledger["client"].tolist() == [1, 3, 4] * 2
 
 

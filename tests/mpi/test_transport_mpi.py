@@ -35,7 +35,7 @@ def test_gather_returns_rows_in_client_order_whatever_the_owner(transport):
     out = transport.up(1, "train", msg, rows, clients)
     if transport.is_server:
         assert np.array_equal(out, np.stack([clients, -clients], axis=1).astype(np.float64))
-        ledger = transport.ledger.columns()
+        ledger = transport.ledger.drain()
         assert np.array_equal(ledger["client"], clients) and np.all(ledger["bytes"] == 16)
     else:
         assert out is None
@@ -77,7 +77,7 @@ def test_variable_size_uploads_arrive_exactly_in_client_order(transport):
         assert out is None
         return
     assert [b.tolist() for b in out] == [_blob(int(c)).tolist() for c in clients]
-    ledger = transport.ledger.columns()
+    ledger = transport.ledger.drain()
     assert ledger["client"].tolist() == clients.tolist()
     assert ledger["bytes"].tolist() == [c % 5 for c in clients]  # each client's own size, nothing padded
     moved = sum(r[3] for r in transport.physical.rows if r[1] == "delta")
@@ -93,7 +93,7 @@ def test_variable_size_downloads_reach_their_clients(transport):
     arrived = transport.down_blobs(5, "train", msg, blobs, clients)
     assert [b.tolist() for b in arrived] == [_blob(int(c)).tolist() for c in local]
     if transport.is_server:
-        assert transport.ledger.columns()["bytes"].tolist() == [c % 5 for c in clients]
+        assert transport.ledger.drain()["bytes"].tolist() == [c % 5 for c in clients]
 
 
 @pytest.mark.mpi(min_size=2)
