@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import pytest
 
 from tests.conftest import REPO, mpi_env, mpirun_cmd
@@ -44,6 +45,24 @@ case $host in
 esac
 exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; $*"
 """
+
+
+def peek(path: Path) -> tuple[int, bool]:
+    """(rounds completed, has a checkpoint) of a running job's results file, (0, False) before its first
+    write; read without HDF5's file lock, which the writing rank may hold."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return int(f.attrs["rounds_completed"]), "checkpoint" in f
+    except (OSError, KeyError):
+        return 0, False
+
+
+def inside(ns: str, hostname: str, cmd: list[str], own_sysfs: bool = True) -> list[str]:
+    """``cmd`` run in network namespace ``ns`` under its own ``hostname``. ``ip netns exec`` also mounts a
+    /sys that shows the namespace's interfaces; daemons that need the host's /sys (slurmd's cgroups) enter
+    the network namespace alone."""
+    enter = ["ip", "netns", "exec", ns] if own_sysfs else ["nsenter", f"--net=/run/netns/{ns}"]
+    return [*enter, "unshare", "--uts", "sh", "-c", f'hostname {hostname}; exec "$@"', "sh", *cmd]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -89,8 +108,7 @@ class Nodes:
 
     def on(self, node: int, cmd: list[str]) -> list[str]:
         """``cmd`` as run on node ``node``, under its own hostname."""
-        return ["ip", "netns", "exec", self.ns[node - 1], "unshare", "--uts", "sh", "-c",
-                f'hostname node{node}; exec "$@"', "sh", *cmd]
+        return inside(self.ns[node - 1], f"node{node}", cmd)
 
     def mpirun(self, hosts: list[int], cmd: list[str]) -> list[str]:
         """``mpirun`` on node 1 with one rank on each of ``hosts`` (in rank order), over TCP only."""

@@ -11,13 +11,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
 import pytest
 import yaml
 
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, run_config
-from tests.multinode.conftest import Nodes, make_nodes
+from tests.multinode.conftest import Nodes, make_nodes, peek
 
 # A model of 1 MB (a wide hidden layer costs bytes, hardly any compute): MPI traffic dwarfs the launcher's
 # control messages, and a 20 Mbit/s link adds seconds to a round.
@@ -109,7 +108,7 @@ def test_a_cut_link_ends_the_job_within_the_keepalive_bound_and_keeps_the_last_e
                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while completed(out) < 2:
+        while peek(out)[0] < 2:
             assert job.poll() is None and time.monotonic() < deadline, "the job did not reach round 2"
             time.sleep(0.1)
         threading.Thread(target=nodes.cut, args=(3,)).start()
@@ -121,18 +120,11 @@ def test_a_cut_link_ends_the_job_within_the_keepalive_bound_and_keeps_the_last_e
             job.kill()
             job.wait()
     assert ended < ABORT_BOUND_S, stderr
+    # Not asserted: the exit status. Open MPI 5.0.11's mpirun exits 0 after losing a daemon (it killed the
+    # ranks itself), so its message and the results file's status are what tell the user.
     assert "PRTE has lost communication with a remote daemon" in stderr and "on node node3" in stderr
     res = read_results(out)
     assert res.attrs["status"] == "running" and res.attrs["rounds_completed"] >= 2
     rounds = res.table("eval")["round"]
     assert list(rounds) == list(range(1, res.attrs["rounds_completed"] + 1))  # every evaluation, up to the last
 
-
-def completed(path: Path) -> int:
-    """Rounds the results file records so far (0 before its first write); read without HDF5's file lock,
-    which the writing rank may hold."""
-    try:
-        with h5py.File(path, "r", locking=False) as f:
-            return int(f.attrs["rounds_completed"])
-    except (OSError, KeyError):
-        return 0

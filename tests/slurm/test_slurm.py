@@ -27,17 +27,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 CONF = """ClusterName=mpifl-test
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({addr})
 SlurmUser=root
 SlurmctldPort=16817
 SlurmdPort=16818
 AuthType=auth/munge
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -47,9 +47,25 @@ MpiDefault=none
 ReturnToService=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName={host} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+
+
+def slurm_conf(d: Path, controller: tuple[str, str], nodes: list[tuple[str, str]]) -> Path:
+    """``d``/slurm.conf for a cluster run from ``d``: the controller and each node as (hostname, address)."""
+    for sub in ("state", "spool", *(f"spool/{name}" for name, _ in nodes)):
+        (d / sub).mkdir(exist_ok=True)
+    lines = "".join(f"NodeName={name} NodeAddr={addr} CPUs=8 State=UNKNOWN\n" for name, addr in nodes)
+    conf = d / "slurm.conf"
+    conf.write_text(CONF.format(host=controller[0], addr=controller[1], d=d, nodes=lines))
+    return conf
+
+
+def start_munge() -> None:
+    """The authentication daemon every Slurm daemon and command talks to (over a socket in /run/munge)."""
+    if subprocess.run([_sbin("munge"), "-n"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(exist_ok=True)
+        subprocess.run([_sbin("munged"), "--force"], check=True, capture_output=True)
 
 
 def _sbin(name: str) -> str:
@@ -59,15 +75,11 @@ def _sbin(name: str) -> str:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool"):
-        (d / sub).mkdir()
-    conf = d / "slurm.conf"
-    conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], d=d))
+    host = socket.gethostname().split(".")[0]
+    conf = slurm_conf(d, (host, "127.0.0.1"), [(host, "127.0.0.1")])
     env = {**mpi_env(), "SLURM_CONF": str(conf), "MPIFL_VENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:"
            + os.environ.get("PATH", "")}
-    if subprocess.run([_sbin("munge"), "-n"], capture_output=True).returncode != 0:
-        Path("/run/munge").mkdir(exist_ok=True)
-        subprocess.run([_sbin("munged"), "--force"], check=True, capture_output=True)
+    start_munge()
     subprocess.run([_sbin("slurmctld"), "-i", "-f", str(conf)], check=True, env=env)
     subprocess.run([_sbin("slurmd"), "-f", str(conf)], check=True, env=env)
     try:
@@ -77,9 +89,9 @@ def slurm(tmp_path_factory):
             time.sleep(0.5)
         yield env
     finally:
-        for pid_file in ("slurmd.pid", "slurmctld.pid"):
-            if (d / pid_file).exists():
-                subprocess.run(["kill", (d / pid_file).read_text().strip()], check=False)
+        for pid_file in (d / f"slurmd-{host}.pid", d / "slurmctld.pid"):
+            if pid_file.exists():
+                subprocess.run(["kill", pid_file.read_text().strip()], check=False)
 
 
 def pmix_works(env) -> bool:
