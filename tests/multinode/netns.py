@@ -187,9 +187,3 @@ def make_nodes(count: int, where: Path) -> Iterator[Nodes]:
         yield nodes
     finally:
         _remove([*nodes.ns, switch])
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory) -> Iterator[Nodes]:
-    """Three namespace nodes for the tests of a module, removed afterwards whatever the tests did."""
-    yield from make_nodes(3, tmp_path_factory.mktemp("nodes"))

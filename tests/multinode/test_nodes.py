@@ -1,4 +1,4 @@
-"""mpifl across three namespace nodes (tests/multinode/conftest.py): the server on node 1, a worker on each of
+"""mpifl across three namespace nodes (tests/multinode/netns.py): the server on node 1, a worker on each of
 nodes 2 and 3, talking over TCP through real links, shaped links and a link that is cut mid-run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import yaml
 
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, run_config
-from tests.multinode.conftest import Nodes, make_nodes, peek
+from tests.multinode.netns import Nodes, make_nodes, peek
 
 # A model of 1 MB (a wide hidden layer costs bytes, hardly any compute): MPI traffic dwarfs the launcher's
 # control messages, and a 20 Mbit/s link adds seconds to a round.

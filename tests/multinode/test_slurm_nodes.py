@@ -1,4 +1,4 @@
-"""Slurm on two namespace nodes (tests/multinode/conftest.py): slurmctld on the bridge's own namespace (the
+"""Slurm on two namespace nodes (tests/multinode/netns.py): slurmctld on the bridge's own namespace (the
 head node "ctl", 10.77.0.254), a slurmd on each of node1 and node2, each with its own hostname and address;
 jobs span both nodes."""
 
@@ -15,7 +15,7 @@ import yaml
 
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, run_config
-from tests.multinode.conftest import Nodes, inside, make_nodes, peek
+from tests.multinode.netns import Nodes, inside, make_nodes, peek
 from tests.slurm.test_slurm import _sbin, missing, slurm_conf, start_munge
 
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs Slurm (missing: {', '.join(missing)}); "
