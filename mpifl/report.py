@@ -174,6 +174,10 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
             if key != "cum_logical_bytes" and key not in summary["diagnostics"].get("eval", {}):
                 lines.append(f"  {key:<32} {final[key]:.4f}")
     lines += _diagnostic_lines(summary["diagnostics"])
+    if ev and "epsilon" in rounds:
+        summary["epsilon"] = epsilon_at(res, row)
+        lines.append(f"differential privacy: ε = {summary['epsilon']:.4g} at δ = {res.config['privacy']['delta']:g} "
+                     f"after round {summary['selected_round']}")
     for stage, by_dir in totals.items():
         for direction, by_msg in by_dir.items():
             detail = ", ".join(f"{name} {_bytes(b)}" for name, b in by_msg.items())
@@ -292,7 +296,7 @@ def _accuracy_figure(groups: list[RunGroup]) -> Figure:
             for ax, x in zip(axes, xs):
                 _curve(ax, x, mean, two_se, label, color[kind], "o-" if clients == "seen" else "s--")
     score = "R²" if groups[0].runs[0][1].attrs.get("task") == "regression" else "accuracy"
-    labels = (("round", "rounds"), ("cumulative logical bytes, training (MB)", "communication"),
+    labels = (("round", "rounds"), ("cumulative logical bytes as sent (encoded), training (MB)", "communication"),
               ("simulated time (s)", "simulated time"))
     for ax, (xlabel, what) in zip(axes, labels):
         ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what} (mean ± 2·SE over seeds)")
@@ -425,7 +429,18 @@ def _run_metrics(res: Results, select: str) -> dict[str, float]:
             value = d["value"]
             out[name] = float("nan") if value is None or (row is None and table == "eval") else float(value)
     out["train_MB"] = float("nan") if row is None else float(ev["cum_logical_bytes"][row]) / 1e6
+    if "epsilon" in res.table("rounds"):
+        out["epsilon"] = epsilon_at(res, row)
     return out
+
+
+def epsilon_at(res: Results, eval_row: int | None) -> float:
+    """The privacy accountant's ε after the round of evaluation ``eval_row`` (DP runs: ``privacy:``)."""
+    rounds = res.table("rounds")
+    if eval_row is None:
+        return float("nan")
+    done = rounds["round"] <= res.table("eval")["round"][eval_row]
+    return float(rounds["epsilon"][done][-1]) if done.any() else 0.0
 
 
 def aggregate(directory: str, select: str = "final") -> dict[str, Any]:

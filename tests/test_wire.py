@@ -191,3 +191,16 @@ def test_resume_with_codecs_and_privacy_is_bitwise_an_uninterrupted_run(tmp_path
     assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
     assert_same(deterministic(full), deterministic(part))
     assert np.array_equal(read_results(full).table("rounds")["epsilon"], read_results(part).table("rounds")["epsilon"])
+
+
+def test_report_shows_epsilon_per_run_and_per_sweep_group(tmp_path, capsys):
+    from mpifl.cli import main
+    from mpifl.report import aggregate
+
+    results = run(tmp_path, {"server": {"weighting": "uniform"},
+                             "privacy": {"mode": "central", "sampling": "poisson", "noise_multiplier": 1.0}})
+    epsilon = results.table("rounds")["epsilon"][-1]
+    assert main(["report", str(tmp_path / "run.h5")]) == 0
+    assert f"differential privacy: ε = {epsilon:.4g} at δ = 1e-05 after round 4" in capsys.readouterr().out
+    (row,) = aggregate(str(tmp_path))["rows"]
+    assert row["epsilon"][0] == pytest.approx(epsilon)
