@@ -6,7 +6,8 @@ results file? (Issue 15, target 1.)
 Runs configs/quickstart.yaml's data (digits, 20 clients, 6 per round) with a logistic model, evaluating every
 round (so the results file is written every round), under ``mpirun -n RANKS`` with ``--profile``. Reported,
 from the results file: rank 0's median loop time per round (training, evaluation and the results write,
-from the profile table) over the first and the last 100 rounds and their ratio (target ≤ 1.05), and rank 0's
+from the profile table) over the first and the last 100 rounds and their ratio (target ≤ 1.05), the same for
+each part of that time (so a slowdown can be told from a machine whose load changed), and rank 0's
 ``io_seconds`` as a share of its loop's wall time (target ≤ 5%), with the file's size and its ledger rows.
 """
 
@@ -35,9 +36,12 @@ def main() -> None:
         size = out.stat().st_size
     profile, ranks = res.table("profile"), res.table("ranks")
     mine = profile["rank"] == 0
-    wall = profile["wall_seconds"][mine][np.argsort(profile["round"][mine])]
-    first, last = float(np.median(wall[:100])), float(np.median(wall[-100:]))
+    order = np.argsort(profile["round"][mine])
+    parts = {k.removesuffix("_seconds"): profile[k][mine][order] for k in profile if k.endswith("_seconds")}
+    first, last = float(np.median(parts["wall"][:100])), float(np.median(parts["wall"][-100:]))
     io, loop = float(ranks["io_seconds"][0]), float(ranks["loop_wall_seconds"][0])
+    rows = [f"| median {name} ms/round, first 100 → last 100 | {1e3 * np.median(v[:100]):.2f} → "
+            f"{1e3 * np.median(v[-100:]):.2f} | |" for name, v in parts.items() if name != "wall" and v.any()]
     record([
         "",
         heading(f"Long run: {args.rounds:,} rounds, evaluation every round"),
@@ -52,6 +56,7 @@ def main() -> None:
         f"| median loop s/round, rounds 1–100 | {first * 1e3:.2f} ms | |",
         f"| median loop s/round, last 100 rounds | {last * 1e3:.2f} ms | |",
         f"| last ÷ first | {last / first:.3f} | ≤ 1.05 |",
+        *rows,
         f"| results-file I/O ÷ loop wall | {io:.2f} s ÷ {loop:.1f} s = {100 * io / loop:.2f}% | ≤ 5% |",
     ], args.write)
 
