@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -368,30 +369,39 @@ class Results:
 def read_results(path: str | Path, checkpoint: bool = False, ledger: bool = True) -> Results:
     """Read a results file: every table up to its committed rows; its (possibly large) checkpoint only when
     asked for; the per-client ledger unless ``ledger`` is False (its per-round summaries are always read,
-    worked out from the per-client rows in files older than the append-only format)."""
-    try:
-        with h5py.File(path, "r") as f:
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            skip = {CHECKPOINT_PENDING, "checkpoint"} | (set() if ledger else {"ledger"})
-            groups = {name: g for name, g in f.items() if name not in skip and isinstance(g, h5py.Group)}
-            committed = _committed(f)
-            if checkpoint:
-                found = _checkpoint_group(f)
-                if found is not None:
-                    groups["checkpoint"] = found
-            tables = {name: _read_table(group, committed.get(name)) for name, group in groups.items()}
-            table_attrs = {name: {k: _plain(v) for k, v in group.attrs.items()} for name, group in groups.items()}
-            if committed:  # as of the last commit, whatever a write killed after it had begun to change
-                attrs["rounds_completed"] = len(tables.get("rounds", {}).get("round", ()))
-            if "ledger_totals" not in f and "ledger" in f:  # an older file: the summaries from its rows
-                rows = tables["ledger"] if ledger else _read_table(f["ledger"], None)
-                directions = _plain(f["ledger"].attrs.get("directions", np.zeros(0)))
-                tables["ledger_totals"], tables["ledger_clients"] = ledger_summaries(rows, directions)
-                table_attrs["ledger_totals"] = {k: _plain(v) for k, v in f["ledger"].attrs.items()}
-    except FileNotFoundError:
-        raise ConfigError(f"results file {path} does not exist") from None
-    except (OSError, KeyError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a readable mpifl results file (HDF5): {exc}") from None
+    worked out from the per-client rows in files older than the append-only format). A running job's file is
+    read again (twice at most) if a flush under way leaves it momentarily unreadable."""
+    for attempt in range(3):
+        try:
+            return _read_results(path, checkpoint, ledger)
+        except (OSError, KeyError, ValueError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise ConfigError(f"results file {path} does not exist") from None
+            if attempt == 2:
+                raise ConfigError(f"{path} is not a readable mpifl results file (HDF5): {exc}") from None
+            time.sleep(0.2)
+    raise AssertionError
+
+
+def _read_results(path: str | Path, checkpoint: bool, ledger: bool) -> Results:
+    with h5py.File(path, "r") as f:
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        skip = {CHECKPOINT_PENDING, "checkpoint"} | (set() if ledger else {"ledger"})
+        groups = {name: g for name, g in f.items() if name not in skip and isinstance(g, h5py.Group)}
+        committed = _committed(f)
+        if checkpoint:
+            found = _checkpoint_group(f)
+            if found is not None:
+                groups["checkpoint"] = found
+        tables = {name: _read_table(group, committed.get(name)) for name, group in groups.items()}
+        table_attrs = {name: {k: _plain(v) for k, v in group.attrs.items()} for name, group in groups.items()}
+        if committed:  # as of the last commit, whatever a write killed after it had begun to change
+            attrs["rounds_completed"] = len(tables.get("rounds", {}).get("round", ()))
+        if "ledger_totals" not in f and "ledger" in f:  # an older file: the summaries from its rows
+            rows = tables["ledger"] if ledger else _read_table(f["ledger"], None)
+            directions = _plain(f["ledger"].attrs.get("directions", np.zeros(0)))
+            tables["ledger_totals"], tables["ledger_clients"] = ledger_summaries(rows, directions)
+            table_attrs["ledger_totals"] = {k: _plain(v) for k, v in f["ledger"].attrs.items()}
     if "config" not in attrs:
         raise ConfigError(f"{path} is an HDF5 file but not an mpifl results file (no config attribute)")
     return Results(attrs, tables, table_attrs)
