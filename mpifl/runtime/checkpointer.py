@@ -50,6 +50,9 @@ class Checkpointer:
         import yaml
 
         saved = read_checkpoint(path)
+        if saved.attrs.get("layout") != "append":  # its tables cannot grow in place
+            raise ConfigError(f"--resume: {path} was written before the append-only results format; resume it "
+                              "with the mpifl version that wrote it")
         mine, given = yaml.safe_load(saved.attrs["config"]), config_to_dict(cfg)
         for volatile in ("output", "rounds"):
             mine.pop(volatile, None)

@@ -23,7 +23,6 @@ from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout
 from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
 from mpifl.runtime.metrics import summarize
-from mpifl.schema import ConfigError
 from mpifl.training.sgd import EVAL_FIELDS
 
 
@@ -97,9 +96,6 @@ class Recorder:
     def restore(self, saved: Results, round_: int) -> None:
         """Start from a results file's rows up to ``round_`` (resuming a run): rank 0's tables here, and the
         file's appended tables continue after their rows up to that round (later ones are overwritten)."""
-        if saved.attrs.get("layout") != "append":
-            raise ConfigError(f"--resume: {self.output} was written before the append-only results format; "
-                              "resume it with the mpifl version that wrote it")
         for table, target in (("rounds", self.rounds), ("eval", self.evaluations)):
             columns = saved.table(table)
             if columns:
