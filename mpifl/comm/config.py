@@ -11,14 +11,20 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value."""
+    """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value, and the
+    server's link every client of a round shares (none: infinite)."""
 
     latency_s: float = field(default=0.05, metadata=limits(ge=0))
     up_mbps: float = field(default=10.0, metadata=limits(gt=0))
     down_mbps: float = field(default=50.0, metadata=limits(gt=0))
     distribution: Literal["fixed", "lognormal"] = "fixed"
     sigma: float = field(default=0.5, metadata=limits(ge=0))
-    seconds_per_sample: float = field(default=0.0, metadata=limits(ge=0))  # expected compute, for deadlines
+    seconds_per_sample: float = field(default=0.0, metadata=limits(ge=0))  # for deadlines and compute: model
+    server_up_mbps: float | None = field(default=None, metadata=limits(gt=0))
+    server_down_mbps: float | None = field(default=None, metadata=limits(gt=0))
+    multicast: bool = False  # a broadcast crosses the server's downlink once, not once per client
+    # simulated compute: the measured wall time, or seconds_per_sample × samples (reproducible bit for bit)
+    compute: Literal["measured", "model"] = "measured"
 
 
 CodecName = Literal["none", "fp16", "bf16", "qsgd", "topk", "randk", "sign"]

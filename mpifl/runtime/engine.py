@@ -236,13 +236,14 @@ class Engine:
         if self.wire.masks:
             self._record_secure_aggregation(round_, plan, participants, clients)
         moved = ledger.client_round_bytes(round_, clients)  # encoded sizes: each client's own
-        per_client_s = self.network.client_seconds(
-            clients, moved["down"][0], moved["down"][1], moved["up"][0], moved["up"][1], telemetry[:, 0])
+        compute_s = self.network.compute_seconds(clients, self.samples_per_round[clients], telemetry[:, 0])
+        broadcast = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
+        clients_s = self.network.cohort_seconds(clients, moved, compute_s, broadcast, self.protocol.turns)
         totals = ledger.round_totals(round_)
-        clients_s = per_client_s.sum() if self.protocol.turns else per_client_s.max(initial=0.0)
         self.recorder.record_round({
             "round": round_,
-            "sim_time_s": server_s + float(clients_s),
+            # a modeled round leaves out the server's measured compute too: nothing in it depends on the machine
+            "sim_time_s": (0.0 if self.network.modeled_compute else server_s) + clients_s,
             "wall_time_s": time.perf_counter() - start,
             "server_time_s": server_s,
             "client_compute_time_s": float(telemetry[:, 0].sum()),  # ÷ workers: the round's ideal time
