@@ -19,7 +19,8 @@ _NETWORK_TAG = 0x6E6574
 
 @dataclass(frozen=True)
 class NetworkModel:
-    """Per-client latency (s) and bandwidth (bytes/s), fixed or drawn once from a seeded log-normal."""
+    """Per-client latency (s), bandwidth (bytes/s) and compute speed (s/sample), fixed or drawn once from a
+    seeded log-normal; the server's link (bytes/s, infinite by default) and how compute is counted."""
 
     latency_s: np.ndarray
     up_bytes_per_s: np.ndarray
