@@ -375,7 +375,12 @@ class RunGroup:
 
     @property
     def label(self) -> str:
-        """The overrides that distinguish the group (``algorithm=fedals, fedals.alpha=5``), else its algorithm."""
+        """The sweep variant its runs came from (``mpifl sweep`` names them ``VARIANT,...,seed=S.h5``), else the
+        overrides that distinguish the group (``algorithm=fedals, fedals.alpha=5``), else its algorithm."""
+        swept = all(",seed=" in path.stem for path, _ in self.runs)
+        variants = {path.stem.split(",")[0] for path, _ in self.runs}
+        if swept and len(variants) == 1 and "=" not in (variant := variants.pop()):
+            return variant
         return ", ".join(f"{k}={v}" for k, v in self.name.items()) or str(self.config.get("algorithm"))
 
 
