@@ -32,14 +32,16 @@ KEYS = [
     "model.name", "model.hidden", "model.channels", "model.fc_hidden", "client.lr", "client.momentum",
     "client.epochs", "client.steps", "client.batch_size", "client.clip_norm", "client.vectorize", "server.lr",
     "network.up_mbps", "network.distribution", "faults.dropout", "faults.over_selection", "fedprox.mu", "bogus",
-    "data.bogus",
+    "data.bogus", "compression.up.codec", "compression.up.fraction", "compression.down.error_feedback",
+    "compression.messages", "privacy.mode", "privacy.noise_multiplier", "privacy.sampling", "secure_aggregation",
+    "secagg.field_bits",
 ]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
                      "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
-                     "auto", "static", "dynamic"]),
+                     "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 
