@@ -114,19 +114,25 @@ def _wor_multiplier(dp: Any, z: float) -> float:
     return z / 2 if math.isclose(replace, add) else z
 
 
+def check_privacy(cfg: PrivacyConfig, population: int, cohort: int) -> Any:
+    """What a run's privacy settings need before anything trains (one :class:`ConfigError` line each): a cohort
+    within the seen clients, an accountant that bounds the sampling, and dp-accounting itself (returned)."""
+    if cfg.mode == "off":
+        raise ValueError("privacy is off: nothing to account")
+    if cfg.mode == "central" and not 0 < cohort <= population:
+        raise ConfigError(f"privacy: a cohort of {cohort} clients out of {population} seen clients")
+    if cfg.mode == "central" and cfg.sampling == "fixed" and cfg.accountant == "pld":
+        raise ConfigError("privacy: sampling 'fixed' needs accountant 'rdp' (dp-accounting's PLD accountant "
+                          "has no bound for sampling without replacement); or use sampling 'poisson'")
+    return _library()
+
+
 class PrivacyAccountant:
     """ε at ``cfg.delta`` after each round (module docstring): one event composed per round (``central``) or per
     new maximum of any client's participations (``local``)."""
 
     def __init__(self, cfg: PrivacyConfig, population: int, cohort: int, num_clients: int):
-        if cfg.mode == "off":
-            raise ValueError("privacy is off: nothing to account")
-        if cfg.mode == "central" and not 0 < cohort <= population:
-            raise ConfigError(f"privacy: a cohort of {cohort} clients out of {population} seen clients")
-        if cfg.mode == "central" and cfg.sampling == "fixed" and cfg.accountant == "pld":
-            raise ConfigError("privacy: sampling 'fixed' needs accountant 'rdp' (dp-accounting's PLD accountant "
-                              "has no bound for sampling without replacement); or use sampling 'poisson'")
-        dp = _library()
+        dp = check_privacy(cfg, population, cohort)
         self.cfg = cfg
         self.counts = np.zeros(num_clients, np.int64)  # rounds each client took part in (local mode)
         self.composed = 0  # events composed so far: rounds (central) or the largest count (local)

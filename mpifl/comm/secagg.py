@@ -52,6 +52,7 @@ from mpifl.comm.messages import Direction, masked_nbytes
 
 PROTOCOLS = ("secagg", "secagg_plus")  # the protocol names of ``secure_aggregation:``, 'none' aside
 ID_BYTES = 4  # one client id on the wire
+MASKED_INPUT = "secagg_masked_input"  # the update itself, masked: counted where the update is sent
 UNMASKING_ROUND = frozenset({"secagg_survivors", "secagg_unmask"})  # between the server and the survivors only
 
 # Bell et al.'s degree rule (see secagg_degree): statistical security 2^-40, failure probability 2^-20.
@@ -84,7 +85,7 @@ def secagg_messages(protocol: str, cohort: int, model_numel: int, cfg: SecAggCon
         SecAggMessage("secagg_neighbour_keys", "down", k * (ID_BYTES + 2 * cfg.key_bytes)),
         SecAggMessage("secagg_share_keys", "up", k * share),
         SecAggMessage("secagg_forward_shares", "down", k * share),
-        SecAggMessage("secagg_masked_input", "up", masked_nbytes(model_numel, cfg.field_bits)),
+        SecAggMessage(MASKED_INPUT, "up", masked_nbytes(model_numel, cfg.field_bits)),
         SecAggMessage("secagg_survivors", "down", ID_BYTES * surviving_neighbours),
         SecAggMessage("secagg_unmask", "up", k * (ID_BYTES + cfg.share_bytes)),
     ]

@@ -12,7 +12,7 @@ on an oversubscribed node steals cycles from the training ranks.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mpifl.comm.ledger import Ledger, PhysicalLog
-from mpifl.comm.messages import Message, masked_nbytes
+from mpifl.comm.messages import Message
 from mpifl.comm.placement import Placement
 
 _MIN_SLEEP_S = 20e-6
@@ -44,14 +44,9 @@ class Transport:
     ledger: Ledger = field(default_factory=Ledger)
     physical: PhysicalLog = field(default_factory=PhysicalLog)
     pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers
-    masked_field_bits: int = 0  # secure aggregation: an update's logical size is its masked field elements
-
-    def logical_nbytes(self, msg: Message) -> int:
-        """What one client's ``msg`` costs a real deployment: its raw bytes, or under secure aggregation an
-        update's masked vector of ``masked_field_bits``-bit field elements (the simulator moves the raw rows)."""
-        if self.masked_field_bits and msg.update:
-            return masked_nbytes(msg.numel, self.masked_field_bits)
-        return msg.nbytes
+    # what one client's raw (unencoded) message costs a real deployment: its own bytes, unless the wire format
+    # says otherwise (secure aggregation sends an update as masked field elements; the simulator moves the rows)
+    logical_nbytes: Callable[[Message], int] = field(default=lambda msg: msg.nbytes)
 
     @property
     def rank(self) -> int:

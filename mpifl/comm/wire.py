@@ -24,7 +24,7 @@ from mpifl.comm.codecs import Codec, build_codec, codec_rng, encode_with_feedbac
 from mpifl.comm.config import CodecConfig, CompressionConfig, PrivacyConfig, SecAggConfig
 from mpifl.comm.messages import Message, masked_nbytes
 from mpifl.comm.privacy import clip_update, noise
-from mpifl.comm.secagg import SecAggMessage, secagg_messages
+from mpifl.comm.secagg import MASKED_INPUT, SecAggMessage, secagg_messages
 from mpifl.schema import ConfigError, build
 
 BROADCAST = -1  # the client key of a payload encoded once for every client
@@ -43,15 +43,15 @@ class WireFormat:
         """Refuse what cannot apply to this protocol's messages (one :class:`ConfigError` line)."""
         messages = list(messages)
         names = {m.name for m in messages}
-        for name, section in self.compression.messages.items():
-            if name not in names:
-                raise ConfigError(f"compression.messages: the protocol has no message {name!r} "
-                                  f"(it sends {', '.join(sorted(names))})")
-            cfg = build(CodecConfig, section, f"compression.messages.{name}")
-            direction = next(m.direction for m in messages if m.name == name)
-            if cfg.error_feedback and direction == "down":
-                raise ConfigError(f"compression.messages.{name}.error_feedback: error feedback is client state, "
-                                  "for uploads only")
+        unknown = sorted(set(self.compression.messages) - names)
+        if unknown:
+            raise ConfigError(f"compression.messages: the protocol has no message {unknown[0]!r} "
+                              f"(it sends {', '.join(sorted(names))})")
+        for msg in messages:
+            if msg.name in self.compression.messages and msg.direction == "down" and \
+                    self._codec_config(msg).error_feedback:
+                raise ConfigError(f"compression.messages.{msg.name}.error_feedback: error feedback is client "
+                                  "state, for uploads only")
         updates = [m for m in messages if m.update]
         if (self.privacy.mode != "off" or self.secure_aggregation != "none") and not updates:
             what = "privacy" if self.privacy.mode != "off" else "secure_aggregation"
@@ -69,11 +69,16 @@ class WireFormat:
     def error_feedback(self, msg: Message) -> bool:
         return self._codec_entry(msg)[1]
 
+    def _codec_config(self, msg: Message) -> CodecConfig:
+        """``msg``'s codec section: its own under ``compression.messages``, else its direction's."""
+        section = self.compression.messages.get(msg.name)
+        if section is not None:
+            return build(CodecConfig, section, f"compression.messages.{msg.name}")
+        return self.compression.up if msg.direction == "up" else self.compression.down
+
     def _codec_entry(self, msg: Message) -> tuple[Codec | None, bool]:
         if msg.name not in self._codecs:
-            section = self.compression.messages.get(msg.name)
-            cfg = (build(CodecConfig, section, f"compression.messages.{msg.name}") if section is not None
-                   else self.compression.up if msg.direction == "up" else self.compression.down)
+            cfg = self._codec_config(msg)
             float_logical = msg.logical and np.dtype(msg.dtype).kind == "f"
             codec = build_codec(cfg) if float_logical else None
             self._codecs[msg.name] = (codec, cfg.error_feedback and codec is not None)
@@ -129,9 +134,6 @@ class WireFormat:
         """The secure-aggregation protocol's own messages of one round (per client), besides the masked input."""
         return [m for m in secagg_messages(self.secure_aggregation, cohort, update_numel, self.secagg, survivors)
                 if m.name != MASKED_INPUT]
-
-
-MASKED_INPUT = "secagg_masked_input"
 
 
 def require_codec(codec: Codec | None, msg: Message) -> Codec:

@@ -22,7 +22,7 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message, Placement, Step, Transport
 from mpifl.comm.ledger import STAGES
 from mpifl.comm.network import NetworkModel
-from mpifl.comm.privacy import PrivacyAccountant, poisson_cohort
+from mpifl.comm.privacy import PrivacyAccountant, check_privacy, poisson_cohort
 from mpifl.comm.secagg import UNMASKING_ROUND
 from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
@@ -61,7 +61,7 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     ctx = RunContext(cfg, layout)
     wire_format(cfg).check(entry.server.protocol_type(ctx).messages())
     if cfg.privacy.mode != "off":
-        PrivacyAccountant(cfg.privacy, seen, cfg.clients_per_round, layout.num_clients)  # the library is there
+        check_privacy(cfg.privacy, seen, cfg.clients_per_round)
     return ctx
 
 
@@ -115,8 +115,7 @@ class Engine:
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
         self.samples_per_round = self.protocol.samples_per_round()
         self.wire = wire_format(cfg)
-        if self.wire.masks:
-            self.transport.masked_field_bits = cfg.secagg.field_bits
+        self.transport.logical_nbytes = self.wire.nominal_nbytes
         self.walker = PlanWalker(self.transport, self.server, self.client, store, self.faults, self.clock, self.wire)
         self.accountant = None
         if cfg.privacy.mode != "off" and self.server is not None:
