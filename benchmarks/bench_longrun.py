@@ -35,9 +35,7 @@ def main() -> None:
                         ["--profile"])
         size = out.stat().st_size
     profile, ranks = res.table("profile"), res.table("ranks")
-    mine = profile["rank"] == 0
-    order = np.argsort(profile["round"][mine])
-    parts = {k.removesuffix("_seconds"): profile[k][mine][order] for k in profile if k.endswith("_seconds")}
+    parts = rank_parts(profile, 0)
     first, last = float(np.median(parts["wall"][:100])), float(np.median(parts["wall"][-100:]))
     io, loop = float(ranks["io_seconds"][0]), float(ranks["loop_wall_seconds"][0])
     rows = [f"| median {name} ms/round, first 100 → last 100 | {1e3 * np.median(v[:100]):.2f} → "
@@ -58,7 +56,27 @@ def main() -> None:
         f"| last ÷ first | {last / first:.3f} | ≤ 1.05 |",
         *rows,
         f"| results-file I/O ÷ loop wall | {io:.2f} s ÷ {loop:.1f} s = {100 * io / loop:.2f}% | ≤ 5% |",
+        "",
+        "Every rank, median ms/round over the first 100 → the last 100 rounds (a worker that slows down shows",
+        "here as rank 0's MPI wait):",
+        "",
+        "| rank | loop | compute | eval | mpi |",
+        "|---|---|---|---|---|",
+        *(worker_row(rank, rank_parts(profile, rank)) for rank in range(args.ranks)),
     ], args.write)
+
+
+def rank_parts(profile: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
+    """One rank's per-round seconds of each profiled part (``wall`` is its whole loop), in round order."""
+    mine = profile["rank"] == rank
+    order = np.argsort(profile["round"][mine])
+    return {k.removesuffix("_seconds"): profile[k][mine][order] for k in profile if k.endswith("_seconds")}
+
+
+def worker_row(rank: int, parts: dict[str, np.ndarray]) -> str:
+    cells = (f"{1e3 * np.median(parts[name][:100]):.2f} → {1e3 * np.median(parts[name][-100:]):.2f}"
+             for name in ("wall", "compute", "eval", "mpi"))
+    return f"| {rank} | {' | '.join(cells)} |"
 
 
 if __name__ == "__main__":
