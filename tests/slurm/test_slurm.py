@@ -153,6 +153,13 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, write_config, tmp_path)
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+    # lift the requeued job's two-minute hold only once it is pending on a clean node, and a second after the
+    # requeue revoked its credential (compared in whole seconds: a restart within that second is refused)
+    while subprocess.run(["sh", "-c", f"squeue -h -j {job} -o %T; sinfo -h -o %T"], capture_output=True,
+                         text=True, env=env).stdout.split() != ["PENDING", "idle"]:
+        assert time.monotonic() < deadline, "the job was not requeued"
+        time.sleep(0.1)
+    time.sleep(1)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=env).stdout.strip():
         assert time.monotonic() < deadline + 240, "the requeued job did not finish"
