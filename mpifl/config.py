@@ -168,6 +168,13 @@ def _check_cross_fields(cfg: RunConfig) -> None:
                           "server.weighting: uniform")
     if cfg.compression.down.error_feedback:
         raise ConfigError("compression.down.error_feedback: error feedback is client state, for uploads only")
+    availability = cfg.network.availability.mode
+    if availability != "always" and cfg.network.compute != "model":
+        raise ConfigError(f"network.availability: with mode {availability}, who is sampled depends on the simulated "
+                          "clock, which must not depend on this machine's load; set network.compute: model")
+    if availability != "always" and cfg.privacy.mode != "off":
+        raise ConfigError("network.availability: the privacy accountant assumes every seen client can be "
+                          "sampled in every round; availability breaks that amplification-by-sampling bound")
 
 
 REQUIRED = ("algorithm", "data.dataset")  # what a run trains, and on what: never silently the defaults

@@ -10,6 +10,20 @@ from mpifl.schema import limits
 
 
 @dataclass(frozen=True)
+class AvailabilityConfig:
+    """When clients are online on the simulated clock (``mpifl.comm.availability``): ``always``; ``onoff``:
+    alternating exponential periods of mean ``mean_on_s`` online and ``mean_off_s`` offline per client, seeded;
+    ``trace``: the intervals of a CSV file (``client,start_s,end_s``) repeating every ``trace_period_s``
+    (default: the file's last end). A round samples only among the clients online at its simulated start."""
+
+    mode: Literal["always", "onoff", "trace"] = "always"
+    mean_on_s: float = field(default=3600.0, metadata=limits(gt=0))
+    mean_off_s: float = field(default=3600.0, metadata=limits(gt=0))
+    trace: str | None = None
+    trace_period_s: float | None = field(default=None, metadata=limits(gt=0))
+
+
+@dataclass(frozen=True)
 class NetworkConfig:
     """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value, and the
     server's link every client of a round shares (none: infinite)."""
@@ -25,6 +39,7 @@ class NetworkConfig:
     multicast: bool = False  # a broadcast crosses the server's downlink once, not once per client
     # simulated compute: the measured wall time, or seconds_per_sample × samples (reproducible bit for bit)
     compute: Literal["measured", "model"] = "measured"
+    availability: AvailabilityConfig = AvailabilityConfig()
 
 
 CodecName = Literal["none", "fp16", "bf16", "qsgd", "topk", "randk", "sign"]

@@ -20,6 +20,7 @@ import torch
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext, require
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message, Placement, Step, Transport
+from mpifl.comm.availability import Availability
 from mpifl.comm.ledger import STAGES
 from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import PrivacyAccountant, check_privacy, poisson_cohort
@@ -59,10 +60,16 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
                           f"shape {layout.input_shape}")
     entry = get_algorithm(cfg.algorithm)
     ctx = RunContext(cfg, layout)
+    availability(cfg, layout)  # a trace file is read and checked here
     wire_format(cfg).check(entry.server.protocol_type(ctx).messages())
     if cfg.privacy.mode != "off":
         check_privacy(cfg.privacy, seen, cfg.clients_per_round)
     return ctx
+
+
+def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
+    """Who is online when, on the simulated clock (``network.availability``)."""
+    return Availability(cfg.network.availability, layout.num_clients, cfg.seed)
 
 
 def wire_format(cfg: RunConfig) -> WireFormat:
@@ -113,6 +120,9 @@ class Engine:
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
         self.faults = FaultModel(cfg.faults, self.network, cfg.seed)
+        self.availability = availability(cfg, layout)
+        self.sim_clock = 0.0  # rank 0: simulated seconds at the end of the last round; every rank: at its start
+        self.clock_msg = Message("sim_clock", "down", 1, "float64", broadcast=True, logical=False)
         self.samples_per_round = self.protocol.samples_per_round()
         self.wire = wire_format(cfg)
         self.transport.logical_nbytes = self.wire.nominal_nbytes
@@ -143,6 +153,9 @@ class Engine:
         if self.server is None:  # the tables and the ledger are the server's alone
             return
         self.recorder.restore(saved, round_)
+        rounds = saved.table("rounds")
+        for seconds in rounds["sim_time_s"][rounds["round"] <= round_]:  # the clock as the run summed it
+            self.sim_clock += float(seconds)
         attrs = saved.table_attrs["ledger_totals"]  # per-round totals: the per-client rows stay in the file
         self.transport.ledger.load(saved.table("ledger_totals"), attrs["message_names"], attrs["directions"],
                                    self.output, round_)
@@ -207,10 +220,12 @@ class Engine:
         down_bytes = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down")
         up_bytes = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "up")
         wanted = self.cfg.clients_per_round
+        online, sampled_at = self._online(round_)
         if self.cfg.privacy.sampling == "poisson":  # each seen client independently, as the accountant assumes
             sampled = poisson_cohort(self.cfg.seed, round_, self.seen, wanted / len(self.seen))
         else:
-            sampled = sample_clients(self.cfg.seed, round_, self.seen, self.faults.selection_size(wanted))
+            count = min(self.faults.selection_size(wanted), len(online))
+            sampled = sample_clients(self.cfg.seed, round_, online, count)
         clients = self.faults.participants(round_, sampled, wanted, down_bytes, up_bytes, len(logical),
                                            self.samples_per_round)
         participants = clients
@@ -220,7 +235,7 @@ class Engine:
             placement = placement.for_round(clients, self.samples_per_round[clients])
         with self.transport.placed(placement):
             self.visits.arrive(round_, placement, clients)
-            walk = self._walk_training(round_, plan, sampled, clients)
+            walk = self._walk_training(round_, plan, online, sampled, clients)
             self._end_round()
             self.visits.depart(round_, placement)
             rows = np.empty((len(walk.local), len(TELEMETRY_FIELDS)))
@@ -239,10 +254,12 @@ class Engine:
         broadcast = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
         clients_s = self.network.cohort_seconds(clients, moved, compute_s, broadcast, self.protocol.turns)
         totals = ledger.round_totals(round_)
+        # a modeled round leaves out the server's measured compute too: nothing in it depends on the machine
+        sim_time_s = (sampled_at - self.sim_clock) + (0.0 if self.network.modeled_compute else server_s) + clients_s
+        self.sim_clock = self.sim_clock + sim_time_s
         self.recorder.record_round({
             "round": round_,
-            # a modeled round leaves out the server's measured compute too: nothing in it depends on the machine
-            "sim_time_s": (0.0 if self.network.modeled_compute else server_s) + clients_s,
+            "sim_time_s": sim_time_s,
             "wall_time_s": time.perf_counter() - start,
             "server_time_s": server_s,
             "client_compute_time_s": float(telemetry[:, 0].sum()),  # ÷ workers: the round's ideal time
@@ -253,7 +270,21 @@ class Engine:
             "load_imbalance": self._load_imbalance(placement, clients),
             "rejected_updates": self.walker.rejected,
             **({"epsilon": self.accountant.step(clients)} if self.accountant is not None else {}),
+            **({} if self.availability.always else {"sim_clock_s": sampled_at, "available_clients": len(online)}),
         }, self.server.round_metrics())
+
+    def _online(self, round_: int) -> tuple[np.ndarray, float]:
+        """The seen clients online at the round's simulated start, and that start: the clock (the same on every
+        rank, sent by the server), moved on to the next time a client comes online while nobody is."""
+        if self.availability.always:
+            return self.seen, self.sim_clock
+        payload = np.array([self.sim_clock]) if self.server is not None else None
+        t = self.sim_clock = float(self.transport.broadcast(round_, self.clock_msg, payload)[0])
+        online = self.seen[self.availability.available(t)[self.seen]]
+        while not len(online):  # the server waits (a float's last bit may need a step past a trace's start)
+            t = max(self.availability.next_online(t), float(np.nextafter(t, np.inf)))
+            online = self.seen[self.availability.available(t)[self.seen]]
+        return online, t
 
     def _record_secure_aggregation(self, round_: int, plan: Sequence[Step], participants: np.ndarray,
                                    survivors: np.ndarray) -> None:
@@ -266,15 +297,16 @@ class Engine:
             self.transport.ledger.record(round_, "train", Message(sent.name, sent.direction, sent.nbytes, "uint8"),
                                          who)
 
-    def _walk_training(self, round_: int, plan: Sequence[Step], sampled: np.ndarray, clients: np.ndarray) -> Walk:
+    def _walk_training(self, round_: int, plan: Sequence[Step], online: np.ndarray, sampled: np.ndarray,
+                       clients: np.ndarray) -> Walk:
         """The round's training plan among its participants: all together, or one after another (``turns``)."""
         if self.protocol.turns:  # each client sees the server state the previous one left
             walks = [self.walker.walk(round_, "train", plan, clients[i : i + 1]) for i in range(len(clients))]
             if not walks:
                 return Walk(clients, np.zeros(0), clients)
             return Walk(*(np.concatenate([getattr(w, f) for w in walks]) for f in ("local", "seconds", "clients")))
-        everyone = any(step.everyone for step in plan)  # every seen client that is up this round
-        audience = np.setdiff1d(self.seen, np.setdiff1d(sampled, clients)) if everyone else None
+        everyone = any(step.everyone for step in plan)  # every seen client that is online and up this round
+        audience = np.setdiff1d(online, np.setdiff1d(sampled, clients)) if everyone else None
         return self.walker.walk(round_, "train", plan, clients, audience)
 
     def _end_round(self) -> None:
