@@ -39,6 +39,7 @@ _REGISTRY: dict[str, tuple[str | None, str, str]] = {
     "scaffold": (None, "scaffold.ScaffoldServer", "scaffold.ScaffoldClient"),
     "karula": ("karula.KarulaOptions", "karula.KarulaServer", "karula.KarulaClient"),
     "fedsgd": (None, "fedsgd.FedSGDServer", "fedsgd.FedSGDClient"),
+    "fedbuff": ("fedbuff.FedBuffOptions", "fedbuff.FedBuffServer", "fedbuff.FedBuffClient"),
     "pfedme": ("pfedme.PFedMeOptions", "pfedme.PFedMeServer", "pfedme.PFedMeClient"),
     "ifca": ("ifca.IFCAOptions", "ifca.IFCAServer", "ifca.IFCAClient"),
     "pefll": ("pefll.PeFLLOptions", "pefll.PeFLLServer", "pefll.PeFLLClient"),

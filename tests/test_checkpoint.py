@@ -23,6 +23,9 @@ from tests.conftest import REPO, _merge, assert_same, deterministic, mpi_env, mp
 CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
 CONFIGS.update(pefll=PEFLL, pfedhn=PFEDHN, karula=_merge(RIDGE, KARULA))
 CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # partial participation
+# asynchronous: 4 of the 6 clients training at once on lognormal links, a server step every 3 arrivals
+CONFIGS["fedbuff"] = _merge(CONFIGS["fedbuff"], {"clients_per_round": 4, "fedbuff": {"buffer_size": 3}, "network": {
+    "compute": "model", "seconds_per_sample": 0.001, "distribution": "lognormal", "sigma": 1.0}})
 for _name in ("perfedavg", "fedrep", "knnper"):  # PeFLL's baselines: evaluated on unseen clients too
     CONFIGS[_name] = _merge(CONFIGS[_name], {"clients_per_round": 3, "data": {"unseen_fraction": 0.34}})
 

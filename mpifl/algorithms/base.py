@@ -107,6 +107,9 @@ class Protocol:
     # previous client's left (pFedHN's reference code); False: all of them walk it together.
     turns: bool = False
     setup_includes_unseen: bool = False  # walk the set-up plan among every client, not only the seen ones
+    # True: one round is one server step of an asynchronous protocol, its clients dispatched and arriving one
+    # event at a time on the simulated clock (mpifl.runtime.asynchronous; FedBuff)
+    asynchronous: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

@@ -30,6 +30,7 @@ from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.registry import get_algorithm
 from mpifl.results import check_writable
+from mpifl.runtime.asynchronous import AsynchronousRounds
 from mpifl.runtime.checkpointer import Checkpointer
 from mpifl.runtime.clock import TIME_PARTS, RankClock, peak_rss_bytes
 from mpifl.runtime.faults import FaultModel, selection_size
@@ -61,10 +62,39 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     entry = get_algorithm(cfg.algorithm)
     ctx = RunContext(cfg, layout)
     availability(cfg, layout)  # a trace file is read and checked here
-    wire_format(cfg).check(entry.server.protocol_type(ctx).messages())
+    protocol = entry.server.protocol_type(ctx)
+    wire_format(cfg).check(protocol.messages())
+    if protocol.asynchronous:
+        check_asynchronous(cfg, protocol.concurrency, seen)  # type: ignore[attr-defined]
     if cfg.privacy.mode != "off":
         check_privacy(cfg.privacy, seen, cfg.clients_per_round)
     return ctx
+
+
+def check_asynchronous(cfg: RunConfig, concurrency: int, seen: int) -> None:
+    """What an asynchronous protocol (FedBuff) cannot run with: its events are ordered by the simulated clock,
+    which must be reproducible, and the synchronous round's notions (a cohort, a deadline) do not apply."""
+    name = cfg.algorithm
+    if cfg.network.compute != "model":
+        raise ConfigError(f"{name}: the order in which clients arrive comes from the simulated clock, which must "
+                          "not depend on this machine's load; set network.compute: model")
+    if concurrency > seen:
+        raise ConfigError(f"{name}.concurrency: {concurrency} clients training at once exceeds the {seen} seen "
+                          "clients of the data")
+    refused = {
+        "faults.deadline_s": cfg.faults.deadline_s is not None,
+        "faults.over_selection": bool(cfg.faults.over_selection),
+        "privacy": cfg.privacy.mode != "off",
+        "secure_aggregation": cfg.secure_aggregation != "none",
+        "network.server_up_mbps": cfg.network.server_up_mbps is not None,
+        "network.server_down_mbps": cfg.network.server_down_mbps is not None,
+        "network.multicast": cfg.network.multicast,
+        "placement: dynamic": cfg.placement == "dynamic",
+    }
+    for key, given in refused.items():
+        if given:
+            raise ConfigError(f"{key}: not available with the asynchronous {name}, whose clients arrive one at a "
+                              "time on their own links (no round cohort, deadline or shared server link)")
 
 
 def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
@@ -109,7 +139,7 @@ class Engine:
         self.transport = Transport(self.comm, self.placement)
         entry = get_algorithm(cfg.algorithm)
         wanted = cfg.placement == "dynamic" or cfg.placement == "auto" and dataset.cheap_clients
-        self.dynamic = self.size > 2 and wanted
+        self.dynamic = self.size > 2 and wanted and not entry.server.protocol_type.asynchronous
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
         store = None
@@ -139,6 +169,7 @@ class Engine:
         self.eval_msg = Message("eval_metrics", "up", fields, "float64", logical=False)
         self.recorder = Recorder(cfg, layout, self.protocol.eval_kinds, self.eval_splits, self.output, self.size)
         self.recorder.owner = self.placement.owner
+        self.asynchronous = AsynchronousRounds(self) if self.protocol.asynchronous else None
         if self.resume:
             self._restore()
         self.clock.setup = time.perf_counter() - setup_start
@@ -180,7 +211,7 @@ class Engine:
             if self.profile:
                 round_start, parts_before = time.perf_counter(), self._time_parts()
             self._fault_injection(round_)
-            self.train_round(round_)
+            (self.asynchronous.train_round if self.asynchronous else self.train_round)(round_)
             evaluation = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
             checkpoint = bool(every) and round_ % every == 0
             if evaluation:

@@ -65,6 +65,8 @@ def median_expected_seconds(raw: dict) -> float:
 def test_fault_on_three_ranks_completes_and_matches_one_process(algorithm, scenario, tmp_path_factory):
     from mpi4py import MPI
 
+    if algorithm == "fedbuff" and scenario == "deadline_over_selection":
+        pytest.skip("FedBuff refuses deadlines and over-selection: its clients arrive one at a time, no cohort")
     world = MPI.COMM_WORLD
     raw = scenario_config(algorithm, scenario)
     directory = shared_dir(tmp_path_factory, "faults")
@@ -75,12 +77,15 @@ def test_fault_on_three_ranks_completes_and_matches_one_process(algorithm, scena
     reference = run_engine(alone, MPI.COMM_SELF, directory / "alone.h5")
     assert_same(deterministic(path), deterministic(reference))
     rounds = read_results(path).table("rounds")
+    # the clients whose updates the server used: FedBuff's step applies those that arrived (its participants
+    # are the clients it dispatched during the step)
+    used = rounds["updates_applied"] if algorithm == "fedbuff" else rounds["participants"]
     if scenario == "dropout_empties_rounds":
-        assert (rounds["participants"] == 0).any() and rounds["participants"].sum() > 0
+        assert (used == 0).any() and used.sum() > 0
     elif scenario == "nonfinite_some_skip" and algorithm != "local":  # Local uploads nothing
-        assert rounds["rejected_updates"].sum() > 0 and rounds["participants"].sum() > 0
+        assert rounds["rejected_updates"].sum() > 0 and used.sum() > 0
     elif scenario == "nonfinite_all_skip" and algorithm != "local":
-        assert (rounds["participants"] == 0).all() and (rounds["rejected_updates"] > 0).all()
+        assert (used == 0).all() and (rounds["rejected_updates"] > 0).all()
     elif scenario == "deadline_over_selection":
         assert rounds["participants"].max() <= 2 and rounds["participants"].sum() > 0
 
