@@ -98,6 +98,17 @@ class Nodes:
             subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                             "burst", burst, "latency", latency], check=True, capture_output=True)
 
+    def shape_node(self, node: int, up: str | None, down: str | None, burst: str = "64kbit",
+                   latency: str = "1s") -> None:
+        """Node ``node``'s own link: ``up`` on what it sends (its end's egress), ``down`` on what it receives (the
+        bridge port's egress); None leaves that way unshaped. A long ``latency`` (the bucket's queue) keeps TCP
+        from losing packets, so a flow runs at the rate rather than backing off."""
+        for where, dev, rate in ((self.ns[node - 1], "eth0", up), (self.switch, self.port(node), down)):
+            subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if rate is not None:
+                subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                                "burst", burst, "latency", latency], check=True, capture_output=True)
+
     def unshape(self) -> None:
         for where, dev in self._ends():
             subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], check=True, capture_output=True)
