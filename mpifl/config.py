@@ -57,6 +57,9 @@ class RunConfig:
     # torch's intra-op threads on every rank: a fixed count keeps results bitwise the same on any rank count
     # (another count may change the bits, as it changes how reductions are split)
     threads_per_rank: int = field(default=1, metadata=limits(ge=1))
+    # client data a worker keeps between uses (GB); beyond it the least recently used clients are made or read
+    # again when next needed, so a worker's memory does not grow with the clients it evaluates
+    data_memory_gb: float = field(default=1.0, metadata=limits(ge=0))
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
     # re-spread over the workers by their work, state and all. auto: dynamic where allowed

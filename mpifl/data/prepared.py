@@ -11,10 +11,12 @@ its clients, each at about the cost of its own rows, so stateless algorithms can
 
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import zipfile
 from abc import abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,15 @@ class _ClientArrays(FederatedDataset):
 
     def _error(self, problem: str) -> ConfigError:
         return ConfigError(f"data.prepared: {self.path}: {problem}")
+
+    @contextlib.contextmanager
+    def _reading(self, c: int) -> Iterator[None]:
+        """Reading client ``c``'s rows: a damaged file is one line naming the client (the runtime reads every
+        client once at start-up, so this comes before training)."""
+        try:
+            yield
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+            raise self._error(f"{self._client(c)}: cannot read its rows ({exc})") from None
 
     def _check_origin(self, found: str | None, cfg: DataConfig, seed: int) -> None:
         """A fingerprint must be that of this config's data settings and seed; without one the data was
@@ -302,10 +313,11 @@ class Hdf5Clients(_ClientArrays):
         out = {}
         for c in client_ids:
             arrays = {}
-            for split, offsets in self.offsets.items():
-                lo, hi = offsets[c : c + 2]
-                for kind in ("x", "y"):
-                    arrays[f"{kind}_{split}"] = self.file[f"{kind}_{split}"][lo:hi]
+            with self._reading(c):
+                for split, offsets in self.offsets.items():
+                    lo, hi = offsets[c : c + 2]
+                    for kind in ("x", "y"):
+                        arrays[f"{kind}_{split}"] = self.file[f"{kind}_{split}"][lo:hi]
             out[c] = self._client_split(arrays)
         return out
 
@@ -388,7 +400,7 @@ class NpzClients(_ClientArrays):
     def _load(self, client_ids: list[int]) -> dict[int, ClientSplit]:
         out = {}
         for c in client_ids:
-            with np.load(self.files[c], allow_pickle=False) as npz:
+            with self._reading(c), np.load(self.files[c], allow_pickle=False) as npz:
                 out[c] = self._client_split({key: npz[key] for key in ARRAY_KEYS if key in npz.files})
         return out
 

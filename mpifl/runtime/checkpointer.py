@@ -17,7 +17,7 @@ from mpifl.algorithms.base import ServerAlgorithm
 from mpifl.algorithms.state import ClientState
 from mpifl.checkpoint import client_state_blob, load_client_states, load_state_blob, read_checkpoint, state_blob
 from mpifl.comm import Transport
-from mpifl.config import RunConfig, config_to_dict
+from mpifl.config import RunConfig, config_to_dict, parse_config
 from mpifl.results import Results
 from mpifl.runtime.clock import RankClock
 from mpifl.schema import ConfigError
@@ -53,8 +53,9 @@ class Checkpointer:
         if saved.attrs.get("layout") != "append":  # its tables cannot grow in place
             raise ConfigError(f"--resume: {path} was written before the append-only results format; resume it "
                               "with the mpifl version that wrote it")
-        mine, given = yaml.safe_load(saved.attrs["config"]), config_to_dict(cfg)
-        for volatile in ("output", "rounds"):
+        # the saved config read as this version reads it (a key added since takes its default), then compared
+        mine, given = config_to_dict(parse_config(yaml.safe_load(saved.attrs["config"]))), config_to_dict(cfg)
+        for volatile in ("output", "rounds", "data_memory_gb"):
             mine.pop(volatile, None)
             given.pop(volatile, None)
         if mine != given:

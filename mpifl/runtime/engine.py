@@ -142,9 +142,10 @@ class Engine:
         self.dynamic = self.size > 2 and wanted and not entry.server.protocol_type.asynchronous
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
-        store = None
+        self.store = store = None
         if self.size == 1 or self.rank > 0:
-            store = ClientStore(dataset, self.placement.clients_of(self.rank), device)
+            self.store = store = ClientStore(dataset, self.placement.clients_of(self.rank), device,
+                                             cfg.data_memory_gb * 2**30)
             self.client = entry.client(ctx, store, ClientState())
         state = self.client.state if self.client is not None else None
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
@@ -343,6 +344,12 @@ class Engine:
     def _end_round(self) -> None:
         if self.client is not None:
             self.client.end_round()
+        self._release_data()
+
+    def _release_data(self) -> None:
+        """Between uses of client data: keep only what fits ``data_memory_gb``."""
+        if self.store is not None:
+            self.store.release()
 
     def _load_imbalance(self, placement: Placement, clients: np.ndarray) -> float:
         """The busiest worker's planned samples over the mean worker's (1 = perfectly balanced round)."""
@@ -368,6 +375,7 @@ class Engine:
     def _walk_chunks(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray) -> None:
         for chunk in self._chunks(clients) if plan else ():
             self.walker.walk(round_, stage, plan, chunk)
+            self._release_data()
 
     def _chunks(self, clients: np.ndarray) -> list[np.ndarray]:
         size = self.cfg.eval_chunk or max(len(clients), 1)
@@ -383,6 +391,7 @@ class Engine:
             for i, client in enumerate(local):
                 rows[i] = self.client.evaluate(step, int(client), self.eval_splits)
         self.clock.evaluation += time.perf_counter() - start
+        self._release_data()
         return self.transport.up(round_, "eval", self.eval_msg, rows, clients)
 
     # ---------------------------------------------------------------- results
@@ -405,6 +414,7 @@ class Engine:
         visits = self.visits.traffic()
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
                 **(self.client.rank_stats() if self.client is not None else {}),
+                **({"client_data_loads": self.store.loads} if self.store is not None else {}),
                 "mpi_bytes": self.transport.physical.total_bytes,
                 "visitor_states_moved": self.visits.moved_states,
                 "visitor_state_bytes": visits[0], "visitor_state_wait": visits[1],  # (wait: seconds, part of mpi)
