@@ -19,6 +19,7 @@ import importlib
 import inspect
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
+from mpifl.results import SHARDS, shard_dir
 from mpifl.schema import ConfigError
 
 SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol"})
@@ -172,40 +174,73 @@ def load_state_blob(blob: np.ndarray, obj: Any) -> None:
         read_object(f, obj)
 
 
-def client_state_blob(state: ClientState) -> np.ndarray:
-    """A worker's committed client states as an HDF5 tree: one group per client id, one array per name."""
-    return state_blob(_ClientStates(state.export()))
+def write_client_shard(path: Path, state: ClientState) -> int:
+    """A rank's committed client states into its own shard file, one client at a time (so a rank never holds a
+    second copy of its clients' state): an HDF5 tree with one group per client id, one array per name, written
+    under a temporary name, synced and renamed, so a shard that exists is complete. Returns its size."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with h5py.File(tmp, "w") as f:
+        states = f.create_group("states")
+        states.attrs["kind"] = "dict"
+        for client in state.clients():
+            write_state(states, _key(client), state.export([client])[client])
+    with open(tmp, "rb") as written:
+        os.fsync(written.fileno())
+    tmp.replace(path)
+    return path.stat().st_size
 
 
-def worker_states(blob: np.ndarray, only: set[int] | None = None) -> dict[int, dict[str, np.ndarray]]:
-    """The client states one worker saved, by client id (``only`` these clients': the others are not read)."""
-    with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
-        if "states" not in f:
-            return {}
-        states = {}
-        for key, node in f["states"].items():
-            client = int(_unkey(key))
-            if only is None or client in only:
-                states[client] = {str(_unkey(name)): read_state(a) for name, a in node.items()}
-        return states
+def shard_states(f: h5py.File, only: set[int] | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """The client states in one shard (or an old checkpoint's worker blob), by client id (``only`` these
+    clients': the others are not read)."""
+    if "states" not in f:
+        return {}
+    states = {}
+    for key, node in f["states"].items():
+        client = int(_unkey(key))
+        if only is None or client in only:
+            states[client] = {str(_unkey(name)): read_state(a) for name, a in node.items()}
+    return states
+
+
+def checkpoint_shards(path: str | Path, blobs: dict[str, np.ndarray]) -> dict[str, Path]:
+    """The shard file of every rank that saved client states in a checkpoint of the results file ``path``
+    ({"worker_R": file}); one missing is a one-line error, since the file alone cannot resume."""
+    manifest = json.loads(blobs[SHARDS].tobytes()) if SHARDS in blobs else []
+    files = {f"worker_{entry['rank']}": shard_dir(path) / entry["file"] for entry in manifest}
+    for file in files.values():
+        if not file.exists():
+            raise ConfigError(f"--resume: {file}, a checkpoint shard of {path}, is missing (copy the folder "
+                              f"{shard_dir(path).name} together with the results file)")
+    return files
 
 
 def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.ndarray]]]:
     """Every worker's client states in the last checkpoint of a results file: {"worker_R": {client: state}}."""
     blobs = read_checkpoint(path).tables["checkpoint"]
-    return {name: worker_states(blob) for name, blob in blobs.items() if name.startswith("worker_")}
+    out = {}
+    for name, file in checkpoint_shards(path, blobs).items():
+        with h5py.File(file, "r") as f:
+            out[name] = shard_states(f)
+    for name, blob in blobs.items():  # a checkpoint written before shards: the states inside the file
+        if name.startswith("worker_"):
+            with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+                out[name] = shard_states(f)
+    return out
 
 
-def load_client_states(blobs: list[np.ndarray], state: ClientState, clients: np.ndarray) -> None:
-    """Restore ``clients``' states from the blobs of however many workers saved them (any rank count)."""
+def load_client_states(path: str | Path, blobs: dict[str, np.ndarray], state: ClientState,
+                       clients: np.ndarray) -> None:
+    """Restore ``clients``' states from the shards of however many ranks saved them (any rank count), each
+    shard opened and only these clients' groups read."""
     mine = {int(c) for c in clients}
-    for blob in blobs:
-        state.restore(worker_states(blob, mine))
-
-
-@dataclasses.dataclass
-class _ClientStates:
-    states: dict[int, dict[str, np.ndarray]]
+    for file in checkpoint_shards(path, blobs).values():
+        with h5py.File(file, "r") as f:
+            state.restore(shard_states(f, mine))
+    for name, blob in blobs.items():
+        if name.startswith("worker_"):
+            with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
+                state.restore(shard_states(f, mine))
 
 
 def read_checkpoint(path: str | Path) -> Any:

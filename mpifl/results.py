@@ -38,7 +38,9 @@ diagnostic column first reported late, the final tables).
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import tempfile
 import time
 from collections import defaultdict
@@ -161,6 +163,13 @@ APPENDED = ("rounds", "eval", "ledger", "ledger_totals", "ledger_clients", "phys
 """The tables that grow with the run: appended row by row, read up to their committed ``rows``."""
 
 CHECKPOINT_PENDING = "checkpoint.new"
+SHARDS = "shards"  # a checkpoint's manifest of per-rank shard files (JSON: rank, file, bytes)
+
+
+def shard_dir(path: str | Path) -> Path:
+    """Where the ranks of the job writing results file ``path`` put their checkpoint shards: beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.ckpt")
 COMMITTED = "committed"  # the committed rows of each appended table, in APPENDED order
 
 
@@ -253,6 +262,13 @@ class AppendOnlyFile:
         if "checkpoint" in f:
             del f["checkpoint"]
         f.move(CHECKPOINT_PENDING, "checkpoint")
+        if SHARDS in blobs:  # committed: earlier checkpoints' shards (and unfinished ones) can go, not later ones
+            f.flush()
+            keep = {entry["file"] for entry in json.loads(blobs[SHARDS].tobytes())}
+            for file in shard_dir(self.path).glob("*"):
+                written = re.fullmatch(r"\.?round(\d+)-rank\d+\.h5(\.tmp)?", file.name)
+                if written and int(written.group(1)) <= round_ and file.name not in keep:
+                    file.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.file.close()

@@ -1,5 +1,6 @@
 """Checkpoint and exact resume: an interrupted run, resumed, ends bitwise equal to one never interrupted."""
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import yaml
 from mpifl.checkpoint import read_client_states
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
-from mpifl.results import read_results
+from mpifl.results import read_results, shard_dir
 from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL
@@ -124,6 +125,8 @@ def test_resume_refuses_a_different_config_or_no_checkpoint(write_config, tmp_pa
 def test_checkpoints_hold_no_pickle(write_config, tmp_path):
     out = tmp_path / "r.h5"
     assert main(["run", str(write_config({"checkpoint_every": 1})), "--out", str(out), "--quiet"]) == 0
+    magic = b"\x89HDF\r\n\x1a\n"  # each rank's state is itself an HDF5 tree
     with h5py.File(out) as f:
-        for blob in f["checkpoint"].values():
-            assert bytes(blob[:8]) == b"\x89HDF\r\n\x1a\n"  # each rank's state is itself an HDF5 tree
+        assert bytes(f["checkpoint"]["server"][:8]) == magic
+        shards = json.loads(f["checkpoint"]["shards"][()].tobytes())
+    assert shards and all((shard_dir(out) / s["file"]).read_bytes()[:8] == magic for s in shards)

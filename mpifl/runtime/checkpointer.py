@@ -1,12 +1,14 @@
-"""Checkpoints: every rank's state into the results file at a round boundary, and back on any rank count.
+"""Checkpoints: every rank's state saved at a round boundary, and back on any rank count.
 
-The server's state is its algorithm object's (an HDF5 tree, never a pickle); a worker's is the committed
-state of the clients it hosts, keyed by client id, so a resume on another rank count hands each client's
-state to whichever worker hosts it now. No algorithm writes checkpoint code.
+The server's state is its algorithm object's (an HDF5 tree in the results file, never a pickle); a worker's is
+the committed state of the clients it hosts, keyed by client id, in its own shard file beside the results file,
+so no rank gathers another's state and a resume on another rank count hands each client's state to whichever
+worker hosts it now. No algorithm writes checkpoint code.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -15,31 +17,43 @@ import numpy as np
 
 from mpifl.algorithms.base import ServerAlgorithm
 from mpifl.algorithms.state import ClientState
-from mpifl.checkpoint import client_state_blob, load_client_states, load_state_blob, read_checkpoint, state_blob
+from mpifl.checkpoint import load_client_states, load_state_blob, read_checkpoint, state_blob, write_client_shard
 from mpifl.comm import Transport
 from mpifl.config import RunConfig, config_to_dict, parse_config
-from mpifl.results import Results
+from mpifl.results import SHARDS, Results, shard_dir
 from mpifl.runtime.clock import RankClock
 from mpifl.schema import ConfigError
 
 
+def shard_name(round_: int, rank: int) -> str:
+    return f"round{round_}-rank{rank}.h5"
+
+
 class Checkpointer:
-    def __init__(self, transport: Transport, clock: RankClock):
-        self.transport, self.clock = transport, clock
+    def __init__(self, transport: Transport, clock: RankClock, output: Path):
+        self.transport, self.clock, self.output = transport, clock, output
         self.latest: dict[str, Any] | None = None  # rank 0: {"round": r, "blobs": {"server": ..., "worker_R": ...}}
 
     def take(self, round_: int, server: ServerAlgorithm | None, state: ClientState | None) -> None:
-        """Every rank serializes its state and rank 0 keeps the blobs, which go into every results file
-        written from now on. A collective on every rank."""
+        """Every rank with client state writes it to its own shard file beside the results file, client by
+        client; the server learns only each shard's size (a small collective), then keeps its own state and the
+        shards' manifest, which go into the next results write and commit the checkpoint. A collective on
+        every rank."""
         start = time.perf_counter()
-        mine = client_state_blob(state) if state is not None else np.zeros(0, dtype=np.uint8)
+        nbytes = -1
+        if state is not None:
+            folder = shard_dir(self.output)
+            folder.mkdir(parents=True, exist_ok=True)
+            nbytes = write_client_shard(folder / shard_name(round_, self.transport.rank), state)
         self.clock.serialization += time.perf_counter() - start
-        gathered = self.transport.gather_bytes(round_, "checkpoint", mine)
+        sizes = self.transport.gather_bytes(round_, "checkpoint", np.array([nbytes], dtype=np.int64).view(np.uint8))
         if server is None:
             return
         start = time.perf_counter()
-        workers = {f"worker_{r}": blob for r, blob in enumerate(gathered) if self.transport.size == 1 or r > 0}
-        self.latest = {"round": round_, "blobs": {"server": state_blob(server), **workers}}
+        manifest = [{"rank": rank, "file": shard_name(round_, rank), "bytes": int(size.view(np.int64)[0])}
+                    for rank, size in enumerate(sizes) if size.view(np.int64)[0] >= 0]
+        shards = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
+        self.latest = {"round": round_, "blobs": {"server": state_blob(server), SHARDS: shards}}
         self.clock.serialization += time.perf_counter() - start
 
     def restore(self, path: Path, cfg: RunConfig, server: ServerAlgorithm | None, state: ClientState | None,
@@ -69,6 +83,5 @@ class Checkpointer:
             load_state_blob(blobs["server"], server)
             self.latest = {"round": round_, "blobs": dict(blobs)}
         if state is not None:
-            workers = sorted((k for k in blobs if k.startswith("worker_")), key=lambda k: int(k.split("_")[1]))
-            load_client_states([blobs[k] for k in workers], state, clients)
+            load_client_states(path, dict(blobs), state, clients)
         return round_, saved

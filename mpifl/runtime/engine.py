@@ -162,7 +162,7 @@ class Engine:
         if cfg.privacy.mode != "off" and self.server is not None:
             self.accountant = PrivacyAccountant(cfg.privacy, len(self.seen), cfg.clients_per_round, layout.num_clients)
         self.visits = Visits(self.transport, self.placement, store, state, self.clock)
-        self.checkpointer = Checkpointer(self.transport, self.clock)
+        self.checkpointer = Checkpointer(self.transport, self.clock, self.output)
         self.telemetry_msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
         # every model kind on the test split, and on the validation split where the data has one (model selection)
         self.eval_splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
