@@ -36,16 +36,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--sizes", type=int, nargs="+", help="client counts instead of each workload's two")
+    parser.add_argument("--eval-chunk", type=int, default=0, help="clients per evaluation pass (0: all at once)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (config, sizes, overrides) in WORKLOADS.items():
-            for clients in sizes:
+        for name in args.workloads:
+            config, sizes, overrides = WORKLOADS[name]
+            for clients in args.sizes or sizes:
                 out = Path(tmp) / f"{name.replace(' ', '_')}_{clients}.h5"
                 start = time.perf_counter()
                 res = mpifl_job(config, args.ranks, out, [*overrides, f"data.num_clients={clients}",
-                                                          f"rounds={args.rounds}", f"eval_every={args.rounds}"])
+                                                          f"rounds={args.rounds}", f"eval_every={args.rounds}",
+                                                          f"eval_chunk={args.eval_chunk}", *args.set])
                 job = time.perf_counter() - start
                 ranks, rounds = res.table("ranks"), res.table("rounds")
                 mem = " / ".join(f"{b / 2**20:.0f}" for b in ranks["peak_rss_bytes"])
@@ -58,7 +64,10 @@ def main() -> None:
     record([
         heading(f"Scale, FedAvg, P={args.ranks}"),
         "",
-        f"`python benchmarks/bench_scale.py --ranks {args.ranks} --rounds {args.rounds}`",
+        f"`python benchmarks/bench_scale.py --ranks {args.ranks} --rounds {args.rounds} "
+        f"--workloads {' '.join(repr(w) for w in args.workloads)}"
+        + (f" --sizes {' '.join(map(str, args.sizes))}" if args.sizes else "")
+        + f" --eval-chunk {args.eval_chunk}" + "".join(f" --set {item}" for item in args.set) + "`",
         "",
         "| workload | clients | set-up s (slowest rank) | launch to first round s (≈, incl. imports) | "
         "home clients per rank | peak RSS MiB per rank | median s/round | final eval s | job s |",

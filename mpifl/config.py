@@ -60,6 +60,10 @@ class RunConfig:
     # client data a worker keeps between uses (GB); beyond it the least recently used clients are made or read
     # again when next needed, so a worker's memory does not grow with the clients it evaluates
     data_memory_gb: float = field(default=1.0, metadata=limits(ge=0))
+    # committed client state a rank keeps in memory (GB; none: all of it); beyond it the least recently used
+    # clients' states spill to files in state_spill_dir (default: the system's temporary folder), same results
+    state_memory_gb: float | None = field(default=None, metadata=limits(ge=0))
+    state_spill_dir: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
     # re-spread over the workers by their work, state and all. auto: dynamic where allowed

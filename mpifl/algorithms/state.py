@@ -12,7 +12,11 @@ code, and an algorithm that never writes state is stateless by observation.
 from __future__ import annotations
 
 import json
+import math
+import tempfile
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import overload
 
 import numpy as np
@@ -21,17 +25,30 @@ StateDict = dict[str, np.ndarray]
 
 
 class ClientState:
-    """The states of the clients one rank hosts: committed (what survives rounds) and this round's edits."""
+    """The states of the clients one rank hosts: committed (what survives rounds) and this round's edits.
 
-    def __init__(self) -> None:
-        self._committed: dict[int, StateDict] = {}
+    With a memory budget (``state_memory_gb``) the committed states beyond it are spilled to disk, least
+    recently used first, one ``.npz`` file per client in a folder of this rank's own (rewriting a client
+    replaces its file, so the disk holds each client once), and read back when next used: the same arrays, bit
+    for bit, so results do not change; only time does. This round's edits always stay in memory.
+    """
+
+    def __init__(self, budget_bytes: float = math.inf, spill_dir: str | Path | None = None) -> None:
+        self._committed: OrderedDict[int, StateDict] = OrderedDict()  # in memory, least recently used first
         self._working: dict[int, StateDict] = {}
+        self.budget_bytes = budget_bytes
+        self.memory_bytes = 0  # of the committed states in memory
+        self._spilled: set[int] = set()
+        self._disk: tempfile.TemporaryDirectory | None = None
+        if budget_bytes < math.inf:
+            self._disk = tempfile.TemporaryDirectory(prefix="mpifl-state-", dir=spill_dir)
+        self.spills = self.reloads = 0  # states written to disk / read back, so far
 
     def read(self, client: int) -> Mapping[str, np.ndarray]:
         """``client``'s state as this round left it so far (read-only arrays; empty if it has none)."""
         if client in self._working:
             return {name: _read_only(value) for name, value in self._working[client].items()}
-        return self._committed.get(client, {})
+        return self._resident(client) or {}
 
     @overload
     def get(self, client: int, name: str) -> np.ndarray | None: ...
@@ -46,7 +63,7 @@ class ClientState:
         """``client``'s working copy for this round, created from its committed state on first use: the
         algorithm may change its arrays in place and add or replace entries until the round ends."""
         if client not in self._working:
-            self._working[client] = {name: value.copy() for name, value in self._committed.get(client, {}).items()}
+            self._working[client] = {name: value.copy() for name, value in (self._resident(client) or {}).items()}
         return self._working[client]
 
     def commit(self, clients: Iterable[int]) -> None:
@@ -54,7 +71,8 @@ class ClientState:
         for client in clients:
             edits = self._working.pop(int(client), None)
             if edits is not None:
-                self._committed[int(client)] = {name: _frozen(name, value) for name, value in edits.items()}
+                self._keep(int(client), {name: _frozen(name, value) for name, value in edits.items()})
+        self._spill()
 
     def discard(self, clients: Iterable[int]) -> None:
         """Forget these clients' edits of this round: their state is what it was before it."""
@@ -63,23 +81,82 @@ class ClientState:
 
     def clients(self) -> list[int]:
         """Clients that have committed state, in id order."""
-        return sorted(self._committed)
+        return sorted(self._spilled.union(self._committed))
 
     def export(self, clients: Iterable[int] | None = None) -> dict[int, StateDict]:
-        """Committed states (all, or of ``clients``) by client id, e.g. for a checkpoint."""
-        ids = self.clients() if clients is None else [int(c) for c in clients if int(c) in self._committed]
-        return {c: dict(self._committed[c]) for c in ids}
+        """Committed states (all, or of ``clients``) by client id, e.g. for a checkpoint; a spilled state is read
+        from disk without being kept in memory."""
+        ids = self.clients() if clients is None else [int(c) for c in clients]
+        out = {}
+        for client in ids:
+            if client in self._committed:
+                out[client] = dict(self._committed[client])
+            elif client in self._spilled:
+                out[client] = self._load(client)
+        return out
 
     def restore(self, states: Mapping[int, Mapping[str, np.ndarray]]) -> None:
         """Take these committed states (e.g. read back from a checkpoint), replacing what was there."""
         for client, state in states.items():
-            self._committed[int(client)] = {name: _frozen(name, np.asarray(value)) for name, value in state.items()}
+            self._keep(int(client), {name: _frozen(name, np.asarray(value)) for name, value in state.items()})
+            self._spill()
 
     def drop(self, clients: Iterable[int]) -> None:
         """Forget these clients entirely (visitors that went home)."""
         for client in clients:
-            self._committed.pop(int(client), None)
+            self._forget(int(client))
             self._working.pop(int(client), None)
+
+    def close(self) -> None:
+        """Remove the spill folder (also done at exit)."""
+        if self._disk is not None:
+            self._disk.cleanup()
+
+    # ------------------------------------------------------------------------------------------- spilling
+    def _resident(self, client: int) -> StateDict | None:
+        """``client``'s committed state, brought back into memory if it was spilled; now the most recent."""
+        if client in self._spilled:
+            self._keep(client, self._load(client))
+            self.reloads += 1
+            self._spill(keep=client)
+        elif client in self._committed:
+            self._committed.move_to_end(client)
+        return self._committed.get(client)
+
+    def _keep(self, client: int, state: StateDict) -> None:
+        self._forget(client)
+        self._committed[client] = state
+        self.memory_bytes += _nbytes(state)
+
+    def _forget(self, client: int) -> None:
+        if client in self._committed:
+            self.memory_bytes -= _nbytes(self._committed.pop(client))
+        if client in self._spilled:
+            self._spilled.discard(client)
+            self._file(client).unlink()
+
+    def _spill(self, keep: int | None = None) -> None:
+        """Write the least recently used committed states to disk until the rest fit the budget."""
+        while self.memory_bytes > self.budget_bytes and len(self._committed) > (keep is not None):
+            client = next(c for c in self._committed if c != keep)
+            state = self._committed.pop(client)
+            self.memory_bytes -= _nbytes(state)
+            names = list(state)  # positional arrays: a state's names are not valid keyword arguments
+            np.savez(self._file(client), *(state[name] for name in names), names=np.array(names, dtype=str))
+            self._spilled.add(client)
+            self.spills += 1
+
+    def _load(self, client: int) -> StateDict:
+        with np.load(self._file(client), allow_pickle=False) as saved:
+            return {str(name): _frozen(str(name), saved[f"arr_{i}"]) for i, name in enumerate(saved["names"])}
+
+    def _file(self, client: int) -> Path:
+        assert self._disk is not None, "only a budgeted state spills"
+        return Path(self._disk.name) / f"{client}.npz"
+
+
+def _nbytes(state: StateDict) -> int:
+    return sum(value.nbytes for value in state.values())
 
 
 def pack_states(states: Mapping[int, Mapping[str, np.ndarray]]) -> np.ndarray:

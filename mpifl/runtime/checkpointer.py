@@ -69,7 +69,7 @@ class Checkpointer:
                               "with the mpifl version that wrote it")
         # the saved config read as this version reads it (a key added since takes its default), then compared
         mine, given = config_to_dict(parse_config(yaml.safe_load(saved.attrs["config"]))), config_to_dict(cfg)
-        for volatile in ("output", "rounds", "data_memory_gb"):
+        for volatile in ("output", "rounds", "data_memory_gb", "state_memory_gb", "state_spill_dir"):
             mine.pop(volatile, None)
             given.pop(volatile, None)
         if mine != given:

@@ -97,6 +97,17 @@ def check_asynchronous(cfg: RunConfig, concurrency: int, seen: int) -> None:
                               "time on their own links (no round cohort, deadline or shared server link)")
 
 
+def client_state(cfg: RunConfig) -> ClientState:
+    """A worker's client-state store, spilling beyond ``state_memory_gb`` to ``state_spill_dir``."""
+    if cfg.state_memory_gb is None:
+        return ClientState()
+    try:
+        return ClientState(cfg.state_memory_gb * 2**30, cfg.state_spill_dir)
+    except OSError as exc:
+        raise ConfigError(f"state_spill_dir: cannot make a spill folder in {cfg.state_spill_dir} ({exc.strerror})"
+                          ) from None
+
+
 def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
     """Who is online when, on the simulated clock (``network.availability``)."""
     return Availability(cfg.network.availability, layout.num_clients, cfg.seed)
@@ -146,7 +157,7 @@ class Engine:
         if self.size == 1 or self.rank > 0:
             self.store = store = ClientStore(dataset, self.placement.clients_of(self.rank), device,
                                              cfg.data_memory_gb * 2**30)
-            self.client = entry.client(ctx, store, ClientState())
+            self.client = entry.client(ctx, store, client_state(cfg))
         state = self.client.state if self.client is not None else None
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
         self.network = NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)
@@ -229,6 +240,8 @@ class Engine:
         self.clock.loop_wall = time.perf_counter() - wall
         self.clock.loop_cpu = time.process_time() - cpu
         self._finish()
+        if self.client is not None:
+            self.client.state.close()
 
     def _time_parts(self) -> np.ndarray:
         """This rank's cumulative seconds in each of :data:`TIME_PARTS`."""
@@ -415,6 +428,8 @@ class Engine:
         mine = {"rank": self.rank, "clients": len(self.placement.clients_of(self.rank)),
                 **(self.client.rank_stats() if self.client is not None else {}),
                 **({"client_data_loads": self.store.loads} if self.store is not None else {}),
+                **({"states_spilled": self.client.state.spills, "states_reloaded": self.client.state.reloads}
+                   if self.client is not None else {}),
                 "mpi_bytes": self.transport.physical.total_bytes,
                 "visitor_states_moved": self.visits.moved_states,
                 "visitor_state_bytes": visits[0], "visitor_state_wait": visits[1],  # (wait: seconds, part of mpi)

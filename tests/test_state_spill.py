@@ -1,0 +1,99 @@
+"""Client state beyond ``state_memory_gb`` spills to disk, least recently used first, and comes back bit for
+bit: the store's bookkeeping by hand, and whole runs of stateful algorithms (faults and a resume included) that
+give the same results as with all state in memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from mpifl.algorithms.state import ClientState
+from mpifl.cli import main
+from tests.conftest import _merge, assert_same, deterministic, run_config, run_mpifl
+from tests.test_checkpoint import CONFIGS
+
+KB = 2**10
+
+
+def write(tmp_path: Path, raw: dict, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def states(n: int) -> dict[int, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return {c: {"w": rng.standard_normal(64).astype(np.float32), "count": np.array(c, dtype=np.int64),
+                "mask": rng.random((2, 3)) < 0.5, "empty": np.zeros((0, 4), np.float64)} for c in range(n)}
+
+
+def test_the_least_recently_used_states_spill_and_come_back_bitwise():
+    want = states(6)
+    one = sum(a.nbytes for a in want[0].values())  # 256 + 8 + 6 + 0 bytes
+    store = ClientState(budget_bytes=2.5 * one)
+    folder = Path(store._disk.name)
+    for c in range(6):
+        store.edit(c).update(want[c])
+    store.commit(range(6))
+    assert store.memory_bytes == 2 * one and store.spills == 4 and len(list(folder.iterdir())) == 4
+    assert store.clients() == list(range(6))
+    got = store.read(0)  # spilled: read back, now in memory; the least recent other one goes out
+    assert store.reloads == 1 and store.memory_bytes == 2 * one
+    for name, value in want[0].items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape
+        assert np.array_equal(got[name], value) and not got[name].flags.writeable
+    exported = store.export([1, 2])  # for a checkpoint: read, not kept
+    assert store.reloads == 1 and store.memory_bytes == 2 * one
+    assert all(np.array_equal(exported[c]["w"], want[c]["w"]) for c in (1, 2))
+    store.edit(3)["w"][:] = 0  # a rejected update: the spilled state stays as it was
+    store.discard([3])
+    assert np.array_equal(store.get(3, "w"), want[3]["w"])
+    store.drop([4])
+    assert 4 not in store.clients() and not (folder / "4.npz").exists()
+    store.close()
+    assert not folder.exists()
+
+
+SPILL = {"state_memory_gb": KB / 2**30}  # under one client's state for most: nearly every state spills
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddeper", "fedrep"])
+def test_stateful_algorithms_give_the_same_bits_with_their_state_on_disk(algorithm, tmp_path):
+    """Rejected updates included (faults.corrupt): a client whose upload is refused keeps its spilled state."""
+    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "faults": {"corrupt": 0.3}})
+    run_config(write(tmp_path, raw), tmp_path / "memory.h5")
+    spilled = write(tmp_path, _merge(raw, SPILL), "spill.yaml")
+    run_config(spilled, tmp_path / "disk.h5")
+    run_config(spilled, tmp_path / "disk3.h5", ranks=3)
+    reference = deterministic(tmp_path / "memory.h5")
+    assert_same(reference, deterministic(tmp_path / "disk.h5"))
+    assert_same(reference, deterministic(tmp_path / "disk3.h5"))
+    with h5py.File(tmp_path / "disk3.h5") as f:
+        assert f["ranks"]["states_spilled"][1:].min() > 0 and f["ranks"]["states_reloaded"][1:].min() > 0
+        assert f["rounds"]["rejected_updates"][()].sum() > 0
+
+
+def test_a_resume_with_state_on_disk_is_bitwise(tmp_path, monkeypatch):
+    config = write(tmp_path, _merge(CONFIGS["feddeper"], {**SPILL, "rounds": 5, "checkpoint_every": 2}))
+    run_config(config, tmp_path / "full.h5")
+    monkeypatch.setenv("MPIFL_INJECT_FAULT", "0:4")
+    assert main(["run", str(config), "--out", str(tmp_path / "part.h5"), "--quiet"]) == 1
+    monkeypatch.delenv("MPIFL_INJECT_FAULT")
+    assert main(["run", str(config), "--resume", str(tmp_path / "part.h5"), "--quiet"]) == 0
+    assert_same(deterministic(tmp_path / "full.h5"), deterministic(tmp_path / "part.h5"))
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (["state_memory_gb=-1"], "state_memory_gb"),
+    (["state_memory_gb=1", "state_spill_dir=/nonexistent/spill"], "state_spill_dir: cannot make a spill folder"),
+])
+def test_bad_spill_settings_are_one_line(tmp_path, setting, message):
+    args = [a for item in setting for a in ("--set", item)]
+    config = write(tmp_path, CONFIGS["scaffold"])
+    proc = run_mpifl(["run", str(config), "--out", str(tmp_path / "x.h5"), *args], ranks=3)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
