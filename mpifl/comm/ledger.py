@@ -131,21 +131,30 @@ class Ledger:
 
 @dataclass
 class PhysicalLog:
-    """What MPI really moved from this rank's point of view: bytes and seconds per collective."""
+    """What MPI really moved from this rank's point of view: bytes and seconds per collective. Totals are kept
+    as numbers; the rows themselves only where ``keep_rows`` (rank 0, whose results file lists its collectives),
+    and only until the next results write takes them (:meth:`drain`), so memory does not grow with the run."""
 
     rows: list[tuple[int, str, str, int, float]] = field(default_factory=list)
-    total_seconds: float = 0.0  # running sum of the rows' seconds (read every round by the profile)
+    keep_rows: bool = True
+    total_seconds: float = 0.0  # running sums over every collective (the seconds are read every round by the profile)
+    total_bytes: int = 0
+    per_message: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
     def record(self, round_: int, message: str, op: str, nbytes: int, seconds: float) -> None:
-        self.rows.append((round_, message, op, nbytes, seconds))
+        if self.keep_rows:
+            self.rows.append((round_, message, op, nbytes, seconds))
         self.total_seconds += seconds
+        self.total_bytes += nbytes
+        moved, spent = self.per_message.get(message, (0, 0.0))
+        self.per_message[message] = (moved + nbytes, spent + seconds)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(r[3] for r in self.rows)
-
+    def drain(self) -> list[tuple[int, str, str, int, float]]:
+        """The rows recorded since the last drain, forgotten here."""
+        rows, self.rows = self.rows, []
+        return rows
 
     def by_message(self, names: tuple[str, ...]) -> tuple[int, float]:
         """Bytes and seconds of the collectives that moved these messages."""
-        rows = [r for r in self.rows if r[1] in names]
-        return sum(r[3] for r in rows), sum(r[4] for r in rows)
+        totals = [self.per_message.get(name, (0, 0.0)) for name in names]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)

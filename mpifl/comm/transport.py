@@ -48,6 +48,9 @@ class Transport:
     # says otherwise (secure aggregation sends an update as masked field elements; the simulator moves the rows)
     logical_nbytes: Callable[[Message], int] = field(default=lambda msg: msg.nbytes)
 
+    def __post_init__(self) -> None:
+        self.physical.keep_rows = self.is_server  # only the server's collectives are listed in the results file
+
     @property
     def rank(self) -> int:
         return 0 if self.comm is None else self.comm.Get_rank()

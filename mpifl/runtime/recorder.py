@@ -44,7 +44,6 @@ class Recorder:
         self.opening = True  # the next write is the first: it opens the file and writes the run's attributes
         self.resumed = False  # continue the file a checkpoint was read from, rather than create it
         self.written = dict.fromkeys(APPENDED, 0)  # rows of each appended table in the file
-        self.physical_written = 0  # rows of rank 0's collectives in the file
         self.checkpoint_round: int | None = None  # the round of the checkpoint in the file
         self.clients_changed = True  # the clients table is out of date in the file
 
@@ -103,7 +102,6 @@ class Recorder:
                 target.extend({k: v[keep] for k, v in columns.items()})
             self.diagnostics[table].update(saved.diagnostics(table))
         self.written = {table: rows_up_to(self.output, table, round_) for table in APPENDED}
-        self.physical_written = 0  # this process's collectives go after the file's
         self.resumed, self.checkpoint_round = True, round_
 
     # ---------------------------------------------------------------------------------- file
@@ -113,8 +111,7 @@ class Recorder:
         commits it (one write at a time, in order); ``checkpoint``: {"round": r, "blobs": {...}}, written when
         it is a new one; ``final``: the tables only the end has (model, ranks, profile); ``wait``: return once
         it is on disk and the file is closed."""
-        rows = physical.rows[self.physical_written :]
-        self.physical_written += len(rows)
+        rows = physical.drain()
         ledger_rows = ledger.drain()
         totals, spread = ledger_summaries(ledger_rows, ledger.directions)
         new: dict[str, dict[str, np.ndarray]] = {

@@ -80,7 +80,8 @@ def test_variable_size_uploads_arrive_exactly_in_client_order(transport):
     ledger = transport.ledger.drain()
     assert ledger["client"].tolist() == clients.tolist()
     assert ledger["bytes"].tolist() == [c % 5 for c in clients]  # each client's own size, nothing padded
-    moved = sum(r[3] for r in transport.physical.rows if r[1] == "delta")
+    moved = sum(r[3] for r in transport.physical.rows if r[1] == "delta")  # rank 0's rows, not yet drained
+    assert transport.physical.by_message(("delta",))[0] == moved
     assert moved == sum(c % 5 for c in clients)  # the MPI gather carried exactly the encoded bytes
 
 
