@@ -24,7 +24,7 @@ from tests.data.data_files import write_idx
 
 KEYS = [
     "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
-    "threads_per_rank",
+    "threads_per_rank", "data_memory_gb", "state_memory_gb", "state_spill_dir",
     "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
     "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
     "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.size_sigma", "data.synthetic.image_shape",
@@ -34,14 +34,16 @@ KEYS = [
     "network.up_mbps", "network.distribution", "faults.dropout", "faults.over_selection", "fedprox.mu", "bogus",
     "data.bogus", "compression.up.codec", "compression.up.fraction", "compression.down.error_feedback",
     "compression.messages", "privacy.mode", "privacy.noise_multiplier", "privacy.sampling", "secure_aggregation",
-    "secagg.field_bits",
+    "secagg.field_bits", "network.compute", "network.availability.mode", "network.availability.trace",
+    "network.availability.mean_on_s", "fedbuff.buffer_size", "fedbuff.concurrency",
 ]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
                      "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
-                     "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus"]),
+                     "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus",
+                     "fedbuff", "model", "onoff", "trace"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 
