@@ -195,19 +195,22 @@ def test_checkpointer_round_trips_server_and_client_state(tmp_path):
     walker.walk(1, "train", (p.value, LOCAL, p.reply), np.array([1, 4]))
     recorder = Recorder(cfg, dataset.layout, ("global",), ("test",), tmp_path / "r.h5", 1)
     recorder.record_round({"round": 1, "train_loss": 0.5, "wall_time_s": 0.1})
-    checkpointer = Checkpointer(walker.transport, RankClock())
+    out = tmp_path / "r.h5"
+    checkpointer = Checkpointer(walker.transport, RankClock(), out)
     checkpointer.take(1, server, client.state)
     recorder.write("running", walker.transport.ledger, walker.transport.physical, checkpointer.latest, wait=True)
     _, _, fresh_server, fresh_client, _ = parts()
-    round_, saved = Checkpointer(walker.transport, RankClock()).restore(tmp_path / "r.h5", cfg, fresh_server,
-                                                                         fresh_client.state, np.arange(10))
+
+    def restore(cfg, server, state, clients):  # noqa: ANN001, ANN202
+        return Checkpointer(walker.transport, RankClock(), out).restore(out, cfg, server, state, clients)
+
+    round_, saved = restore(cfg, fresh_server, fresh_client.state, np.arange(10))
     assert round_ == 1 and saved.table("rounds")["round"].tolist() == [1]
     np.testing.assert_array_equal(fresh_server.total, server.total)
     assert fresh_client.state.export().keys() == {1, 4}
     assert fresh_client.state.get(4, "rounds").tolist() == [1]
     restricted = parts()[3]
-    Checkpointer(walker.transport, RankClock()).restore(tmp_path / "r.h5", cfg, None, restricted.state, np.array([4]))
+    restore(cfg, None, restricted.state, np.array([4]))
     assert restricted.state.clients() == [4]  # a worker takes only the clients it hosts now
     with pytest.raises(ConfigError, match="config differs"):
-        Checkpointer(walker.transport, RankClock()).restore(tmp_path / "r.h5", parse_config({**TINY, "seed": 8}),
-                                                            fresh_server, None, np.arange(10))
+        restore(parse_config({**TINY, "seed": 8}), fresh_server, None, np.arange(10))

@@ -64,7 +64,7 @@ def normalized_with(module: nn.Module, statistics: np.ndarray) -> Iterator[nn.Mo
     """``module`` in inference mode, its BatchNorm layers normalizing with ``statistics`` (as
     :func:`norm_statistics` lays them out); restored to batch statistics afterwards."""
     layers = batch_norms(module)
-    flat = torch.as_tensor(statistics, dtype=torch.float32)
+    flat = torch.from_numpy(np.array(statistics, dtype=np.float32))  # a copy: a received row is read-only
     offset = 0
     try:
         for m in layers:
