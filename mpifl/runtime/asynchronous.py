@@ -122,7 +122,7 @@ class AsynchronousRounds:
         rng = np.random.default_rng(np.random.SeedSequence([e.cfg.seed, _DISPATCH_TAG, server.dispatches]))
         clients = np.sort(rng.choice(online, size=count, replace=False))
         server.dispatch(clients, server.clock + self._seconds_alone(round_, clients))
-        return e.faults.participants(round_, clients, count, 0, 0, 0, e.samples_per_round)
+        return e.faults.participants(round_, clients, count, 0, 0, (0, 0), e.samples_per_round)
 
     def _seconds_alone(self, round_: int, clients: np.ndarray) -> np.ndarray:
         """Each client's download + compute + upload time on its own link (the plan's nominal message sizes)."""

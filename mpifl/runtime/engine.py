@@ -271,8 +271,10 @@ class Engine:
         else:
             count = min(self.faults.selection_size(wanted), len(online))
             sampled = sample_clients(self.cfg.seed, round_, online, count)
-        clients = self.faults.participants(round_, sampled, wanted, down_bytes, up_bytes, len(logical),
-                                           self.samples_per_round)
+        messages = (sum(m.direction == "down" for m in logical), sum(m.direction == "up" for m in logical))
+        broadcast = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
+        clients = self.faults.participants(round_, sampled, wanted, down_bytes, up_bytes, messages,
+                                           self.samples_per_round, broadcast)
         participants = clients
         self.walker.rejected = 0
         placement = self.placement
@@ -296,7 +298,6 @@ class Engine:
             self._record_secure_aggregation(round_, plan, participants, clients)
         moved = ledger.client_round_bytes(round_, clients)  # encoded sizes: each client's own
         compute_s = self.network.compute_seconds(clients, self.samples_per_round[clients], telemetry[:, 0])
-        broadcast = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
         clients_s = self.network.cohort_seconds(clients, moved, compute_s, broadcast, self.protocol.turns)
         totals = ledger.round_totals(round_)
         # a modeled round leaves out the server's measured compute too: nothing in it depends on the machine

@@ -34,9 +34,11 @@ class FaultModel:
         return selection_size(clients_per_round, self.cfg)
 
     def participants(self, round_: int, sampled: np.ndarray, wanted: int, down_bytes: int, up_bytes: int,
-                     messages: int, samples: np.ndarray) -> np.ndarray:
+                     messages: tuple[int, int], samples: np.ndarray, broadcast_bytes: int = 0) -> np.ndarray:
         """The sampled clients that take part: those that did not drop out, finish before the deadline,
-        and (with over-selection) are among the ``wanted`` first to finish. Sorted by id."""
+        and (with over-selection) are among the ``wanted`` first to finish. Sorted by id. A client's expected
+        finish is the network model's for the clients left after drop-out running the round together, so a
+        shared server link's contention counts (``messages``: the plan's down and up message counts)."""
         clients = sampled
         if self.cfg.dropout:
             draws = np.array([np.random.default_rng([self.seed, _DROPOUT_TAG, round_, int(c)]).random()
@@ -44,9 +46,10 @@ class FaultModel:
             clients = clients[draws >= self.cfg.dropout]
         if self.cfg.deadline_s is None and not self.cfg.over_selection:
             return clients
-        expected = self.network.client_seconds(
-            clients, np.full(len(clients), down_bytes), messages, np.full(len(clients), up_bytes), 0,
-            self.network.seconds_per_sample[clients] * samples[clients],
+        n = len(clients)
+        expected = self.network.round_seconds(
+            clients, np.full(n, down_bytes), np.full(n, messages[0]), np.full(n, up_bytes), np.full(n, messages[1]),
+            self.network.seconds_per_sample[clients] * samples[clients], broadcast_bytes,
         )
         if self.cfg.deadline_s is not None:
             clients, expected = clients[expected <= self.cfg.deadline_s], expected[expected <= self.cfg.deadline_s]

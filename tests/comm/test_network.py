@@ -153,3 +153,24 @@ def test_a_slow_server_downlink_carries_fedavgs_model_once_per_client_or_once(wr
     copies = 1 if multicast else 4
     expected = copies * 4 * d / server_b + 4 * d / client_b
     assert rounds(tmp_path / "r.h5")["sim_time_s"] == pytest.approx(np.full(3, expected), rel=1e-9)
+
+
+def test_deadlines_and_over_selection_count_the_shared_server_link():
+    """4 clients each download 1 MB through a 1 MB/s server downlink; clients 0-2 have fast links, client 3 a
+    0.1 MB/s one. Alone, clients 0-2 take 1 s and client 3 10 s. Together (max-min): client 3 gets its 0.1 MB/s,
+    the others 0.3 MB/s each until 10/3 s; client 3 then has 2/3 MB left at 0.1 MB/s: 10 s. A 2.5 s deadline
+    keeps clients 0-2 alone and nobody together; over-selection keeps the 2 first (ties by id)."""
+    from mpifl.config import FaultsConfig
+    from mpifl.runtime.faults import FaultModel
+
+    clients, samples = np.arange(4), np.zeros(4, dtype=np.int64)
+    links = [1e12, 1e12, 1e12, 0.1 * MB]
+    alone, shared = model(down=links, up=[1e12] * 4), model(down=links, up=[1e12] * 4, server_down=1 * MB)
+    assert seconds(shared, [1e6] * 4, [0.0] * 4, [0.0] * 4, down_messages=1, up_messages=0) == pytest.approx(
+        [10 / 3, 10 / 3, 10 / 3, 10.0])
+    deadline = FaultsConfig(deadline_s=2.5)
+    assert FaultModel(deadline, alone, 0).participants(1, clients, 4, 1_000_000, 0, (1, 0), samples).tolist() == [
+        0, 1, 2]
+    assert FaultModel(deadline, shared, 0).participants(1, clients, 4, 1_000_000, 0, (1, 0), samples).tolist() == []
+    keep = FaultModel(FaultsConfig(over_selection=1.0), shared, 0)
+    assert keep.participants(1, clients, 2, 1_000_000, 0, (1, 0), samples).tolist() == [0, 1]
