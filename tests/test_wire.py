@@ -13,9 +13,8 @@ from mpifl.comm import Message
 from mpifl.comm.codecs import index_width, sparse_k
 from mpifl.comm.config import SecAggConfig
 from mpifl.comm.secagg import secagg_messages
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from mpifl.config import load_config
+from mpifl.registry import load_config
 from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
@@ -56,7 +56,7 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
     engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume), profile=profile)
     failure = None
     try:
-        engine.setup()
+        engine.prepare()
     except Exception as exc:  # noqa: BLE001 - reported once, below, for whichever rank raised
         failure = (rank, isinstance(exc, ConfigError), _describe(exc), traceback.format_exc())
     failures = [f for f in (comm.allgather(failure) if size > 1 else [failure]) if f is not None]
