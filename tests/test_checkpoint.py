@@ -11,10 +11,10 @@ import h5py
 import pytest
 import yaml
 
-from mpifl.checkpoint import read_client_states
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL

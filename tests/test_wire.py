@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from mpifl.algorithms.base import RunContext
-from mpifl.checkpoint import read_client_states
 from mpifl.comm import Message
 from mpifl.comm.codecs import index_width, sparse_k
 from mpifl.comm.config import SecAggConfig
@@ -17,6 +16,7 @@ from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge, run_engine
 from tests.test_checkpoint import CONFIGS

@@ -17,13 +17,13 @@ import numpy as np
 
 from mpifl.algorithms.base import ServerAlgorithm
 from mpifl.algorithms.state import ClientState
-from mpifl.checkpoint import load_client_states, load_state_blob, read_checkpoint, state_blob, write_client_shard
 from mpifl.comm import Transport
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.registry import parse_config
 from mpifl.results import SHARDS, Results, shard_dir
 from mpifl.runtime.timing import RankTimes
 from mpifl.schema import ConfigError
+from mpifl.state_io import load_client_states, load_state_blob, read_checkpoint, state_blob, write_client_shard
 
 
 def shard_name(round_: int, rank: int) -> str:

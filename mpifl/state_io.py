@@ -1,4 +1,5 @@
-"""Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
+"""State to and from HDF5: what a checkpoint holds (when to take one and where it goes: the runtime's
+:mod:`~mpifl.runtime.checkpointer`), as plain HDF5 trees, every algorithm's state saved and restored without pickle.
 
 A worker's state is its clients' committed states (:class:`~mpifl.algorithms.state.ClientState`), one group
 per client id, so a resume hands each client's state to whichever worker hosts it now. A server
