@@ -17,10 +17,11 @@ option II's (reference − θₖ)/(η·steps) − c + cₖ equals under plain SG
 right under momentum and ``lr_decay``.
 
 The evaluated global model is the server's, except that φ is the average of all seen clients' current
-φ in rounds that did not sync it (the paper's "virtual average"): before the evaluation every seen client
-uploads its φ (eval stage), chunk by chunk with ``eval_chunk``, and the server sums them in client-id
-order, so every client is scored on the same model. BatchNorm keeps no running statistics during
-training (``mpifl.models.zoo.norm_layer``); γ and β are parameters of their convolution's group. At
+φ (weighted as ``server.weighting`` weighs a sync) in rounds that did not sync it (the paper's "virtual
+average"): before the evaluation every seen client uploads its φ (eval stage), chunk by chunk with
+``eval_chunk``, and the server sums them in client-id order, so every client is scored on the same model.
+BatchNorm keeps no running statistics during training (``mpifl.models.zoo.norm_layer``); γ and β are
+parameters of their convolution's group. At
 evaluation each seen client also uploads its BatchNorm statistics (its current model on its training
 data: what its running statistics estimate), the server averages them by sample count as the authors
 average running statistics, and every client evaluates the global model in inference mode with them
@@ -47,7 +48,13 @@ from mpifl.algorithms.base import (
     weighted_sum,
 )
 from mpifl.algorithms.fedavg import GlobalModel
-from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
+from mpifl.algorithms.scaffold import (
+    GradientMean,
+    correction_hook,
+    population_weights,
+    sample_shares,
+    update_control,
+)
 from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models.flat import layer_groups
@@ -185,10 +192,12 @@ class FedALSServer(ServerAlgorithm):
         self.synced[part.name] = step.round
 
     def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
-        """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
-        clients: the same ordered float64 sum whatever the chunks."""
+        """Add a chunk's φ (or BatchNorm statistics) to the evaluation's weighted sum over all seen clients: φ
+        weighted as ``server.weighting`` weighs a sync, the statistics by sample count (they pool the clients'
+        samples); the same ordered float64 sum whatever the chunks."""
         total = self.sums.setdefault(msg.name, np.zeros(msg.numel, dtype=np.float64))
-        for w, row in zip(population_weights(self.ctx, clients), rows):
+        norm = msg.name == getattr(self.protocol.norm_msg, "name", None)
+        for w, row in zip((sample_shares if norm else population_weights)(self.ctx, clients), rows):
             total += w * row
 
     def _evaluated_model(self, round_: int) -> np.ndarray:
