@@ -27,8 +27,10 @@ So the true sums never leave int64: no overflow for any number of terms below 2^
 Reduction. All ranks agree on one window (an allreduce of ``Window.maxima()`` with MPI.MAX), re-cut their
 levels onto that window's grid of 48-bit int64 words (``export``: the wire buffer, one row per entry, so a
 reduce-scatter over entries works as well as a reduce), and MPI.SUM adds them: balanced digits of at most 2^47
-each leave room for ``MAX_RANKS`` ranks. ``round_sum`` carries, takes the 55 leading bits with a sticky bit
-(round to odd) and converts them to float64 once: correctly rounded (Boldo & Melquiond). Zero is +0.0.
+each leave room for ``MAX_RANKS`` ranks. ``round_sum`` carries the sum to balanced digits: exact floats that do
+not overlap, each larger than all below it together. Added from the top they stay exact until one addition
+rounds; that result is the correctly rounded total unless its error is exactly half an ulp and the digits
+left have the error's sign, then it moves one ulp (the end of CPython's ``math.fsum``). Zero is +0.0.
 
 Memory: the accumulator holds (levels + 1) uint64 per entry, the wire buffer (words + 1) int64. Float32 deltas of
 1e-10..1e1 times weights of 1e-3 span 91 bits: 2 levels of W = 50 (24 B per entry) and 2 wire words (24 B);
@@ -294,19 +296,23 @@ class ExactSum:
 
     def _recut(self, start: int, stop: int, grid: _Grid, out: np.ndarray) -> None:
         """Entries [start, stop) re-cut onto ``grid`` into ``out`` (int64, levels × entries): balanced digits.
-        Each normalised level (|digit| ≤ 2^(W−1), the carry's below 2^53) is an exact float64, cut from the
-        carry level of ``grid`` down."""
+        Each normalised level is an exact float64 (|digit| ≤ 2^(W−1), the carry's below 2^53), a multiple of
+        its unit (or of the window's lowest bit, at level 0), cut into the levels of ``grid`` it can reach."""
         source = self._grid_or_raise
         out[:] = 0
-        cuts = 0
+        cuts = np.zeros(grid.levels + 1, dtype=np.int64)  # cuts that added a bias to each level of ``grid``
         x, scratch = self._x[: stop - start], self._scratch[: stop - start]
         for k, digits in enumerate(self._levels[:, start:stop].view(np.int64)):
-            if digits.any():
-                np.ldexp(digits, np.int32(source.unit(k)), out=x, dtype=np.float64)  # int32: numpy's fast loop
-                _cut(x, scratch, out.view(np.uint64), grid.constants, grid.levels)
-                cuts += 1
+            if not digits.any():
+                continue
+            bottom = min(max(0, (source.unit(k) - grid.base) // grid.width), grid.levels)
+            reach = -(-(source.unit(k) + source.width - 52 - grid.base) // grid.width)  # unit + 51 ≥ |x|'s bits
+            top = grid.levels if k == source.levels else min(max(bottom, reach), grid.levels)
+            np.ldexp(digits, np.int32(source.unit(k)), out=x, dtype=np.float64)  # int32: numpy's fast loop
+            _cut(x, scratch, out[bottom : top + 1].view(np.uint64), grid.constants[bottom : top + 1], top - bottom)
+            cuts[bottom : top + 1] += 1
         for k, bias in enumerate(grid.biases):
-            out[k] -= np.int64(np.uint64(cuts * bias % 2**64).view(np.int64))
+            out[k] -= np.int64(np.uint64(int(cuts[k]) * bias % 2**64).view(np.int64))
         _carry(out, grid.width, balanced=True)
 
     def _regrid(self, grid: _Grid) -> None:
@@ -361,39 +367,31 @@ def round_sum(wire: np.ndarray, window: Window) -> np.ndarray:
 
 
 def _round_block(wire: np.ndarray, grid: _Grid) -> np.ndarray:
-    """``round_sum`` of one block (levels × entries): sign and magnitude digits, then the 55 leading bits of
-    the magnitude with a sticky bit (round to odd), converted to float64 (round to nearest even)."""
-    width, entries = grid.width, wire.shape[1]
-    # two zero levels below (so three digits exist from the leading one down) and a spare one on top
-    digits = np.zeros((len(wire) + 3, entries), dtype=np.int64)
-    digits[2:-1] = wire
-    _carry(digits[2:], width, balanced=False)
-    negative = digits[-1] < 0  # the lower digits lie in [0, 2^width): the top one has the total's sign
-    if negative.any():
-        digits *= np.where(negative, -1, 1)
-        _carry(digits[2:], width, balanced=False)  # now every digit is a magnitude digit in [0, 2^width)
-    lead = np.full(entries, len(digits) - 1)  # the leading nonzero digit (the top for a zero total)
-    lowest = np.zeros(entries, dtype=np.int64)  # the lowest nonzero digit
-    for k in range(2, len(digits)):
-        np.copyto(lead, k, where=digits[k] != 0)
-        np.copyto(lowest, len(digits) + 1 - k, where=digits[len(digits) + 1 - k] != 0)
-    sticky = lowest < lead - 2  # a nonzero digit below the three leading ones
-    flat, index = digits.reshape(-1), lead * entries + np.arange(entries)
-    g2, g1, g0 = (flat[index - j * entries].view(np.uint64) for j in (0, 1, 2))
-    length = np.frexp(g2.astype(np.float64))[1]  # bits of the leading digit (exact: below 2^53)
-    shift = (length + 2 * width - 55).astype(np.uint64)  # ≥ width − 6: keep 55 bits of g2·2^2w + g1·2^w + g0
-    one, w = np.uint64(1), np.uint64(width)
-    left, right = np.where(shift < w, w - shift, 0).astype(np.uint64), np.where(shift > w, shift - w, 0)
-    leading = g2 << (np.uint64(55) - length.astype(np.uint64))
-    leading |= (g1 << left) >> right
-    leading |= np.where(shift < w, g0 >> np.minimum(shift, w), 0).astype(np.uint64)
-    sticky |= (g1 & ((one << right) - one)) != 0
-    sticky |= (g0 & ((one << np.minimum(shift, w)) - one)) != 0
-    leading |= sticky.astype(np.uint64)
-    exponent = grid.base + (lead - 4) * width + shift.astype(np.int64)  # level j has unit base + (j − 2)·width
-    value = np.ldexp(leading.view(np.int64).astype(np.float64), exponent.astype(np.int32))
-    value[g2 == 0] = 0.0
-    return np.where(negative, -value, value)
+    """``round_sum`` of one block (levels × entries). Balanced digits (|d| ≤ 2^(w−1), one spare level on top so
+    that every digit is below 2^53) are exact floats that do not overlap, and each dominates the sum of those
+    below it. They are added from the top, exactly, until an addition rounds (CPython's ``math.fsum`` ends the
+    same way): that sum is the answer unless its rounding error is exactly half an ulp and the digits left
+    over have the error's sign, which moves it one ulp further. Masks are 0/1 factors: no branches."""
+    digits = np.zeros((len(wire) + 1, wire.shape[1]), dtype=np.int64)
+    digits[:-1] = wire
+    _carry(digits, grid.width, balanced=True)
+    values = np.empty(digits.shape)
+    for k, level in enumerate(digits):
+        np.ldexp(level, np.int32(grid.unit(k)), out=values[k], dtype=np.float64)
+    total = values[-1].copy()
+    error, rest = np.zeros(len(total)), np.zeros(len(total))
+    exact = np.ones(len(total))  # 1 while every addition so far was exact  # 1 while every addition so far was exact
+    for value in values[-2::-1]:
+        taken = value * exact
+        rest += value - taken
+        summed = total + taken
+        error += taken - (summed - total)
+        total = summed
+        exact *= error == 0
+    twice = error * 2
+    step = (total + twice) - total
+    same_sign = (np.signbit(error) == np.signbit(rest)) & (error != 0) & (rest != 0)
+    return total + step * ((step == twice) & same_sign)
 
 
 def exact_sum(rows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
