@@ -6,12 +6,14 @@ the correctly rounded (to nearest, ties to even) exact sum Σx, whatever the ord
 
 Cutting. A level k has unit 2^bₖ (bₖ = base + k·W) and C = 1.5·2^(bₖ+52). For |r| ≤ 2^(bₖ+51), t = fl(r + C) lies
 in C's binade, where floats are spaced 2^bₖ, so t = C + q with q = r rounded to a multiple of 2^bₖ, and the
-float's bits are bits(C) + q/2^bₖ: the level's integer is read off t's bits (Dekker/Knuth's split, seen as an
-integer). r − q is exact and |r − q| ≤ 2^(bₖ−1), which the next level down cuts the same way; the lowest level
-takes the remainder whole, exact because the window below puts base at or under every term's lowest set bit.
+float's bits are bits(C) + q/2^bₖ: the level's integer is read off t's bits (the round-by-adding-a-constant
+trick, read as an integer). r − q is exact and |r − q| ≤ 2^(bₖ−1), which the next level down cuts the same
+way; the lowest level takes the remainder whole, exact because the window below puts base at or under every
+term's lowest set bit.
 The two lowest levels share one step: fl((C₀ + C₁) − t₁) = C₀ − q₁ exactly (both multiples of 2^(b₀+W), ≤ 53
-bits), so t₀ = fl(r + (C₀ − q₁)). A fold costs 4 passes per level above the lowest two, 5 for those two, plus
-the product and a scan: 6 numpy passes for two levels (about 2x ``acc += w*row``; benchmarks/RESULTS.md).
+bits), so t₀ = fl(r + (C₀ − q₁)). A fold costs 4 numpy passes per level above the lowest two, 5 for those two,
+one for the product and a scan of the row's bits; chunks of ``CHUNK`` entries keep it all in cache
+(benchmarks/bench_exactsum.py: about 3-4x ``acc += w*row`` for two levels).
 
 Window. A term's bits lie in [lowest, highest): |x| < 2^highest, and x is a multiple of 2^lowest (its ulp).
 Each chunk of a row is scanned (max and smallest nonzero |row|, through the float's bits) before it is folded;
@@ -25,16 +27,18 @@ So the true sums never leave int64: no overflow for any number of terms below 2^
 |x| < 2^MAX_EXPONENT, so that the total stays finite; beyond it ``add`` raises. NaN and ±inf raise.
 
 Reduction. All ranks agree on one window (an allreduce of ``Window.maxima()`` with MPI.MAX), re-cut their
-levels onto that window's grid of 48-bit int64 words (``export``: the wire buffer, one row per entry, so a
-reduce-scatter over entries works as well as a reduce), and MPI.SUM adds them: balanced digits of at most 2^47
-each leave room for ``MAX_RANKS`` ranks. ``round_sum`` carries the sum to balanced digits: exact floats that do
+levels onto that window's grid of 48-bit int64 words (``export``: a flat buffer, chunk by chunk, so a
+reduce-scatter over whole chunks works as well as a reduce), and MPI.SUM adds them: balanced digits of at most
+2^47 each leave room for ``MAX_RANKS`` ranks. ``round_sum`` carries the sum to balanced digits: exact floats that do
 not overlap, each larger than all below it together. Added from the top they stay exact until one addition
 rounds; that result is the correctly rounded total unless its error is exactly half an ulp and the digits
 left have the error's sign, then it moves one ulp (the end of CPython's ``math.fsum``). Zero is +0.0.
 
-Memory: the accumulator holds (levels + 1) uint64 per entry, the wire buffer (words + 1) int64. Float32 deltas of
-1e-10..1e1 times weights of 1e-3 span 91 bits: 2 levels of W = 50 (24 B per entry) and 2 wire words (24 B);
-a subnormal term beside a term near 1 spans 1,075 bits: 22 levels (184 B per entry).
+Memory: the accumulator holds levels + 1 (the carry) uint64 per entry, the wire buffer ``words`` int64. The
+float32 deltas of B1's MLP after local SGD, weighted 1/50, span about 75 bits: 2 levels of W = 50 (24 B per
+entry) and 3 wire words (24 B); deltas log-uniform over 1e-10..1e1 span about 105 bits: 3 levels (32 B).
+The worst case, a float64 subnormal term beside terms near 1, spans 1,074 bits: 22 levels (184 B per entry).
+The float64 result differs from a sequential float64 sum in the last bits where that sum rounded.
 """
 
 from __future__ import annotations
@@ -326,7 +330,7 @@ class ExactSum:
         """The total as a flat int64 buffer on the grid of ``window`` (the union of every rank's window), for an
         MPI.SUM reduction; ``round_sum`` turns the sum into float64. Each block of ``CHUNK`` entries holds its
         ``words(window)`` words per entry together, so the buffer may be split at any multiple of
-        ``CHUNK * words(window)`` (a reduce-scatter over entries)."""
+        ``CHUNK * words(window)`` (a reduce-scatter over entries). The total stays as it was: folding may go on."""
         if not window.covers(self.window):
             raise ValueError(f"exact sum: the agreed window {window} does not cover this rank's {self.window}")
         grid = _wire_grid(window)
