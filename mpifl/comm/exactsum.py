@@ -114,7 +114,7 @@ class _Grid:
     def unit(self, level: int) -> int:
         return self.base + level * self.width
 
-    @property
+    @cached_property
     def window(self) -> Window:
         """The terms these levels can take."""
         return Window(self.base, self.unit(self.levels) - 1)
@@ -164,19 +164,19 @@ def _chunk_window(row: np.ndarray, weight: float, bits: np.ndarray) -> Window:
     unsigned, magnitude, infinity = _BITS[row.dtype]
     bits = bits[: len(row)]
     np.bitwise_and(row.view(unsigned), unsigned(magnitude), out=bits)
-    top = int(bits.max())
+    top = int(np.maximum.reduce(bits))
     if top >= infinity:
         raise ValueError("exact sum: the row holds NaN or ±inf; non-finite values must be screened out first")
     if top == 0:
         return EMPTY
     np.subtract(bits, unsigned(1), out=bits)  # zeros wrap round to the largest value
-    low = int(bits.min()) + 1
-    largest = abs(weight) * float(np.array(top, dtype=unsigned).view(row.dtype))
+    low = int(np.minimum.reduce(bits)) + 1
+    largest = abs(weight) * float(unsigned(top).view(row.dtype))
     if largest >= math.ldexp(1.0, MAX_EXPONENT):
         raise ValueError(f"exact sum: a term weight·row of {largest:.3g} is out of range (|term| < 2**{MAX_EXPONENT})")
     if largest == 0.0:
         return EMPTY
-    smallest = abs(weight) * float(np.array(low, dtype=unsigned).view(row.dtype))
+    smallest = abs(weight) * float(unsigned(low).view(row.dtype))
     lowest = LOWEST if smallest == 0.0 else max(math.frexp(smallest)[1] - 53, LOWEST)
     return Window(lowest, math.frexp(largest)[1])
 
@@ -227,9 +227,10 @@ class ExactSum:
         for start, stop in _chunks(self.size):
             chunk = row[start:stop]
             window = _chunk_window(chunk, weight, bits)
-            if not self._grid.window.covers(window):
-                self._widen(window, start)
-            self.window = self.window.union(window)
+            if not self.window.covers(window):
+                if not self._grid.window.covers(window):
+                    self._widen(window, start)
+                self.window = self.window.union(window)
             x = self._x[: len(chunk)]
             np.multiply(chunk, weight, out=x, dtype=np.float64)
             _cut(x, self._scratch[: len(chunk)], self._levels[:, start:stop],
