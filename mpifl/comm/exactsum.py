@@ -186,7 +186,18 @@ def _chunks(size: int) -> list[tuple[int, int]]:
 
 
 class ExactSum:
-    """One rank's running exact total of weight·row terms over ``size`` entries (see the module docstring)."""
+    """One rank's running exact total of weight·row terms over ``size`` entries (see the module docstring)::
+
+        total = ExactSum(numel)
+        total.add(row, weight)  # each accepted client, as it finishes
+        maxima = total.window.maxima()
+        comm.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
+        agreed = Window.from_maxima(maxima)
+        wire = total.export(agreed)
+        summed = np.empty_like(wire) if rank == 0 else None
+        comm.Reduce(wire, summed, op=MPI.SUM, root=0)
+        result = round_sum(summed, agreed)  # rank 0: float64, the same bits on any ranks
+    """
 
     def __init__(self, size: int):
         self.size = size
