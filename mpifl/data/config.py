@@ -69,6 +69,11 @@ class DataConfig:
     prepared: str | None = None  # federated-data HDF5 file or .npz directory (docs/data_format.md)
     options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
 
+    @property
+    def source(self) -> str:
+        """Where the clients' data comes from, in words (the start-up line)."""
+        return f"prepared data {self.prepared}" if self.prepared else self.dataset
+
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:  # a plug-in is imported and checked with the config, not at training
             loader = plugins.resolve(plugins.DATASETS, self.dataset, DATASETS)

@@ -17,6 +17,7 @@ from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, plain
 from mpifl.results.summaries import ledger_summaries
 from mpifl.schema import ConfigError
 
+
 @dataclass(frozen=True)
 class Results:
     """A results file read back into memory."""

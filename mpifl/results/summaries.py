@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+
 def ledger_summaries(rows: dict[str, np.ndarray], directions: list[str]
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Two small tables of ledger rows covering whole rounds: the bytes per (round, stage, message) and, per

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+
 @dataclass
 class Table:
     """Append-only columns of numbers; a row may add a column that earlier rows lack (NaN-filled)."""

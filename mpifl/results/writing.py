@@ -17,6 +17,7 @@ import numpy as np
 from mpifl.results.layout import APPENDED, CHECKPOINT_PENDING, COMMITTED, SHARDS, committed_rows, missing, shard_dir
 from mpifl.schema import ConfigError
 
+
 def write_table(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
     for name, values in columns.items():
         group.create_dataset(name, data=values, compression="gzip" if values.size > 4096 else None)
