@@ -59,6 +59,8 @@ from mpifl.training.sgd import planned_samples
 
 @dataclass(frozen=True)
 class FedALSOptions:
+    """FedALS: the head is averaged every round of τ local steps, the feature extractor every α rounds."""
+
     alpha: int = field(default=10, metadata=limits(ge=1))  # φ period / h period
     tau: int = field(default=5, metadata=limits(ge=1))  # local steps per round (the head's period)
     split_layer: int | None = field(default=None, metadata=limits(ge=0))  # L; default: all groups but the last

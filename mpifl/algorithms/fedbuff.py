@@ -34,6 +34,9 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class FedBuffOptions:
+    """FedBuff: asynchronous, buffered; a server step every buffer_size arrivals, each delta weighted by its
+    staleness. Needs network.compute: model; no deadline, over-selection, DP, SecAgg or server link."""
+
     buffer_size: int = field(default=10, metadata=limits(ge=1))  # K: updates per server step
     concurrency: int = field(default=0, metadata=limits(ge=0))  # clients training at once; 0: clients_per_round
     staleness_exponent: float = field(default=0.5, metadata=limits(ge=0))  # a in s(τ) = (1 + τ)^(−a)

@@ -36,6 +36,8 @@ NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head trai
 
 @dataclass(frozen=True)
 class FedRepOptions:
+    """FedRep: a shared body and a personal head per client; only the body travels."""
+
     head_epochs: int = field(default=5, metadata=limits(ge=0))  # per round, body frozen (PeFLL: 5)
     body_epochs: int = field(default=1, metadata=limits(ge=0))  # per round, head frozen (PeFLL: 1)
     new_head_epochs: int = field(default=20, metadata=limits(ge=0))  # an unseen client's head, before evaluation

@@ -36,6 +36,9 @@ EVAL_BATCH = 1024
 
 @dataclass(frozen=True)
 class KNNPerOptions:
+    """kNN-Per: FedAvg training; at evaluation the global model mixed with a kNN over the client's own training
+    features, k and λ chosen per client (classification only)."""
+
     scale: float = field(default=100.0, metadata=limits(gt=0))  # the kernel's temperature is dim·scale
     k: tuple[int, ...] = field(default=(5, 10), metadata=limits(ge=1))  # neighbours, searched per client
     weights: tuple[float, ...] = field(default=tuple(i / 10 for i in range(11)),  # λ, searched per client

@@ -44,7 +44,10 @@ PERSONALIZE_PURPOSE = 3  # client_generator purpose of the evaluation-time perso
 
 @dataclass(frozen=True)
 class PerFedAvgOptions:
-    variant: Literal["fo", "hf"] = "fo"
+    """Per-FedAvg: the global model meta-trained for one-step personalization; every client fine-tunes it before
+    evaluation."""
+
+    variant: Literal["fo", "hf"] = "fo"  # fo: first order; hf: Hessian-free (finite-difference Hessian-vector)
     alpha: float | None = field(default=None, metadata=limits(gt=0))  # inner (personalization) step; none: client.lr
     beta: float = field(default=1e-3, metadata=limits(gt=0))  # outer (meta) step (FL-Bench's default)
     delta: float = field(default=1e-3, metadata=limits(gt=0))  # hf: the finite difference's radius
