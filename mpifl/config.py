@@ -228,7 +228,7 @@ def check_required(raw: dict[str, Any], source: str | Path, keys: tuple[str, ...
             node = node[part]
         return True
 
-    # data.prepared names the data as data.dataset does (clients written elsewhere: docs/data_format.md)
+    # data.prepared names the data as data.dataset does (clients written elsewhere: docs/reference/data-format.md)
     missing = [key for key in keys if not given(key) and not (key == "data.dataset" and given("data.prepared"))]
     if missing:
         raise ConfigError(f"{source}: missing {' and '.join(missing)}; name {'them' if len(missing) > 1 else 'it'} "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/fedals_feddeper.md: the FedALS α sweep and the FedDeper comparison.
+# The runs behind docs/papers/fedals_feddeper.md: the FedALS α sweep and the FedDeper comparison.
 # Usage: scripts/fedals_feddeper_evidence.sh [OUTDIR] [fedals|fedals-k5|feddeper|all]
 #   results OUTDIR/*.h5 (default results/evidence), then
 #   PYTHONPATH=. python scripts/evidence_table.py OUTDIR/*.h5

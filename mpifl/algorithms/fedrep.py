@@ -1,5 +1,5 @@
 """FedRep (Collins et al. 2021), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench ran it
-(``src/client/fedrep.py``; docs/pefll_baselines.md).
+(``src/client/fedrep.py``; docs/papers/pefll_baselines.md).
 
 The model splits into a shared body (representation) φ and a personal head h: the last ``head_layers`` layer
 groups (:func:`~mpifl.models.flat.layer_groups`; PeFLL's LeNet: the output Linear). A sampled client

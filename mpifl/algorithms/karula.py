@@ -99,7 +99,7 @@ def ground_truth(cfg: RunConfig, numel: int) -> np.ndarray | None:
 
 def estimation_errors(models: np.ndarray, truth: np.ndarray, kind: str = "squared") -> np.ndarray:
     """Per-client estimation error, ‖θ̂_i − θ_i‖² (``squared``) or ‖θ̂_i − θ_i‖ (``norm``): Table 1(a) does
-    not say which it averages (docs/karula.md argues for ``norm``)."""
+    not say which it averages (docs/papers/karula.md argues for ``norm``)."""
     squared = np.sum((models - truth) ** 2, axis=1)
     return squared if kind == "squared" else np.sqrt(squared)
 

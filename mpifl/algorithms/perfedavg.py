@@ -1,5 +1,5 @@
 """Per-FedAvg (Fallah, Mokhtari, Ozdaglar 2020), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench ran
-it (``src/client/perfedavg.py``; PeFLL's baselines are built on FL-Bench; docs/pefll_baselines.md).
+it (``src/client/perfedavg.py``; PeFLL's baselines are built on FL-Bench; docs/papers/pefll_baselines.md).
 
 The global model w is meta-trained for good one-step personalization. A client's round walks ``perfedavg.epochs``
 passes over its training data (PeFLL: one; none: ``client.steps`` batches or ``client.epochs`` passes) in groups
