@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REPO, mpi_env
 
@@ -44,7 +45,8 @@ ROUNDS = re.compile(r"\bmpifl (run|sweep)\b")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # pages linked from the index that other branches write (GPUs, offline install, the architecture): a link to
 # one is checked once it exists
-PENDING = {DOCS / "how-to" / "gpus.md", DOCS / "how-to" / "install-offline.md", DOCS / "explanation" / "architecture.md"}
+PENDING = {DOCS / "how-to" / "gpus.md", DOCS / "how-to" / "install-offline.md",
+           DOCS / "explanation" / "architecture.md"}
 
 
 @dataclass
@@ -190,6 +192,14 @@ def test_every_page_says_who_it_is_for_and_marks_its_commands():
         for line in text.splitlines():
             if line.startswith("<!--"):
                 assert MARKER.match(line), f"{name}: unknown marker {line!r}"
+
+
+def test_the_pages_show_the_quickstart_config_as_it_is():
+    """The README and the first-run tutorial print configs/quickstart.yaml; what they print is the file."""
+    config = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    for page in (REPO / "README.md", DOCS / "tutorials" / "first-run.md"):
+        shown = [yaml.safe_load("\n".join(b.lines)) for b in blocks(page.read_text()) if b.language == "yaml"]
+        assert config in shown, f"{page.relative_to(REPO)} does not show configs/quickstart.yaml as it is"
 
 
 def anchors(page: Path) -> set[str]:

@@ -90,7 +90,8 @@ class DataConfig:
     # settings and seed (checked), or data partitioned elsewhere, one HDF5 file or a folder of .npz files
     # (docs/reference/data-format.md); no other data setting then applies
     prepared: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
+    # a dataset plug-in's own settings, handed to it as they are (built-in datasets take none)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:  # a plug-in is imported and checked with the config, not at training

@@ -30,7 +30,8 @@ class ModelConfig:
     fc_hidden: int = field(default=128, metadata=limits(ge=1))  # cnn: the width of its fully connected layer
     embed_dim: int = field(default=8, metadata=limits(ge=1))  # char_lstm: the character embedding's width
     lstm_hidden: int = field(default=128, metadata=limits(ge=1))  # char_lstm: the LSTM's hidden size
-    options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
+    # a model plug-in's own settings, handed to it as they are (built-in models take none)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """A plug-in is imported and checked with the config, so a wrong name never reaches training."""
