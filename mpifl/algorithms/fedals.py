@@ -68,9 +68,12 @@ from mpifl.training.sgd import planned_samples
 
 @dataclass(frozen=True)
 class FedALSOptions:
-    alpha: int = field(default=10, metadata=limits(ge=1))  # φ period / h period
+    """FedALS: the head is averaged every round of τ local steps, the feature extractor every α rounds."""
+
+    alpha: int = field(default=10, metadata=limits(ge=1))  # α: the extractor φ is averaged every α rounds
     tau: int = field(default=5, metadata=limits(ge=1))  # local steps per round (the head's period)
-    split_layer: int | None = field(default=None, metadata=limits(ge=0))  # L; default: all groups but the last
+    # L: the extractor φ is the first L layer groups, the head h the rest; null: all groups but the last
+    split_layer: int | None = field(default=None, metadata=limits(ge=0))
     scaffold: bool = False  # FedALS + SCAFFOLD (Algorithm 4)
     persistent_momentum: bool = True  # False: a fresh buffer every round, as FedAvg's clients
     # "authors": the authors' code's decaying rate lr_s = client.lr·10/(s/100 + 10) over the local-step

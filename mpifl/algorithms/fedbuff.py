@@ -43,6 +43,9 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class FedBuffOptions(AsynchronousOptions):
+    """FedBuff: asynchronous, buffered; a server step every buffer_size arrivals, each delta weighted by its
+    staleness. Needs network.compute: model; no deadline, over-selection, DP, SecAgg or server link."""
+
     buffer_size: int = field(default=10, metadata=limits(ge=1))  # K: updates per server step
     staleness_exponent: float = field(default=0.5, metadata=limits(ge=0))  # a in s(τ) = (1 + τ)^(−a)
 

@@ -30,7 +30,9 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class IFCAOptions:
-    clusters: int = field(default=3, metadata=limits(ge=1))
+    """IFCA (model averaging): k cluster models; each sampled client trains the one that fits its data best."""
+
+    clusters: int = field(default=3, metadata=limits(ge=1))  # k: cluster models, each from its own initialization
 
 
 class IFCAProtocol(Protocol):
