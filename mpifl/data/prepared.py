@@ -53,6 +53,7 @@ def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | P
     ``cfg`` and ``seed`` (through a temporary name: never half-written)."""
     path = Path(path)
     layout = dataset.layout
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with h5py.File(tmp, "w") as f:

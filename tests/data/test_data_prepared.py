@@ -86,3 +86,16 @@ def test_the_start_up_line_names_the_prepared_data(write_config, tmp_path, capsy
                                                        f"1 rounds -> {tmp_path / 'out.h5'}")
     assert main(["run", str(config), "--out", str(tmp_path / "plain.h5")]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("mpifl: fedavg on digits, 10 clients")
+
+
+def test_prepare_makes_the_folders_of_its_output_or_refuses_in_one_line(write_config, tmp_path, capsys):
+    """A missing folder is made (as for a results file); an output that cannot be written is one line, exit 2,
+    before any data is read."""
+    config = write_config({"data": {"unseen_fraction": 0}})
+    assert main(["prepare", str(config), "--out", str(tmp_path / "new" / "folder" / "data.h5")]) == 0
+    assert (tmp_path / "new" / "folder" / "data.h5").is_file()
+    (tmp_path / "file").touch()
+    capsys.readouterr()
+    assert main(["prepare", str(config), "--out", str(tmp_path / "file" / "data.h5")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mpifl: error: output ") and "Not a directory" in err, err
