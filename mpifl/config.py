@@ -25,10 +25,18 @@ from mpifl.training.config import ClientConfig
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server optimizer applied to the aggregated pseudo-gradient."""
+    """Server optimizer applied to the aggregated pseudo-gradient Δ (the averaged client update), for the
+    algorithms whose server steps a global model from it (``mpifl.algorithms.fedavg.GlobalModel``)."""
 
-    lr: float = field(default=1.0, metadata=limits(gt=0))
-    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    # sgd: θ ← θ + lr·v, v ← momentum·v + Δ (FedAvg, FedAvgM); adam, yogi, adagrad: FedAdam, FedYogi and
+    # FedAdagrad (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2)
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = field(default=1.0, metadata=limits(gt=0))  # η: the server's learning rate (adaptive: try 0.01-0.1)
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # sgd's momentum (adaptive ones: beta1)
+    beta1: float = field(default=0.9, metadata=limits(ge=0, lt=1))  # adaptive: m ← β₁·m + (1 − β₁)·Δ
+    beta2: float = field(default=0.99, metadata=limits(ge=0, lt=1))  # adam, yogi: decay of the second moment v
+    # adaptive: τ, the adaptivity: θ ← θ + lr·m / (√v + τ), v starting at τ² (the paper's v₋₁ ≥ τ²)
+    tau: float = field(default=1e-3, metadata=limits(gt=0))
     # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
     # the uniform mean, whose sensitivity to one client is clip / cohort)
     weighting: Literal["samples", "uniform"] = "samples"
@@ -182,6 +190,9 @@ def _check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
     if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
         raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
+    if cfg.server.optimizer != "sgd" and cfg.server.momentum:
+        raise ConfigError(f"server.momentum: momentum is sgd's; {cfg.server.optimizer}'s first moment decays with "
+                          "server.beta1")
     if cfg.privacy.mode == "central" and cfg.server.weighting != "uniform":
         raise ConfigError("privacy.mode: central noise is calibrated to the uniform mean of the updates; set "
                           "server.weighting: uniform")
