@@ -198,6 +198,14 @@ def _check_cross_fields(cfg: RunConfig) -> None:
                           "server.weighting: uniform")
     if cfg.compression.down.error_feedback:
         raise ConfigError("compression.down.error_feedback: error feedback is client state, for uploads only")
+    speed, seconds_per_sample = cfg.network.speed, cfg.network.seconds_per_sample
+    if speed.file is not None and speed.mode != "file":
+        raise ConfigError(f"network.speed.file: read only with mode: file (the mode is {speed.mode})")
+    if speed.mode == "file" and seconds_per_sample:
+        raise ConfigError("network.seconds_per_sample: network.speed.file gives every client's; leave it out")
+    if speed.mode == "lognormal" and not seconds_per_sample:
+        raise ConfigError("network.speed: mode lognormal scales network.seconds_per_sample, which is 0; set it to "
+                          "the median client's seconds per sample")
     availability = cfg.network.availability.mode
     if availability != "always" and cfg.network.compute != "model":
         raise ConfigError(f"network.availability: with mode {availability}, who is sampled depends on the simulated "

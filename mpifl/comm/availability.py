@@ -26,12 +26,12 @@ _AVAILABILITY_TAG = 0x61766169
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def uniform_draws(seed: int, clients: np.ndarray, index: np.ndarray) -> np.ndarray:
+def uniform_draws(seed: int, clients: np.ndarray, index: np.ndarray, tag: int = _AVAILABILITY_TAG) -> np.ndarray:
     """A uniform number in (0, 1) for each (client, index) pair: SplitMix64 of a key mixing the run's seed, the
-    client id and the period index, so any period of any client is drawn in O(1), vectorized, and in any
-    order (a counter-based generator: no state to carry or checkpoint)."""
+    stream's ``tag``, the client id and the period index, so any period of any client is drawn in O(1),
+    vectorized, and in any order (a counter-based generator: no state to carry or checkpoint)."""
     with np.errstate(over="ignore"):
-        key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(_AVAILABILITY_TAG)) & _MASK64
+        key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(tag)) & _MASK64
         z = key ^ (clients.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)) ^ (
             index.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
         for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
