@@ -19,7 +19,7 @@ import yaml
 from mpifl.comm.config import CompressionConfig, NetworkConfig, PrivacyConfig, SecAggConfig
 from mpifl.data.config import DataConfig
 from mpifl.models.config import ModelConfig
-from mpifl.schema import ConfigError, build, limits, to_dict
+from mpifl.schema import INT32_MAX, ConfigError, build, limits, to_dict
 from mpifl.training.config import ClientConfig
 
 
@@ -64,7 +64,7 @@ class RunConfig:
     eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
     # torch's intra-op threads on every rank: a fixed count keeps results bitwise the same on any rank count
     # (another count may change the bits, as it changes how reductions are split)
-    threads_per_rank: int = field(default=1, metadata=limits(ge=1))
+    threads_per_rank: int = field(default=1, metadata=limits(ge=1, le=INT32_MAX))  # torch takes a C int
     # client data a worker keeps between uses (GB); beyond it the least recently used clients are made or read
     # again when next needed, so a worker's memory does not grow with the clients it evaluates
     data_memory_gb: float = field(default=1.0, metadata=limits(ge=0))

@@ -27,12 +27,12 @@ from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
-from mpifl.schema import limits
+from mpifl.schema import INT32_MAX, limits
 
 
 @dataclass(frozen=True)
 class IFCAOptions:
-    clusters: int = field(default=3, metadata=limits(ge=1))
+    clusters: int = field(default=3, metadata=limits(ge=1, le=INT32_MAX))  # k; a client's choice travels as int32
 
 
 class IFCAProtocol(Protocol):

@@ -33,6 +33,7 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
     availability(cfg, layout)  # a trace file is read and checked here
     NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)  # and a speed file
     protocol = get_algorithm(cfg.algorithm).server.protocol_type(ctx)
+    protocol.samples_per_round()  # local work whose count a 64-bit integer cannot hold is refused here
     wire_format(cfg).check(protocol.messages())
     if isinstance(protocol, AsynchronousProtocol):
         check_asynchronous(cfg, protocol.concurrency, seen)
