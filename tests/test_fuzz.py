@@ -254,7 +254,8 @@ def test_the_issues_command_line_is_one_line_and_exit_2():
 
 
 @settings(max_examples=len(INT_FIELDS) * 3, deadline=None)
-@given(key=st.sampled_from(sorted(INT_FIELDS)), value=st.one_of(st.integers(min_value=2**63), st.integers(max_value=-2**63 - 1)))
+@given(key=st.sampled_from(sorted(INT_FIELDS)),
+       value=st.one_of(st.integers(min_value=2**63), st.integers(max_value=-2**63 - 1)))
 @example(key="seed", value=2**64)  # past numpy's uint64 keys and torch's seeds
 def test_no_integer_field_takes_a_value_beyond_64_bits(key, value):
     with tempfile.TemporaryDirectory() as tmp:
