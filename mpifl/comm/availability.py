@@ -136,19 +136,25 @@ class Availability:
         return t if self._periods is None else self._periods.next_online(t)
 
 
+def csv_rows(path: str, header: list[str], where: str) -> list[list[str]]:
+    """The rows after the ``header`` line of a CSV file (a missing or unreadable file, or another first line, is
+    one :class:`ConfigError` line starting with ``where``)."""
+    try:
+        with open(Path(path), newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc})") from None
+    if not rows or [c.strip() for c in rows[0]] != header:
+        raise ConfigError(f"{where}: the first line must be the header {','.join(header)}")
+    return rows[1:]
+
+
 def read_trace(path: str | None, period_s: float | None, num_clients: int) -> TraceIntervals:
     """A trace file's intervals, checked: bad rows are one :class:`ConfigError` line naming the file and row."""
     if path is None:
         raise ConfigError("network.availability.trace: a trace file is required with mode: trace")
     where = f"network.availability.trace: {path}"
-    try:
-        with open(Path(path), newline="") as f:
-            rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc})") from None
-    if not rows or [c.strip() for c in rows[0]] != ["client", "start_s", "end_s"]:
-        raise ConfigError(f"{where}: the first line must be the header client,start_s,end_s")
-    body = [r for r in rows[1:] if r]
+    body = [r for r in csv_rows(path, ["client", "start_s", "end_s"], where) if r]
     if not body:
         raise ConfigError(f"{where}: no intervals")
     values = np.zeros((len(body), 3))

@@ -15,12 +15,9 @@ it, FedBuff's arrivals follow it. Three sources:
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import numpy as np
 
-from mpifl.comm.availability import uniform_draws
+from mpifl.comm.availability import csv_rows, uniform_draws
 from mpifl.schema import ConfigError
 
 _SPEED_TAG = 0x73706565
@@ -42,15 +39,9 @@ def read_speeds(path: str | None, num_clients: int) -> np.ndarray:
     if path is None:
         raise ConfigError("network.speed.file: a CSV file is required with mode: file")
     where = f"network.speed.file: {path}"
-    try:
-        with open(Path(path), newline="") as f:
-            rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc})") from None
-    if not rows or [c.strip() for c in rows[0]] != HEADER:
-        raise ConfigError(f"{where}: the first line must be the header {','.join(HEADER)}")
+    rows = csv_rows(path, HEADER, where)
     speeds = np.full(num_clients, np.nan)
-    for line, row in enumerate(rows[1:], start=2):
+    for line, row in enumerate(rows, start=2):
         if not row:
             continue
         try:
