@@ -38,7 +38,9 @@ KEYS = [
     "data.bogus", "compression.up.codec", "compression.up.fraction", "compression.down.error_feedback",
     "compression.messages", "privacy.mode", "privacy.noise_multiplier", "privacy.sampling", "secure_aggregation",
     "secagg.field_bits", "network.compute", "network.availability.mode", "network.availability.trace",
-    "network.availability.mean_on_s", "fedbuff.buffer_size", "fedbuff.concurrency",
+    "network.availability.mean_on_s", "fedbuff.buffer_size", "fedbuff.concurrency", "server.optimizer",
+    "server.beta1", "server.tau", "network.speed.mode", "network.speed.sigma", "network.speed.file",
+    "network.seconds_per_sample",
 ]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
@@ -46,7 +48,7 @@ VALUES = st.one_of(
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
                      "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
                      "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus",
-                     "fedbuff", "model", "onoff", "trace"]),
+                     "fedbuff", "model", "onoff", "trace", "adam", "yogi", "adagrad", "file"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 

@@ -31,7 +31,7 @@ class SpeedConfig:
     ``seconds_per_sample`` times a log-normal factor of median 1 and ``sigma``, drawn from (seed, client id)
     alone; ``file``: a CSV file ``client,seconds_per_sample`` naming every client (docs/how-to/client-speeds.md)."""
 
-    mode: Literal["network", "lognormal", "file"] = "network"
+    mode: Literal["network", "lognormal", "file"] = "network"  # where each client's seconds per sample come from
     sigma: float = field(default=1.0, metadata=limits(ge=0))  # lognormal: σ of log(speed) around its median
     file: str | None = None  # file: the CSV of every client's seconds per sample (FedScale-style device traces)
 
