@@ -12,8 +12,8 @@ import pytest
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import GlobalModel
-from mpifl.registry import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import parse_config
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, both_sides, walk
 from tests.conftest import _merge
@@ -115,7 +115,7 @@ def test_fedavg_with_yogi_steps_the_average_of_its_clients_deltas():
         np.testing.assert_allclose(server.params, x, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", ["local", "karula", "pefll", "pfedhn"])
+@pytest.mark.parametrize("algorithm", ["local", "karula", "pefll", "pfedhn", "fedasync"])
 def test_algorithms_without_a_global_model_step_refuse_adaptive_optimizers(algorithm):
     with pytest.raises(ConfigError, match=f"server.optimizer: adam steps a global model .*; {algorithm}'s server"):
         parse_config(_merge(SHARDS, {"algorithm": algorithm, "server": {"optimizer": "adam"}}))

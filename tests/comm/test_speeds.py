@@ -12,8 +12,10 @@ import pytest
 from mpifl.cli import main
 from mpifl.comm.config import NetworkConfig, SpeedConfig
 from mpifl.comm.network import NetworkModel
+from mpifl.comm.wire import WireFormat
 from mpifl.config import FaultsConfig
 from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.simtime import SimulatedTime, Traffic
 from mpifl.schema import ConfigError
 from tests.conftest import assert_same, deterministic, run_config
 
@@ -90,11 +92,13 @@ def test_deadline_and_over_selection_keep_the_clients_the_speeds_make_fastest(tm
     """No latency and no bytes: a client's expected round is its seconds per sample × its 8 samples, i.e.
     [4, 2, 1, 8] s for clients 0-3 of the file."""
     model = NetworkModel.from_config(network({"mode": "file", "file": str(speed_file(tmp_path))}), 4, 0)
-    sampled, samples = np.arange(4), np.full(4, 8)
+    clock = SimulatedTime(model, WireFormat(), np.full(4, 8), turns=False)
+    nothing = Traffic(np.zeros(4), np.ones(4), np.zeros(4), np.ones(4), 0)
 
     def keep(deadline_s: float | None, over_selection: float, wanted: int) -> list[int]:
-        faults = FaultModel(FaultsConfig(deadline_s=deadline_s, over_selection=over_selection), model, 0)
-        return faults.participants(1, sampled, wanted, 0, 0, (1, 1), samples).tolist()
+        faults = FaultModel(FaultsConfig(deadline_s=deadline_s, over_selection=over_selection), 0)
+        return faults.participants(1, np.arange(4), wanted,
+                                   lambda clients: clock.expected_finish(clients, nothing.of(clients))).tolist()
 
     assert keep(4.5, 0.0, 4) == [0, 1, 2]  # client 3 (8 s) misses the deadline
     assert keep(1.5, 0.0, 4) == [2]
