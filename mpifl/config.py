@@ -19,16 +19,24 @@ import yaml
 from mpifl.comm.config import CompressionConfig, NetworkConfig, PrivacyConfig, SecAggConfig
 from mpifl.data.config import DataConfig
 from mpifl.models.config import ModelConfig
-from mpifl.schema import ConfigError, build, limits, to_dict
+from mpifl.schema import INT32_MAX, ConfigError, build, limits, to_dict
 from mpifl.training.config import ClientConfig
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server optimizer applied to the aggregated pseudo-gradient."""
+    """Server optimizer applied to the aggregated pseudo-gradient Δ (the averaged client update), for the
+    algorithms whose server steps a global model from it (``mpifl.algorithms.fedavg.GlobalModel``)."""
 
-    lr: float = field(default=1.0, metadata=limits(gt=0))  # η_s: θ ← θ + η_s·v (FedAvg: 1)
-    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # μ_s: v ← μ_s·v + mean Δ (FedAvg: 0)
+    # sgd: θ ← θ + lr·v, v ← momentum·v + Δ (FedAvg, FedAvgM); adam, yogi, adagrad: FedAdam, FedYogi and
+    # FedAdagrad (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2)
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = field(default=1.0, metadata=limits(gt=0))  # η_s: θ ← θ + η_s·v (FedAvg: 1; adaptive: try 0.01-0.1)
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # sgd's μ_s: v ← μ_s·v + Δ (FedAvg: 0)
+    beta1: float = field(default=0.9, metadata=limits(ge=0, lt=1))  # adaptive: m ← β₁·m + (1 − β₁)·Δ
+    beta2: float = field(default=0.99, metadata=limits(ge=0, lt=1))  # adam, yogi: decay of the second moment v
+    # adaptive: τ, the adaptivity: θ ← θ + lr·m / (√v + τ), v starting at τ² (the paper's v₋₁ ≥ τ²)
+    tau: float = field(default=1e-3, metadata=limits(gt=0))
     # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
     # the uniform mean, whose sensitivity to one client is clip / cohort)
     weighting: Literal["samples", "uniform"] = "samples"
@@ -75,10 +83,10 @@ class RunConfig:
     # evaluate this many clients per pass (bounds the server's per-client evaluation state, e.g. PeFLL's θ_i);
     # 0: all at once
     eval_chunk: int = field(default=0, metadata=limits(ge=0))
-    # torch's intra-op threads on every rank (the Slurm scripts set it from --cpus-per-task): a fixed count keeps
-    # results bitwise the same on any rank count (another count may change the bits, as it changes how reductions
-    # are split)
-    threads_per_rank: int = field(default=1, metadata=limits(ge=1))
+    # torch's intra-op threads on every rank (the Slurm scripts set it from --cpus-per-task; torch takes a C int):
+    # a fixed count keeps results bitwise the same on any rank count (another count may change the bits, as it
+    # changes how reductions are split)
+    threads_per_rank: int = field(default=1, metadata=limits(ge=1, le=INT32_MAX))
     # client data a worker keeps between uses (GB); beyond it the least recently used clients are made or read
     # again when next needed, so a worker's memory does not grow with the clients it evaluates
     data_memory_gb: float = field(default=1.0, metadata=limits(ge=0))
@@ -210,11 +218,22 @@ def _check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
     if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
         raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
+    if cfg.server.optimizer != "sgd" and cfg.server.momentum:
+        raise ConfigError(f"server.momentum: momentum is sgd's; {cfg.server.optimizer}'s first moment decays with "
+                          "server.beta1")
     if cfg.privacy.mode == "central" and cfg.server.weighting != "uniform":
         raise ConfigError("privacy.mode: central noise is calibrated to the uniform mean of the updates; set "
                           "server.weighting: uniform")
     if cfg.compression.down.error_feedback:
         raise ConfigError("compression.down.error_feedback: error feedback is client state, for uploads only")
+    speed, seconds_per_sample = cfg.network.speed, cfg.network.seconds_per_sample
+    if speed.file is not None and speed.mode != "file":
+        raise ConfigError(f"network.speed.file: read only with mode: file (the mode is {speed.mode})")
+    if speed.mode == "file" and seconds_per_sample:
+        raise ConfigError("network.seconds_per_sample: network.speed.file gives every client's; leave it out")
+    if speed.mode == "lognormal" and not seconds_per_sample:
+        raise ConfigError("network.speed: mode lognormal scales network.seconds_per_sample, which is 0; set it to "
+                          "the median client's seconds per sample")
     availability = cfg.network.availability.mode
     if availability != "always" and cfg.network.compute != "model":
         raise ConfigError(f"network.availability: with mode {availability}, who is sampled depends on the simulated "

@@ -256,6 +256,9 @@ class ServerAlgorithm(_Handles):
 
     protocol_type: type[Protocol] = Protocol
     side = "server"
+    # True: the server steps a global model from an averaged update through ``server.optimizer``
+    # (:class:`~mpifl.algorithms.fedavg.GlobalModel`); False: any other optimizer than sgd is refused
+    server_optimizer: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

@@ -156,6 +156,7 @@ class FedALSProtocol(Protocol):
 class FedALSServer(ServerAlgorithm):
     protocol_type: type[FedALSProtocol] = FedALSProtocol
     protocol: FedALSProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)

@@ -75,6 +75,7 @@ class FedRepServer(ServerAlgorithm):
 
     protocol_type: type[FedRepProtocol] = FedRepProtocol
     protocol: FedRepProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)

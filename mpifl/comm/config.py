@@ -28,6 +28,19 @@ class AvailabilityConfig:
 
 
 @dataclass(frozen=True)
+class SpeedConfig:
+    """Each client's compute speed on the simulated clock, in seconds per training sample (what deadlines,
+    over-selection, ``compute: model`` and FedBuff's arrivals charge): ``network`` (default):
+    ``network.seconds_per_sample``, log-normal with the links under ``distribution: lognormal``; ``lognormal``:
+    ``seconds_per_sample`` times a log-normal factor of median 1 and ``sigma``, drawn from (seed, client id)
+    alone; ``file``: a CSV file ``client,seconds_per_sample`` naming every client (docs/how-to/client-speeds.md)."""
+
+    mode: Literal["network", "lognormal", "file"] = "network"  # where each client's seconds per sample come from
+    sigma: float = field(default=1.0, metadata=limits(ge=0))  # lognormal: σ of log(speed) around its median
+    file: str | None = None  # file: the CSV of every client's seconds per sample (FedScale-style device traces)
+
+
+@dataclass(frozen=True)
 class NetworkConfig:
     """Emulated links: per-client latency and bandwidth, fixed or log-normal around the given value, and the
     server's link every client of a round shares (none: infinite)."""
@@ -50,6 +63,7 @@ class NetworkConfig:
     # simulated compute: the measured wall time, or seconds_per_sample × samples (reproducible bit for bit)
     compute: Literal["measured", "model"] = "measured"
     availability: AvailabilityConfig = AvailabilityConfig()
+    speed: SpeedConfig = SpeedConfig()  # per-client compute speed (device heterogeneity)
 
 
 CodecName = Literal["none", "fp16", "bf16", "qsgd", "topk", "randk", "sign"]
