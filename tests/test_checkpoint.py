@@ -28,8 +28,9 @@ CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # p
 ASYNCHRONOUS_NETWORK = {"compute": "model", "seconds_per_sample": 0.001, "distribution": "lognormal", "sigma": 1.0}
 CONFIGS["fedbuff"] = _merge(CONFIGS["fedbuff"], {"clients_per_round": 4, "fedbuff": {"buffer_size": 3},
                                                  "network": ASYNCHRONOUS_NETWORK})
-# one arrival per round, 3 clients in flight, hinge staleness so that stale models are damped
-CONFIGS["fedasync"] = _merge(CONFIGS["fedasync"], {"clients_per_round": 3, "network": ASYNCHRONOUS_NETWORK,
+# one arrival per round, 3 clients in flight, hinge staleness so that stale models are damped; seed 4 (the shards'
+# 3 draws no corrupt upload among its first arrivals, which the fault matrix needs)
+CONFIGS["fedasync"] = _merge(CONFIGS["fedasync"], {"clients_per_round": 3, "seed": 4, "network": ASYNCHRONOUS_NETWORK,
                                                    "fedasync": {"staleness": "hinge", "a": 1.0, "b": 1}})
 for _name in ("perfedavg", "fedrep", "knnper"):  # PeFLL's baselines: evaluated on unseen clients too
     CONFIGS[_name] = _merge(CONFIGS[_name], {"clients_per_round": 3, "data": {"unseen_fraction": 0.34}})

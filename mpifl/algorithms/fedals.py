@@ -47,7 +47,6 @@ from mpifl.algorithms.base import (
     ServerAlgorithm,
     StepContext,
     require,
-    weighted_sum,
 )
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import (
@@ -95,7 +94,8 @@ Kind = Literal["params", "control"]
 @dataclass(frozen=True)
 class Part:
     """A contiguous span of the model synchronized every ``period`` rounds, and its messages: ``down`` and ``up``
-    each hold the parameters' message, then (with ``scaffold``) the control variate's."""
+    each hold the parameters' message, then (with ``scaffold``) the control variate's; ``spread`` carries each
+    client's squared delta per layer group, for the consensus distance (simulator diagnostics, not logical)."""
 
     name: str
     span: slice
@@ -103,6 +103,7 @@ class Part:
     groups: tuple[int, ...]  # indices of its layer groups
     down: tuple[Message, ...]
     up: tuple[Message, ...]
+    spread: Message
 
     @property
     def numel(self) -> int:
@@ -127,8 +128,10 @@ class FedALSProtocol(Protocol):
             kinds: tuple[Kind, ...] = ("params", "control") if opts.scaffold else ("params",)
             names = {"params": name, "control": f"{name}_control"}
             down = tuple(Message(names[k], "down", span.stop - span.start, broadcast=True) for k in kinds)
-            up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start, update=True) for k in kinds)
-            part = Part(name, span, period, tuple(groups), down, up)
+            up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start, update=True, summed="weighting")
+                       for k in kinds)
+            spread = Message(f"{name}_spread", "up", len(groups), "float64", logical=False, summed="weighting")
+            part = Part(name, span, period, tuple(groups), down, up, spread)
             parts.append(part)
         self.parts = tuple(parts)
         self.extractor = next((p for p in self.parts if p.name == "extractor"), None)
@@ -140,7 +143,7 @@ class FedALSProtocol(Protocol):
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         down = [m for p in self.parts if (round_ - 1) % p.period == 0 for m in p.down]
-        up = [m for p in self.parts if round_ % p.period == 0 for m in p.up]
+        up = [m for p in self.parts if round_ % p.period == 0 for m in (*p.up, p.spread)]
         return (*down, LOCAL, *up)
 
     def eval_prelude(self) -> Sequence[Step]:
@@ -168,12 +171,14 @@ class FedALSServer(ServerAlgorithm):
         # the evaluation's running sums over the seen clients by message (φ, BatchNorm statistics), chunk after
         # chunk in client-id order
         self.sums: dict[str, np.ndarray] = {}
+        self.means: dict[str, np.ndarray] = {}  # a part's mean delta this round, until its consensus is worked out
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
         table: dict[Message, Handler] = {p.eval_msg: self.evaluated_model, p.eval_norm_msg: self.norm_statistics}
         for part in p.parts:
-            table.update({part.down[0]: partial(self.part_params, part), part.up[0]: partial(self.average_part, part)})
+            table.update({part.down[0]: partial(self.part_params, part), part.up[0]: partial(self.average_part, part),
+                          part.spread: partial(self.consensus, part)})
             if len(part.down) > 1:  # with scaffold: the part's control variate
                 table.update({part.down[1]: partial(self.part_control, part),
                               part.up[1]: partial(self.update_part_control, part)})
@@ -189,18 +194,26 @@ class FedALSServer(ServerAlgorithm):
     def part_control(self, part: Part, step: StepContext) -> np.ndarray:
         return self.control[part.span]
 
-    def update_part_control(self, part: Part, step: StepContext, rows: np.ndarray) -> None:
+    def update_part_control(self, part: Part, step: StepContext, total: np.ndarray) -> None:
         control = self.control.copy()
-        weights = population_weights(self.ctx, step.clients)
-        control[part.span] = update_control(self.control[part.span], rows, weights)
+        control[part.span] = update_control(self.ctx, self.control[part.span], total)
         self.control = control
 
-    def average_part(self, part: Part, step: StepContext, rows: np.ndarray) -> None:
-        weights = self.ctx.weights(step.clients)
-        mean = weighted_sum(rows, weights)
-        self.metrics.update(self._consensus(part, rows, mean, weights))
+    def average_part(self, part: Part, step: StepContext, total: np.ndarray) -> None:
+        mean = total / self.ctx.divisor(step.clients)
+        self.means[part.name] = mean
         self.model.step(mean, part.span)
         self.synced[part.name] = step.round
+
+    def consensus(self, part: Part, step: StepContext, squares: np.ndarray) -> None:
+        """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients share
+        the part's reference point, so θₖ − θ̄ is the spread of their deltas), from the sums of the clients'
+        squared deltas per layer (``squares``) and the mean μ: Σₖ wₖ‖Δₖ‖² − (2 − Σₖ wₖ)‖μ‖²."""
+        mean, shares = self.means.pop(part.name), self.ctx.weights(step.clients).sum()
+        starts = [self.protocol.groups[g].start - part.span.start for g in part.groups]
+        sizes = np.array([self.protocol.groups[g].stop - self.protocol.groups[g].start for g in part.groups])
+        spread = squares / self.ctx.divisor(step.clients) - (2 - shares) * np.add.reduceat(mean**2, starts)
+        self.metrics.update({f"consensus_layer{g + 1:02d}": float(d) for g, d in zip(part.groups, spread / sizes)})
 
     def accumulate(self, msg: Message, shares: Callable[[RunContext, np.ndarray], np.ndarray], step: StepContext,
                    rows: np.ndarray) -> None:
@@ -230,17 +243,6 @@ class FedALSServer(ServerAlgorithm):
     def end_evaluation(self) -> None:
         self.eval_params = None
         self.sums = {}
-
-    def _consensus(self, part: Part, rows: np.ndarray, mean: np.ndarray, weights: np.ndarray) -> dict[str, float]:
-        """Per-layer consensus distance Σₖ wₖ‖θₖ − θ̄‖²/n_ℓ just before averaging (paper Fig. 1; the clients
-        share the part's reference point, so θₖ − θ̄ is the spread of their deltas)."""
-        offset = part.span.start
-        starts = [self.protocol.groups[g].start - offset for g in part.groups]
-        sizes = np.array([self.protocol.groups[g].stop - self.protocol.groups[g].start for g in part.groups])
-        total = np.zeros(len(starts))
-        for w, row in zip(weights, rows, strict=True):
-            total += w * np.add.reduceat((row - mean) ** 2, starts)
-        return {f"consensus_layer{g + 1:02d}": float(d) for g, d in zip(part.groups, total / sizes, strict=True)}
 
     @property
     def params(self) -> np.ndarray:
@@ -287,7 +289,8 @@ class FedALSClient(ClientAlgorithm):
         p = self.protocol
         table: dict[Message, Handler] = {p.eval_msg: self.receive_evaluated, p.eval_norm_msg: self.receive_norm}
         for part in p.parts:
-            table.update({part.down[0]: partial(self.receive_part, part), part.up[0]: partial(self.send_part, part)})
+            table.update({part.down[0]: partial(self.receive_part, part), part.up[0]: partial(self.send_part, part),
+                          part.spread: partial(self.send_spread, part)})
             if len(part.down) > 1:  # with scaffold: the part's control variate
                 table.update({part.down[1]: partial(self.receive_part_control, part),
                               part.up[1]: partial(self.send_part_control, part)})
@@ -344,6 +347,12 @@ class FedALSClient(ClientAlgorithm):
     def send_part(self, part: Part, step: StepContext, client: int) -> np.ndarray:
         st = self.working(client)
         return st["model"][part.span] - st["reference"][part.span]
+
+    def send_spread(self, part: Part, step: StepContext, client: int) -> np.ndarray:
+        """‖Δ‖² of each of the part's layer groups (float64), for the server's consensus distance."""
+        delta = self.send_part(part, step, client).astype(np.float64)
+        starts = [self.protocol.groups[g].start - part.span.start for g in part.groups]
+        return np.add.reduceat(delta * delta, starts)
 
     def send_part_control(self, part: Part, step: StepContext, client: int) -> np.ndarray:
         """Option II: cₖ⁺ = the mean local gradient since the part's reference."""

@@ -100,7 +100,9 @@ class FedAsyncServer(EventDrivenServer):
         return True
 
     def round_metrics(self) -> dict[str, float]:
-        return {"staleness": self.mixed[0], "mixing_weight": self.mixed[1], "server_version": float(self.version)}
+        staleness, alpha = self.mixed
+        return {"staleness": staleness, "mixing_weight": alpha, "updates_applied": float(np.isfinite(alpha)),
+                "server_version": float(self.version)}
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"global_model": self.params}

@@ -1,6 +1,7 @@
 """FedAvg (McMahan et al.): broadcast the global model, train locally, average the deltas by sample count.
 
-Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_s = 1, μ_s = 0 is plain FedAvg. With
+Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_s = 1, μ_s = 0 is plain FedAvg. The deltas travel as
+one exact sum Σᵢ nᵢ·Δᵢ (a summed message), divided by n on the server. With
 ``server.optimizer: adam | yogi | adagrad`` the averaged delta goes through Reddi et al.'s adaptive server
 optimizers instead (:class:`GlobalModel`).
 """
@@ -21,7 +22,6 @@ from mpifl.algorithms.base import (
     ServerAlgorithm,
     StepContext,
     require,
-    weighted_sum,
 )
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -35,7 +35,8 @@ class FedAvgProtocol(Protocol):
         super().__init__(ctx)
         numel = ctx.new_model().numel
         self.model_msg = Message("model", "down", numel, broadcast=True)
-        self.delta_msg = Message("delta", "up", numel, update=True)
+        # the server needs only Σ wᵢ·Δᵢ: it travels as an exact sum (mpifl.comm.exactsum), never as rows
+        self.delta_msg = Message("delta", "up", numel, update=True, summed="weighting")
         self.eval_msg = Message("eval_model", "down", numel, broadcast=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:
@@ -110,8 +111,10 @@ class FedAvgServer(ServerAlgorithm):
     def global_params(self, step: StepContext) -> np.ndarray:
         return self.params
 
-    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
-        self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)))
+    def apply_deltas(self, step: StepContext, total: np.ndarray) -> None:
+        """``total``: Σ wᵢ·Δᵢ over the accepted clients (sample counts, or one each): their mean is it over
+        ``RunContext.divisor``."""
+        self.model.step(total / self.ctx.divisor(step.clients))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"global_model": self.params}

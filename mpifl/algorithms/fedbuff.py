@@ -23,6 +23,7 @@ checkpoint carries the events in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -34,9 +35,9 @@ from mpifl.algorithms.base import (
     EventDrivenServer,
     Handler,
     RunContext,
-    weighted_sum,
 )
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.comm.exactsum import exact_sum
 from mpifl.comm.messages import Message
 from mpifl.schema import limits
 
@@ -51,7 +52,12 @@ class FedBuffOptions(AsynchronousOptions):
 
 
 class FedBuffProtocol(FedAvgProtocol, AsynchronousProtocol):
-    """FedAvg's messages (model down, delta up), walked one dispatch at a time on the simulated clock."""
+    """FedAvg's messages (model down, delta up), walked one dispatch at a time on the simulated clock; each
+    delta travels as its own row (the server weights it by its staleness when it arrives)."""
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.delta_msg = dataclasses.replace(self.delta_msg, summed=None)
 
 
 class FedBuffServer(FedAvgServer, EventDrivenServer):
@@ -82,10 +88,10 @@ class FedBuffServer(FedAvgServer, EventDrivenServer):
 
     def _apply(self) -> None:
         self.step_staleness = self.staleness
-        if self.buffered:
+        if self.buffered:  # (1/K)·Σ s(τᵢ)·Δᵢ, the sum exact (with K = C, fresh updates, FedAvg's uniform sum)
             staleness = np.array(self.staleness, dtype=np.float64)
-            weights = (1.0 + staleness) ** -self.ctx.options.staleness_exponent / len(self.buffered)
-            self.model.step(weighted_sum(np.stack(self.buffered), weights))
+            weights = (1.0 + staleness) ** -self.ctx.options.staleness_exponent
+            self.model.step(exact_sum(np.stack(self.buffered), weights) / len(self.buffered))
             self.version += 1
         self.staleness, self.buffered = [], []
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
 from mpifl.comm.messages import Message
 from mpifl.models.flat import layer_groups
@@ -60,7 +60,7 @@ class FedRepProtocol(FedAvgProtocol):
         boundary = groups[-layers].start
         self.body, self.head = slice(0, boundary), slice(boundary, model.numel)
         self.model_msg = Message("body", "down", boundary, broadcast=True)
-        self.delta_msg = Message("body_delta", "up", boundary, update=True)
+        self.delta_msg = Message("body_delta", "up", boundary, update=True, summed="weighting")
         self.eval_msg = Message("eval_body", "down", boundary, broadcast=True)
 
     def samples_per_round(self) -> np.ndarray:
@@ -88,8 +88,8 @@ class FedRepServer(ServerAlgorithm):
     def global_body(self, step: StepContext) -> np.ndarray:
         return self.model.params[self.protocol.body]
 
-    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
-        self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)), self.protocol.body)
+    def apply_deltas(self, step: StepContext, total: np.ndarray) -> None:
+        self.model.step(total / self.ctx.divisor(step.clients), self.protocol.body)
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"body": self.model.params[self.protocol.body]}

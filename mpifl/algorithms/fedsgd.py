@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mpifl.algorithms.base import Handler, RunContext, StepContext, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
 
@@ -20,7 +20,7 @@ from mpifl.comm.messages import LOCAL, Message, Step
 class FedSGDProtocol(FedAvgProtocol):
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
-        self.grad_msg = Message("gradient", "up", self.delta_msg.numel, update=True)
+        self.grad_msg = Message("gradient", "up", self.delta_msg.numel, update=True, summed="weighting")
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, LOCAL, self.grad_msg)
@@ -36,8 +36,8 @@ class FedSGDServer(FedAvgServer):
     def handlers(self) -> Mapping[Message, Handler]:
         return {**super().handlers(), self.protocol.grad_msg: self.apply_gradients}
 
-    def apply_gradients(self, step: StepContext, rows: np.ndarray) -> None:
-        self.model.step(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(step.clients)))
+    def apply_gradients(self, step: StepContext, total: np.ndarray) -> None:
+        self.model.step(-self.ctx.cfg.client.lr * (total / self.ctx.divisor(step.clients)))
 
 
 class FedSGDClient(FedAvgClient):

@@ -21,7 +21,6 @@ from mpifl.algorithms.base import (
     ServerAlgorithm,
     StepContext,
     require,
-    weighted_sum,
 )
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.state import ClientState
@@ -47,7 +46,8 @@ class IFCAProtocol(Protocol):
         self.numel = ctx.new_model().numel
         self.models_msg = Message("cluster_models", "down", self.k * self.numel, broadcast=True)
         self.cluster_msg = Message("cluster_id", "up", 1, "int32")
-        self.delta_msg = Message("delta", "up", self.numel, update=True)
+        # one exact sum per cluster: a client's delta goes into its cluster's (IFCAClient.sum_group)
+        self.delta_msg = Message("delta", "up", self.numel, update=True, summed="weighting", groups=self.k)
         self.eval_msg = Message("eval_cluster_models", "down", self.k * self.numel, broadcast=True)
 
     def train_plan(self, round_: int) -> Sequence[Step]:
@@ -90,12 +90,12 @@ class IFCAServer(ServerAlgorithm):
     def note_assignment(self, step: StepContext, rows: np.ndarray) -> None:
         self.assignment = dict(zip(step.clients.tolist(), rows[:, 0].tolist()))
 
-    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
+    def apply_deltas(self, step: StepContext, totals: np.ndarray) -> None:
+        """``totals``: each cluster's Σ wᵢ·Δᵢ over its accepted members; each cluster model steps by their mean."""
         clients = step.clients  # the clients whose delta was accepted
         assignment = np.array([self.assignment[c] for c in clients.tolist()])
         for j in np.unique(assignment):
-            members = assignment == j
-            self.model.step(weighted_sum(rows[members], self.ctx.weights(clients[members])), int(j))
+            self.model.step(totals[j] / self.ctx.divisor(clients[assignment == j]), int(j))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"cluster_models": self.params}
@@ -142,7 +142,10 @@ class IFCAClient(ClientAlgorithm):
         self.deltas[client] = self.workspace.numpy() - self.models[j]
 
     def send_cluster(self, step: StepContext, client: int) -> np.ndarray:
-        return np.array([self.chosen.pop(client)], dtype=np.int32)
+        return np.array([self.chosen[client]], dtype=np.int32)
+
+    def sum_group(self, msg: Message, client: int) -> int:
+        return self.chosen[client]
 
     def send_delta(self, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)

@@ -33,7 +33,6 @@ from mpifl.algorithms.base import (
     ServerAlgorithm,
     StepContext,
     require,
-    weighted_sum,
 )
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -131,7 +130,7 @@ class PeFLLProtocol(HyperProtocol):
         self.model_msg = Message("model", "down", d)
         self.delta_msg = Message("delta", "up", d, update=True)
         self.descriptor_grad_msg = Message("descriptor_grad", "down", dim)
-        self.embed_grad_msg = Message("embed_grad", "up", e, update=True)
+        self.embed_grad_msg = Message("embed_grad", "up", e, update=True, summed="uniform")
         self.eval_embed_msg = Message("eval_embed_net", "down", e, broadcast=True)
         self.eval_descriptor_msg = Message("eval_descriptor", "up", dim)
         self.eval_model_msg = Message("eval_model", "down", d)
@@ -236,9 +235,9 @@ class PeFLLServer(ServerAlgorithm):
         self.joint.grads[self.split :] /= len(accepted)
         self.models = None
 
-    def apply_embedding_gradients(self, step: StepContext, rows: np.ndarray) -> None:
-        grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
-        grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
+    def apply_embedding_gradients(self, step: StepContext, total: np.ndarray) -> None:
+        grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients' sum
+        grads[: self.split] = torch.from_numpy(total / len(step.clients))
         self.step(grads)
 
     def step(self, mean_delta: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
@@ -56,6 +56,10 @@ class PerFedAvgOptions:
 
 class PerFedAvgProtocol(FedAvgProtocol):
     eval_kinds = ("personal", "global")
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.delta_msg = dataclasses.replace(self.delta_msg, summed="uniform")  # the paper weighs clients equally
 
     def training_config(self) -> ClientConfig:
         """``client.*`` with ``perfedavg.epochs`` passes in place of the configured steps or epochs."""
@@ -83,8 +87,8 @@ class PerFedAvgServer(FedAvgServer):
     protocol_type: type[PerFedAvgProtocol] = PerFedAvgProtocol
     protocol: PerFedAvgProtocol
 
-    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
-        self.model.step(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))  # every client weighs 1
+    def apply_deltas(self, step: StepContext, total: np.ndarray) -> None:
+        self.model.step(total / len(step.clients))  # every client weighs 1 (the protocol's uniform sum)
 
 
 class PerFedAvgClient(FedAvgClient):

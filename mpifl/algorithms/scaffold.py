@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import Handler, RunContext, StepContext, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -69,9 +69,13 @@ def population_weights(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
     """``clients``' shares of the whole population of seen clients, as ``server.weighting`` weighs them:
     nᵢ / (samples of all seen clients), or 1/N. Summing a cohort's Δcᵢ with them keeps c = Σᵢ wᵢcᵢ exact
     under partial participation."""
-    if ctx.cfg.server.weighting == "uniform":
-        return np.full(len(clients), 1.0 / np.count_nonzero(~ctx.layout.unseen))
-    return sample_shares(ctx, clients)
+    return ctx.sum_weights("weighting", clients) / population_divisor(ctx)
+
+
+def population_divisor(ctx: RunContext) -> float:
+    """What a weighted sum of Δcᵢ is divided by to be their population share: the weights of every seen client
+    (their samples, or their count under ``server.weighting: uniform``)."""
+    return float(ctx.sum_weights("weighting", np.flatnonzero(~ctx.layout.unseen)).sum())
 
 
 def sample_shares(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
@@ -80,9 +84,10 @@ def sample_shares(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
     return ctx.layout.train_sizes[clients].astype(np.float64) / ctx.layout.train_sizes[seen].sum()
 
 
-def update_control(control: np.ndarray, rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """c ← c + Σ wᵢΔcᵢ (a new array, as clients on the server's rank may hold views of the old one)."""
-    return (control + weighted_sum(rows, weights)).astype(np.float32)
+def update_control(ctx: RunContext, control: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """c ← c + Σ wᵢΔcᵢ from ``total`` = Σ nᵢ·Δcᵢ (or Σ Δcᵢ, uniform) over the accepted clients (a new array, as
+    clients on the server's rank may hold views of the old one)."""
+    return (control + total / population_divisor(ctx)).astype(np.float32)
 
 
 class ScaffoldProtocol(FedAvgProtocol):
@@ -90,7 +95,7 @@ class ScaffoldProtocol(FedAvgProtocol):
         super().__init__(ctx)
         numel = self.model_msg.numel
         self.control_msg = Message("control", "down", numel, broadcast=True)
-        self.control_delta_msg = Message("control_delta", "up", numel, update=True)
+        self.control_delta_msg = Message("control_delta", "up", numel, update=True, summed="weighting")
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, self.control_msg, LOCAL, self.delta_msg, self.control_delta_msg)
@@ -111,8 +116,8 @@ class ScaffoldServer(FedAvgServer):
     def global_control(self, step: StepContext) -> np.ndarray:
         return self.control
 
-    def apply_controls(self, step: StepContext, rows: np.ndarray) -> None:
-        self.control = update_control(self.control, rows, population_weights(self.ctx, step.clients))
+    def apply_controls(self, step: StepContext, total: np.ndarray) -> None:
+        self.control = update_control(self.ctx, self.control, total)
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {**super().final_state(), "control": self.control}

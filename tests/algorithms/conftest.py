@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext
+from mpifl.comm.exactsum import exact_sum
 from mpifl.comm.messages import LocalCompute
 from mpifl.data import FederatedDataset, build_federated_dataset
 from mpifl.registry import get_algorithm, parse_config
@@ -103,7 +104,14 @@ def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, cl
                 client.receive(step, here, int(c), row)
         else:
             rows = np.stack([np.array(client.send(step, here, int(c))) for c in targets])
-            server.consume(step, here, rows)
+            if step.summed is not None and step.groups > 1:  # each client's row into its group's sum
+                group = np.array([client.sum_group(step, int(c)) for c in targets])
+                weights = server.ctx.sum_weights(step.summed, targets)
+                server.consume_sum(step, here, np.stack([
+                    exact_sum(rows[group == g], weights[group == g]) if (group == g).any() else np.zeros(step.numel)
+                    for g in range(step.groups)]))
+            else:
+                server.consume(step, here, rows)
         seen[step.name] = np.array(rows)
     client.state.commit(np.union1d(clients, audience))
     return seen

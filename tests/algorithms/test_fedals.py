@@ -41,7 +41,8 @@ def test_table2_communicated_parameters_for_resnet20(alpha, table2):
     """T = 20,000 local steps at τ = 5, up and down: 2·[(T/τ)·P_h + (T/(ατ))·P_φ] parameters per client."""
     protocol = FedALSProtocol(resnet20_context(FedALSOptions(alpha=alpha, tau=5)))
     rounds = 20_000 // 5
-    params = sum(m.numel for r in range(1, rounds + 1) for m in protocol.train_plan(r) if isinstance(m, Message))
+    params = sum(m.numel for r in range(1, rounds + 1) for m in protocol.train_plan(r)
+                 if isinstance(m, Message) and m.logical)
     assert params == 2 * (rounds * 650 + rounds // alpha * 292_304)
     assert round(params / 1e9, 3) == table2
 

@@ -42,7 +42,7 @@ def test_polynomial_staleness_by_hand():
     expected = [2 - 4 * alpha, -1 + 3 * alpha, 2.0, 0.5 + 2 * alpha]  # θ + α_τ·(θᵢ − θ)
     assert server.params == pytest.approx(np.array(expected, dtype=np.float32), abs=2e-7)
     assert server.round_metrics() == {"staleness": 1.0, "mixing_weight": pytest.approx(alpha, rel=1e-15),
-                                      "server_version": 2.0}
+                                      "updates_applied": 1.0, "server_version": 2.0}
 
 
 @pytest.mark.parametrize(("staleness", "tau", "weight"), [
@@ -64,7 +64,7 @@ def test_a_lost_model_is_a_step_that_changes_nothing():
     before = server.params.copy()
     arrive(server, 4, 2.0, None)
     assert server.arrive() and server.version == 0 and np.array_equal(server.params, before)
-    assert np.isnan(server.round_metrics()["mixing_weight"])
+    assert np.isnan(server.round_metrics()["mixing_weight"]) and server.round_metrics()["updates_applied"] == 0
 
 
 def test_a_real_run_steps_once_per_arrival(tmp_path):

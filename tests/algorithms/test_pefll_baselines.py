@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpifl.algorithms.base import RunContext, StepContext
+from mpifl.algorithms.base import EvalLayout, RunContext, StepContext
 from mpifl.comm.messages import Message
 from mpifl.data import FederatedLayout
 from mpifl.registry import get_algorithm, load_config
@@ -200,6 +200,7 @@ def test_knnper_interpolates_the_global_model_with_a_knn_over_training_features(
     opts = client.ctx.options
     temperature = 16 * opts.scale  # dim · scale
     step = StepContext(2, "eval", np.arange(6))
+    layout = EvalLayout(client.protocol.eval_kinds, ("test",))
     chosen = set()
     for i in range(6):
         split = {name: getattr(client.data[i], name).numpy() for name in ("x_train", "y_train", "x_val", "y_val",
@@ -219,7 +220,7 @@ def test_knnper_interpolates_the_global_model_with_a_knn_over_training_features(
         chosen.add(choice)
         test_features, test_logits = mlp_forward(theta, split["x_test"].astype(np.float64), 16, 10)
         p = knn_mixture(test_features, store, split["y_train"], test_logits, *choice, temperature, 10)
-        personal, global_ = client.evaluate(step, i, ["test"]).reshape(2, -1)  # kinds: personal, global
+        personal, global_ = client.evaluate(step, i, layout).reshape(2, -1)  # kinds: personal, global
         assert personal[1] == (p.argmax(1) == split["y_test"]).sum()
         np.testing.assert_allclose(personal[2], -np.log(p[np.arange(len(p)), split["y_test"]]).sum(), rtol=1e-4)
         assert global_[1] == (test_logits.argmax(1) == split["y_test"]).sum()
