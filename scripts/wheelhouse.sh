@@ -67,7 +67,8 @@ if [ -n "$TARGET_PYTHON" ] && [ "$TARGET_PYTHON" != "$HOST_PYTHON" ]; then
   TARGET+=(--python-version "$TARGET_PYTHON" --implementation cp)
   echo "note: no python$TARGET_PYTHON here: pip evaluates requirement markers for Python $HOST_PYTHON" >&2
 fi
-for platform in "${PLATFORMS[@]}"; do
+# ${A[@]+"${A[@]}"}: an array that may be empty, under set -u in macOS's bash 3.2 too
+for platform in ${PLATFORMS[@]+"${PLATFORMS[@]}"}; do
   if [[ $platform =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then  # glibc 2.N admits every older manylinux tag
     newest=${BASH_REMATCH[1]} arch=${BASH_REMATCH[2]}
     for ((glibc = newest; glibc >= 5; glibc--)); do TARGET+=(--platform "manylinux_2_${glibc}_$arch"); done
@@ -112,8 +113,8 @@ name = re.compile(r"[A-Za-z0-9._-]+")
 print("\n".join(r for r in dict.fromkeys(requirements) if name.match(r).group(0).lower() != "torch"))
 PY
 ) || fail "$(tail -n 1 <<<"$REQUIREMENTS")"
-mapfile -t WANTED <<<"$REQUIREMENTS"
-WANTED+=(pip "setuptools>=68")
+WANTED=(pip "setuptools>=68")
+while IFS= read -r requirement; do WANTED+=("$requirement"); done <<<"$REQUIREMENTS"
 
 SOURCES=()
 macos=0
@@ -143,7 +144,7 @@ trap 'rm -rf "$build"' EXIT
 cp -r pyproject.toml README.md mpifl "$build/"  # built outside the checkout: no build/ folder left in it
 "$PY" -m pip wheel -q --no-deps -w "$DIR" "$build"
 echo "mpifl wheelhouse: ${#WANTED[@]} requirements for Python ${TARGET_PYTHON:-$HOST_PYTHON}, resolved by pip" >&2
-"$PY" -m pip download -q -d "$DIR" "${TARGET[@]}" "${SOURCES[@]}" "${WANTED[@]}"
+"$PY" -m pip download -q -d "$DIR" "${TARGET[@]}" ${SOURCES[@]+"${SOURCES[@]}"} "${WANTED[@]}"
 if [ "$MPI" = system ]; then  # compiled on the target against its mpicc: the source, not a wheel
   "$PY" -m pip download -q -d "$DIR" --no-deps --no-binary mpi4py "mpi4py>=4.0"
 fi

@@ -252,6 +252,16 @@ def test_system_torch_of_a_python_that_is_itself_a_venv_is_the_torch_mpifl_uses(
     assert Path(imported).is_relative_to(checkout)  # this checkout's mpifl, and an MPI library mpi4py can load
 
 
+def test_system_torch_refuses_a_venv_made_otherwise(tmp_path: Path) -> None:
+    """A .venv left from another mode would not see that torch, and pip would fetch one into it."""
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / ".venv"], check=True)
+    result = subprocess.run(["bash", tmp_path / "scripts/setup.sh"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHON": sys.executable, "MPIFL_TORCH": "system"})
+    _refused(result, f"MPIFL_TORCH=system: .venv exists and does not use the torch that '{sys.executable}' has")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".venv", "scripts"]
+
+
 def test_current_interpreter_mode_refuses_a_python_without_torch(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "bare"], check=True)
     python = tmp_path / "bare/bin/python"
