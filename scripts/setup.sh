@@ -116,7 +116,7 @@ CONSTRAINTS=()
 if [ "$TORCH" = system ]; then
   # Every package the environment already sees, from outside .venv, pinned: pip only adds what is missing.
   constraints=$(mktemp)
-  trap 'rm -f "$constraints"' EXIT
+  trap 'rm -f "$constraints" "$constraints.log"' EXIT
   own=""  # packages pip may change: .venv's own
   if [ "$INSTALL" = venv ]; then own=$(cd .venv && pwd -P); fi
   "$TARGET" - "$own" >"$constraints" <<'PY'
@@ -171,8 +171,13 @@ if [ "$TORCH" != system ] || ! "$TARGET" -c "$loads_mpi" 2>/dev/null; then
   fi
   "$TARGET" -c "$loads_mpi" 2>/dev/null || fail "mpi4py in '$TARGET' finds no MPI library (MPIFL_MPI, MPIFL_SYSTEM_MPI)"
 fi
-if ! pip_install -e ".${MPIFL_EXTRAS:+[$MPIFL_EXTRAS]}"; then
-  [ "$TORCH" = system ] || exit 1
+MPIFL=(-e ".${MPIFL_EXTRAS:+[$MPIFL_EXTRAS]}")
+if [ "$TORCH" != system ]; then
+  pip_install "${MPIFL[@]}"
+elif ! "$TARGET" -m pip install ${SOURCE[@]+"${SOURCE[@]}"} "${CONSTRAINTS[@]}" "${MPIFL[@]}" >"$constraints.log" 2>&1
+then
+  # pip's -q would hide which pinned package is in the way: its own lines for that, then one of ours
+  grep -E '^(ERROR|The conflict is caused by|    )' "$constraints.log" >&2 || cat "$constraints.log" >&2
   fail "pip could not add mpifl to '$TARGET' with every package it has kept at its version (pip's reason above)"
 fi
 if [ "$TORCH" = system ] && [ "$(torch_in "$TARGET")" != "$TORCH_BEFORE" ]; then

