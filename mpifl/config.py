@@ -32,6 +32,9 @@ class ServerConfig:
     # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
     # the uniform mean, whose sensitivity to one client is clip / cohort)
     weighting: Literal["samples", "uniform"] = "samples"
+    # where the server's own networks compute (PeFLL's and pFedHN's hypernetwork and embeddings): cpu; cuda (a GPU
+    # of rank 0's node, the one fewest workers share); auto (cuda where a GPU is visible). Messages stay numpy
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,11 @@ class RunConfig:
     # clients' states spill to files in state_spill_dir (default: the system's temporary folder), same results
     state_memory_gb: float | None = field(default=None, metadata=limits(ge=0))
     state_spill_dir: str | None = None
+    # where each rank's clients compute: cpu; cuda (workers share the node's GPUs in blocks; an error without a
+    # GPU); auto (cuda where a GPU is visible). docs/how-to/gpus.md
     device: Literal["auto", "cpu", "cuda"] = "cpu"
+    # TF32 (10-bit mantissa) products in CUDA matmuls and cuDNN convolutions/RNNs: faster, ~1e-3 relative error
+    allow_tf32: bool = False
     # static: each client lives on one worker for the whole run. dynamic: each round's clients are
     # re-spread over the workers by their work, state and all. auto: dynamic where allowed
     # and where reading another client is cheap (generated data, uncompressed IDX, digits).
@@ -156,6 +163,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     cfg = build(RunConfig, raw)
     options = build(algo.options_type, section, name)
     cfg = RunConfig(**{**cfg.__dict__, "algorithm_options": options})
+    if cfg.server.device != "cpu" and not algo.server.networks:
+        raise ConfigError(f"server.device: {name}'s server has no networks to put on a GPU (pefll's and pfedhn's "
+                          "have); leave it cpu")
     _check_cross_fields(cfg)
     return cfg
 

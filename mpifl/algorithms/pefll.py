@@ -168,12 +168,15 @@ def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
 class PeFLLServer(ServerAlgorithm):
     protocol_type: type[PeFLLProtocol] = PeFLLProtocol
     protocol: PeFLLProtocol
+    networks = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        self.device = ctx.server_device  # φ, h and their optimizer; what crosses MPI stays numpy on the host
         self.hyper = self.protocol.new_hypernetwork()
         # η = (η_v, η_h) in one flat vector: η_v is sent as a slice, and the update is a few vector operations
-        self.joint = FlatModel(nn.ModuleDict({"embed": self.protocol.new_embedding(), "hyper": self.hyper}))
+        self.joint = FlatModel(nn.ModuleDict({"embed": self.protocol.new_embedding(), "hyper": self.hyper})
+                               .to(self.device))
         self.split = self.protocol.embed_msg.numel
         opts = ctx.options
         self.adam = torch.optim.Adam(self.joint.module.parameters(), lr=opts.lr) if opts.optimizer == "adam" else None
@@ -191,8 +194,8 @@ class PeFLLServer(ServerAlgorithm):
             return self.joint.numpy()[: self.split].copy()
         if msg.name == p.descriptor_grad_msg.name:
             gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
-            return gradient[rows_of(require(self.described, "the described clients"), step.clients)].numpy()
-        models = require(self.models, "the clients' models").detach().numpy()
+            return host_numpy(gradient[rows_of(require(self.described, "the described clients"), step.clients)])
+        models = host_numpy(require(self.models, "the clients' models").detach())
         if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
             self.models = None
         return models
@@ -205,23 +208,25 @@ class PeFLLServer(ServerAlgorithm):
                 self.shift, self.scale = float(first.mean()), float(first.std())
                 self.standardizer_frozen = True
             self.described = step.clients
-            self.descriptors = torch.tensor(rows, requires_grad=True)
+            self.descriptors = torch.tensor(rows, device=self.device, requires_grad=True)
             self.models = self.hyper((self.descriptors - self.shift) / self.scale)
         elif msg.name == p.eval_descriptor_msg.name:
             with torch.no_grad():
-                self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
+                descriptors = torch.from_numpy(rows.copy()).to(self.device)
+                self.models = rowwise(self.hyper, (descriptors - self.shift) / self.scale)
             self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
         elif msg.name == p.delta_msg.name:  # only the clients whose Δθ was accepted: their rows of h(V)
             self.joint.grads.zero_()
             accepted, models = step.clients, require(self.models, "the round's models")
             if len(accepted) < len(require(self.described, "the described clients")):
                 models = models[rows_of(require(self.described, "the described clients"), accepted)]
-            models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+            models.backward(torch.from_numpy(rows.copy()).to(self.device))  # Σ_i J_hᵀΔθ_i into η_h, Δv_i into v_i
             self.joint.grads[self.split :] /= len(accepted)
             self.models = None
         else:
             grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
-            grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
+            mean = weighted_sum(rows, np.full(len(rows), 1 / len(rows)))
+            grads[: self.split] = torch.from_numpy(mean).to(self.device)
             self.step(grads)
 
     def step(self, mean_delta: torch.Tensor) -> None:
