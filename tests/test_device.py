@@ -176,6 +176,16 @@ def test_a_workspace_setting_of_the_user_is_kept(torch_flags, monkeypatch):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+@pytest.mark.parametrize("algorithm", ["pefll", "pfedhn", "knnper", "scaffold"])
+def test_the_deterministic_settings_change_no_cpu_bit(algorithm, tmp_path, torch_flags):
+    """A one-rank job whose server networks are on a GPU is in deterministic mode, its clients on the CPU: their
+    arithmetic must be what it is without the mode."""
+    raw = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1})
+    plain = run_engine(raw, MPI.COMM_SELF, tmp_path / "plain.h5")
+    make_deterministic()
+    assert_same(deterministic(plain), deterministic(run_engine(raw, MPI.COMM_SELF, tmp_path / "mode.h5")))
+
+
 def test_host_floats_reads_device_scalars_as_one_float64_array():
     values = [torch.tensor(0.1, dtype=torch.float32), torch.tensor(2, dtype=torch.int64), torch.tensor(0.3).double()]
     out = host_floats(values)
