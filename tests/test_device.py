@@ -287,7 +287,7 @@ def test_server_networks_on_a_gpu_match_the_cpu_and_resume(algorithm, tmp_path):
 @needs_cuda
 def test_float32_products_on_a_gpu_are_not_tf32(tmp_path):
     """After a rank's set-up, a matrix product and a convolution on the GPU are within float32's rounding of
-    a float64 reference (TF32's 10-bit mantissa would be off by about 1e-3)."""
+    a float64 reference, relative to its largest entry (TF32's 10-bit mantissa would be off by about 3e-4)."""
     rank_devices("cuda", "cpu", MPI.COMM_SELF)
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 512, generator=gen), torch.randn(512, 256, generator=gen)
@@ -296,7 +296,7 @@ def test_float32_products_on_a_gpu_are_not_tf32(tmp_path):
                        (torch.nn.functional.conv2d(x.cuda(), w.cuda()), torch.nn.functional.conv2d(x.double(),
                                                                                                   w.double()))):
         error = (gpu.cpu().double() - exact).abs().max() / exact.abs().max()
-        assert error < 1e-5, float(error)
+        assert error < 5e-5, float(error)  # TF32: about 3e-4 here; float32, FFT or Winograd kernels: 1e-6 or less
 
 
 @needs_cuda
