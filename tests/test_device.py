@@ -10,9 +10,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpifl.config import parse_config
 from mpifl.models import FlatModel
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import read_results
 from mpifl.runtime.engine import Engine
 from mpifl.schema import ConfigError
@@ -206,7 +205,7 @@ def test_cpu_host_views_are_the_tensors_own_memory():
 def test_engine_refuses_cuda_without_a_gpu(tmp_path):
     engine = Engine(parse_config({**CONFIGS["fedavg"], "device": "cuda"}), MPI.COMM_SELF, tmp_path / "r.h5")
     with pytest.raises(ConfigError, match="sees no CUDA GPU on rank 0"):
-        engine.setup()
+        engine.prepare()
 
 
 @no_cuda
@@ -304,4 +303,4 @@ def test_client_data_beyond_the_gpu_is_refused_at_set_up(tmp_path):
     free, _ = torch.cuda.mem_get_info()
     cfg = parse_config({**CONFIGS["fedavg"], "device": "cuda", "data_memory_gb": 2 * free / 2**30})
     with pytest.raises(ConfigError, match="^data_memory_gb: 1 worker rank keeps up to"):
-        Engine(cfg, MPI.COMM_SELF, tmp_path / "r.h5").setup()
+        Engine(cfg, MPI.COMM_SELF, tmp_path / "r.h5").prepare()

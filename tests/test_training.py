@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from mpifl.algorithms.base import RunContext
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples, training_batches
 from tests.algorithms.conftest import SHARDS
@@ -74,7 +73,7 @@ def test_the_batches_drawn_up_front_are_those_drawn_step_by_step(cfg):
 
 
 def test_augmentation_needs_images():
-    from mpifl.runtime.engine import check_run
+    from mpifl.runtime.assembly import check_run
     from mpifl.schema import ConfigError
 
     cfg = parse_config(_merge(SHARDS, {"client": {"augment": "crop_flip"}, "data": {"dataset": "gaussian_images",

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.registry import parse_config
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, local_sgd
 from mpifl.training.vectorized import VectorizedSGD
