@@ -108,6 +108,9 @@ class _Catalog:
 def parse_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a raw mapping into a :class:`~mpifl.config.RunConfig` (static checks only, no data access)."""
     cfg = build_config(raw, _Catalog())
+    if cfg.server.optimizer != "sgd" and not get_algorithm(cfg.algorithm).server.server_optimizer:
+        raise ConfigError(f"server.optimizer: {cfg.server.optimizer} steps a global model from the averaged update; "
+                          f"{cfg.algorithm}'s server has none (only sgd, the default, applies)")
     if cfg.server.device != "cpu" and not get_algorithm(cfg.algorithm).server.networks:
         raise ConfigError(f"server.device: {cfg.algorithm}'s server has no networks to put on a GPU (pefll's and "
                           "pfedhn's have); leave it cpu")
