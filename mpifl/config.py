@@ -40,6 +40,9 @@ class ServerConfig:
     # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
     # the uniform mean, whose sensitivity to one client is clip / cohort)
     weighting: Literal["samples", "uniform"] = "samples"
+    # where the server's own networks compute (PeFLL's and pFedHN's hypernetwork and embeddings): cpu; cuda (a GPU
+    # of rank 0's node, the one fewest workers share); auto (cuda where a GPU is visible). Messages stay numpy
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class RunConfig:
     # where each rank's clients compute: cpu; cuda (a GPU of the rank's node; an error where PyTorch sees none);
     # auto: cuda where a GPU is visible, else cpu (docs/how-to/gpus.md)
     device: Literal["auto", "cpu", "cuda"] = "cpu"
+    # TF32 (10-bit mantissa) products in CUDA matmuls and cuDNN convolutions/RNNs: faster, ~1e-3 relative error
+    allow_tf32: bool = False
     # static: each client lives on one worker for the whole run (balanced by sample count). dynamic: each round's
     # clients are re-spread over the workers by their work (greedy LPT), a visiting client's state moving along.
     # auto: dynamic where reading another worker's client costs only its own samples (generated data, digits,

@@ -111,6 +111,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     if cfg.server.optimizer != "sgd" and not get_algorithm(cfg.algorithm).server.server_optimizer:
         raise ConfigError(f"server.optimizer: {cfg.server.optimizer} steps a global model from the averaged update; "
                           f"{cfg.algorithm}'s server has none (only sgd, the default, applies)")
+    if cfg.server.device != "cpu" and not get_algorithm(cfg.algorithm).server.networks:
+        raise ConfigError(f"server.device: {cfg.algorithm}'s server has no networks to put on a GPU (pefll's and "
+                          "pfedhn's have); leave it cpu")
     return cfg
 
 

@@ -53,7 +53,8 @@ def _unkey(name: str) -> int | str:
 
 def _skip(value: Any) -> bool:
     frozen = dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    return frozen or isinstance(value, (Message, torch.nn.modules.loss._Loss))
+    # a device comes from the config (server.device) and is chosen again on resume
+    return frozen or isinstance(value, (Message, torch.nn.modules.loss._Loss, torch.device))
 
 
 def write_state(group: h5py.Group, name: str, value: Any) -> None:
@@ -120,8 +121,9 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
     kind = node.attrs["kind"]
     if kind == "array":
         return node[()]
-    if kind == "tensor":
-        return torch.from_numpy(np.array(node[()])).to(_TORCH_DTYPES[node.attrs["dtype"]])
+    if kind == "tensor":  # on the device of the tensor it replaces (a server network's state on a GPU)
+        device = existing.device if isinstance(existing, torch.Tensor) else None
+        return torch.from_numpy(np.array(node[()])).to(device=device, dtype=_TORCH_DTYPES[node.attrs["dtype"]])
     if kind == "json":
         return json.loads(node[()])
     if kind == "np_generator":

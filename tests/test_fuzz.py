@@ -27,7 +27,7 @@ from tests.data.data_files import write_idx
 
 KEYS = [
     "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
-    "threads_per_rank", "data_memory_gb", "state_memory_gb", "state_spill_dir",
+    "threads_per_rank", "data_memory_gb", "state_memory_gb", "state_spill_dir", "allow_tf32", "server.device",
     "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
     "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
     "data.pad_to", "data.synthetic.samples_per_client", "data.synthetic.size_sigma", "data.synthetic.image_shape",
@@ -48,7 +48,7 @@ VALUES = st.one_of(
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
                      "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
                      "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus",
-                     "fedbuff", "model", "onoff", "trace", "adam", "yogi", "adagrad", "file"]),
+                     "fedbuff", "model", "onoff", "trace", "adam", "yogi", "adagrad", "file", "cuda", "cpu"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 

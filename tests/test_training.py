@@ -10,7 +10,7 @@ from mpifl.algorithms.base import RunContext
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm, parse_config
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples
+from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples, training_batches
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge
 from tests.test_checkpoint import CONFIGS
@@ -50,6 +50,26 @@ def test_crop_flip_is_a_shifted_window_of_the_padded_image_maybe_mirrored():
     assert torch.equal(out, again)  # drawn from the client's generator: reproducible
     many = crop_flip(x.repeat(64, 1, 1, 1), gen, pad=2)
     assert len({tuple(m.flatten().tolist()) for m in many}) > 10
+
+
+@pytest.mark.parametrize("cfg", [ClientConfig(epochs=3, batch_size=6, augment="crop_flip"),
+                                 ClientConfig(steps=7, batch_size=6, batch_sampling="fresh", augment="crop_flip"),
+                                 ClientConfig(steps=9, batch_size=6, drop_last=True)])
+def test_the_batches_drawn_up_front_are_those_drawn_step_by_step(cfg):
+    """The round's plan is drawn before the first step (one host→device copy) in the order the steps used to
+    draw it, a pass's permutation and then each batch's crops: every batch is bitwise what it was, and the
+    generator ends in the same state."""
+    x = torch.randn(20, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    y = torch.arange(20)
+    step_by_step, up_front = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    expected = []
+    for idx in batch_schedule(len(x), cfg, step_by_step):  # the loop as it was
+        xb = crop_flip(x[idx], step_by_step) if cfg.augment == "crop_flip" else x[idx]
+        expected.append((xb, y[idx]))
+    got = list(training_batches(x, y, cfg, up_front))
+    assert len(got) == len(expected) > 0
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    assert torch.equal(step_by_step.get_state(), up_front.get_state())
 
 
 def test_augmentation_needs_images():

@@ -43,11 +43,13 @@ class NoOptions:
 @dataclass(frozen=True)
 class RunContext:
     """What both sides know before training: the config, the data layout, the initial model; and where this
-    rank's clients compute (the engine's choice from ``cfg.device``; the server side stays on the CPU)."""
+    rank's clients compute and the server's networks (the engine's choices from ``cfg.device`` and
+    ``cfg.server.device``; the server's other state stays on the CPU)."""
 
     cfg: RunConfig
     layout: FederatedLayout
     device: torch.device = torch.device("cpu")
+    server_device: torch.device = torch.device("cpu")
 
     @property
     def options(self):  # noqa: ANN201 - the algorithm's own frozen options dataclass
@@ -259,6 +261,7 @@ class ServerAlgorithm(_Handles):
     # True: the server steps a global model from an averaged update through ``server.optimizer``
     # (:class:`~mpifl.algorithms.fedavg.GlobalModel`); False: any other optimizer than sgd is refused
     server_optimizer: bool = False
+    networks: bool = False  # True: torch networks of its own, which compute on ``server.device`` (PeFLL, pFedHN)
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

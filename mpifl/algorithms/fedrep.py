@@ -30,6 +30,7 @@ from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
 from mpifl.comm.messages import Message
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_floats
 from mpifl.training.sgd import TrainStats, client_generator, local_sgd, planned_samples
 
 NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head training
@@ -127,7 +128,9 @@ class FedRepClient(DeltaClient):
         phases = [self.train_part(client, protocol.head, opts.head_epochs, generator),
                   self.train_part(client, protocol.body, opts.body_epochs, generator)]
         steps = sum(p.steps for p in phases)
-        self.round_losses[client] = sum(p.mean_loss * p.steps for p in phases) / steps if steps else float("nan")
+        sums = host_floats([p.loss_sum for p in phases]).tolist()  # both phases' losses in one read
+        means = [s / max(p.steps, 1) for s, p in zip(sums, phases)]  # each phase's TrainStats.mean_loss
+        self.round_losses[client] = sum(m * p.steps for m, p in zip(means, phases)) / steps if steps else float("nan")
         params = self.workspace.numpy()
         self.state.edit(client)["head"] = params[protocol.head].copy()
         self.deltas[client] = params[protocol.body] - start

@@ -27,6 +27,7 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
+from mpifl.training.device import host_floats
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,8 @@ class IFCAClient(ClientAlgorithm):
         losses = []
         for model in self.models:
             self.workspace.load(model)
-            losses.append(float(self.loss_fn(self.workspace.module(split.x_train), split.y_train)))
-        return int(np.argmin(losses))
+            losses.append(self.loss_fn(self.workspace.module(split.x_train), split.y_train))
+        return int(np.argmin(host_floats(losses)))  # read once, not once per cluster
 
     def compute(self, step: StepContext, client: int) -> None:
         j = self.best_cluster(client)

@@ -30,6 +30,7 @@ from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.models.norm import normalized_with
 from mpifl.schema import ConfigError, limits
+from mpifl.training.device import host_floats
 
 EVAL_BATCH = 1024
 
@@ -78,11 +79,18 @@ def features_and_logits(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
 
 def knn_probabilities(distances: torch.Tensor, labels: torch.Tensor, k: int, temperature: float,
                       num_classes: int) -> torch.Tensor:
-    """p_kNN per row of ``distances`` (squared, queries × datastore) to the datastore samples of ``labels``."""
+    """p_kNN per row of ``distances`` (squared, queries × datastore) to the datastore samples of ``labels``.
+
+    The neighbours' weights are added to their classes one neighbour at a time, nearest first: within one
+    addition no two weights meet in one cell, so a GPU's atomic adds cannot reorder a sum (run to run the
+    same bits), and on the CPU it is the order of a single ``scatter_add_`` over all neighbours."""
     nearest, index = torch.topk(distances, min(k, distances.shape[1]), dim=1, largest=False)
     weights = torch.softmax(-nearest / temperature, dim=1)
-    return torch.zeros(len(distances), num_classes, dtype=weights.dtype, device=weights.device).scatter_add_(
-        1, labels[index], weights)
+    classes = labels[index]
+    probabilities = torch.zeros(len(distances), num_classes, dtype=weights.dtype, device=weights.device)
+    for j in range(index.shape[1]):
+        probabilities.scatter_add_(1, classes[:, j : j + 1], weights[:, j : j + 1])
+    return probabilities
 
 
 def squared_distances(queries: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
@@ -112,16 +120,16 @@ class KNNMixture(nn.Module):
 def select(distances: torch.Tensor, store_labels: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
            opts: KNNPerOptions, temperature: float, num_classes: int) -> tuple[int, float]:
     """The (k, λ) of the grids with the highest accuracy on the queries (``distances`` to the datastore; the
-    model's ``logits``; true ``labels``); ties go to the first in grid order."""
+    model's ``logits``; true ``labels``); ties go to the first in grid order. The accuracies of the whole grid
+    are read from the device at once."""
     p_model = torch.softmax(logits.double(), dim=1)
-    best, choice = -1, (opts.k[0], opts.weights[0])
+    grid, correct = [], []
     for k in opts.k:
         p_knn = knn_probabilities(distances, store_labels, k, temperature, num_classes)
         for lam in opts.weights:
-            correct = int(((lam * p_knn + (1 - lam) * p_model).argmax(1) == labels).sum())
-            if correct > best:
-                best, choice = correct, (k, lam)
-    return choice
+            grid.append((k, lam))
+            correct.append(((lam * p_knn + (1 - lam) * p_model).argmax(1) == labels).sum())
+    return grid[int(np.argmax(host_floats(correct)))]  # argmax: the first of the best
 
 
 class KNNPerClient(FedAvgClient):

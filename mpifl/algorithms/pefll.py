@@ -172,12 +172,15 @@ def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
 class PeFLLServer(ServerAlgorithm):
     protocol_type: type[PeFLLProtocol] = PeFLLProtocol
     protocol: PeFLLProtocol
+    networks = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        self.device = ctx.server_device  # φ, h and their optimizer; what crosses MPI stays numpy on the host
         self.hyper = self.protocol.new_hypernetwork()
         # η = (η_v, η_h) in one flat vector: η_v is sent as a slice, and the update is a few vector operations
-        self.joint = FlatModel(nn.ModuleDict({"embed": self.protocol.new_embedding(), "hyper": self.hyper}))
+        self.joint = FlatModel(nn.ModuleDict({"embed": self.protocol.new_embedding(), "hyper": self.hyper})
+                               .to(self.device))
         self.split = self.protocol.embed_msg.numel
         opts = ctx.options
         self.adam = torch.optim.Adam(self.joint.module.parameters(), lr=opts.lr) if opts.optimizer == "adam" else None
@@ -201,7 +204,7 @@ class PeFLLServer(ServerAlgorithm):
         return self.joint.numpy()[: self.split].copy()
 
     def personal_models(self, step: StepContext) -> np.ndarray:
-        return require(self.models, "the clients' models").detach().numpy()
+        return host_numpy(require(self.models, "the clients' models").detach())
 
     def evaluated_models(self, step: StepContext) -> np.ndarray:
         models, self.models = self.personal_models(step), None  # an evaluation chunk's models are not needed again
@@ -209,7 +212,7 @@ class PeFLLServer(ServerAlgorithm):
 
     def descriptor_gradients(self, step: StepContext) -> np.ndarray:
         gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
-        return gradient[rows_of(require(self.described, "the described clients"), step.clients)].numpy()
+        return host_numpy(gradient[rows_of(require(self.described, "the described clients"), step.clients)])
 
     def take_descriptors(self, step: StepContext, rows: np.ndarray) -> None:
         if not self.standardizer_frozen:  # the code's scalars: mean and (unbiased) std of the first descriptor
@@ -217,12 +220,13 @@ class PeFLLServer(ServerAlgorithm):
             self.shift, self.scale = float(first.mean()), float(first.std())
             self.standardizer_frozen = True
         self.described = step.clients
-        self.descriptors = torch.tensor(rows, requires_grad=True)
+        self.descriptors = torch.tensor(rows, device=self.device, requires_grad=True)
         self.models = self.hyper((self.descriptors - self.shift) / self.scale)
 
     def take_eval_descriptors(self, step: StepContext, rows: np.ndarray) -> None:
         with torch.no_grad():
-            self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
+            descriptors = torch.from_numpy(rows.copy()).to(self.device)
+            self.models = rowwise(self.hyper, (descriptors - self.shift) / self.scale)
         self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
 
     def backpropagate_deltas(self, step: StepContext, rows: np.ndarray) -> None:
@@ -231,13 +235,13 @@ class PeFLLServer(ServerAlgorithm):
         accepted, models = step.clients, require(self.models, "the round's models")
         if len(accepted) < len(require(self.described, "the described clients")):
             models = models[rows_of(require(self.described, "the described clients"), accepted)]
-        models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+        models.backward(torch.from_numpy(rows.copy()).to(self.device))  # Σ_i J_hᵀΔθ_i into η_h, Δv_i into v_i
         self.joint.grads[self.split :] /= len(accepted)
         self.models = None
 
     def apply_embedding_gradients(self, step: StepContext, total: np.ndarray) -> None:
         grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients' sum
-        grads[: self.split] = torch.from_numpy(total / len(step.clients))
+        grads[: self.split] = torch.from_numpy(total / len(step.clients)).to(self.device)
         self.step(grads)
 
     def step(self, mean_delta: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
+from mpifl.training.device import host_floats
 from mpifl.training.sgd import client_generator, local_sgd, planned_samples, planned_step_counts, training_batches
 
 PERSONALIZE_PURPOSE = 3  # client_generator purpose of the evaluation-time personalization
@@ -100,12 +101,12 @@ class PerFedAvgClient(FedAvgClient):
         opts = ctx.options
         self.alpha = ctx.cfg.client.lr if opts.alpha is None else opts.alpha
 
-    def gradient(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """∇f(params; x, y) (a copy) and the loss, computed in the workspace."""
+    def gradient(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """∇f(params; x, y) (a copy) and the loss (left on the device), computed in the workspace."""
         self.workspace.load(params)
         loss = self.loss_fn(self.workspace.module(x), y)
         self.workspace.compute_gradient(loss)
-        return self.workspace.grads.clone(), float(loss.detach())
+        return self.workspace.grads.clone(), loss.detach()
 
     def compute(self, step: StepContext, client: int) -> None:
         opts = self.ctx.options
@@ -127,7 +128,7 @@ class PerFedAvgClient(FedAvgClient):
                 meta = meta - self.alpha * (plus - minus) / (2 * opts.delta)
             w = w - opts.beta * meta
             losses.append(loss)
-        self.round_losses[client] = float(np.mean(losses)) if losses else float("nan")
+        self.round_losses[client] = float(np.mean(host_floats(losses))) if losses else float("nan")  # one read
         self.workspace.load(w)
         self.deltas[client] = self.workspace.numpy() - start
 

@@ -34,6 +34,7 @@ from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
 from mpifl.schema import limits
+from mpifl.training.device import host_numpy
 from mpifl.training.sgd import client_generator
 
 TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
@@ -81,13 +82,15 @@ class PFedHNProtocol(HyperProtocol):
 class PFedHNServer(ServerAlgorithm):
     protocol_type: type[PFedHNProtocol] = PFedHNProtocol
     protocol: PFedHNProtocol
+    networks = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
         opts, n, dim = ctx.options, ctx.layout.num_clients, self.protocol.embed_dim
+        self.device = device = ctx.server_device  # h, the embeddings and their optimizer; messages stay numpy
         self.hyper = self.protocol.new_hypernetwork()
         self.table = seeded(lambda: nn.Embedding(n, dim), ctx.cfg.seed, TABLE_STREAM)
-        self.joint = FlatModel(nn.ModuleDict({"table": self.table, "hyper": self.hyper}))
+        self.joint = FlatModel(nn.ModuleDict({"table": self.table, "hyper": self.hyper}).to(device))
         groups = [{"params": list(self.hyper.parameters())},
                   {"params": list(self.table.parameters()), "lr": opts.embed_lr or opts.lr}]
         self.optimizer = (torch.optim.SGD(groups, lr=opts.lr, momentum=opts.momentum, weight_decay=opts.weight_decay)
@@ -99,6 +102,7 @@ class PFedHNServer(ServerAlgorithm):
         unseen = torch.from_numpy(np.flatnonzero(ctx.layout.unseen))
         self.newcomer_init = torch.zeros(n, dim)
         self.newcomer_init[unseen] = torch.randn(len(unseen), dim, generator=gen)
+        self.newcomer_init = self.newcomer_init.to(device)
         self.adapted = self.newcomer_init.clone()
         self.newcomers: torch.Tensor | None = None  # the adapting chunk's embeddings (leaf of the VJP)
         self.newcomer_velocity: torch.Tensor | None = None
@@ -114,24 +118,24 @@ class PFedHNServer(ServerAlgorithm):
                 p.eval_model_msg: self.evaluated_models}
 
     def personal_models(self, step: StepContext) -> np.ndarray:
-        self.models = self.hyper(self.table(torch.from_numpy(step.clients)))
+        self.models = self.hyper(self.table(torch.tensor(step.clients, device=self.device)))
         self.sent = step.clients
-        return self.models.detach().numpy()
+        return host_numpy(self.models.detach())
 
     def newcomer_models(self, step: StepContext) -> np.ndarray:
         if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
-            self.newcomers = self.newcomer_init[torch.tensor(step.clients)]
+            self.newcomers = self.newcomer_init[torch.tensor(step.clients, device=self.device)]
             self.newcomer_velocity = torch.zeros_like(self.newcomers)
         newcomers = require(self.newcomers, "the new clients' embeddings").requires_grad_(True)
         self.models = rowwise(self.hyper, newcomers)
-        return self.models.detach().numpy()
+        return host_numpy(self.models.detach())
 
     @torch.no_grad()
     def evaluated_models(self, step: StepContext) -> np.ndarray:
-        ids = torch.tensor(step.clients)
-        new = torch.from_numpy(self.ctx.layout.unseen[step.clients])
+        ids = torch.tensor(step.clients, device=self.device)
+        new = torch.from_numpy(self.ctx.layout.unseen[step.clients]).to(self.device)
         embeddings = torch.where(new[:, None], self.adapted[ids], self.table.weight[ids])
-        return rowwise(self.hyper, embeddings).numpy()
+        return host_numpy(rowwise(self.hyper, embeddings))
 
     def step_hypernetwork(self, step: StepContext, rows: np.ndarray) -> None:
         """Only the accepted clients' rows of h(E), each with cotangent θ_i − θ_i^new."""
@@ -139,7 +143,7 @@ class PFedHNServer(ServerAlgorithm):
         models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
         if len(step.clients) < len(sent):
             models = models[rows_of(sent, step.clients)]
-        models.backward(-torch.from_numpy(rows.copy()) / len(step.clients))
+        models.backward(-torch.from_numpy(rows.copy()).to(self.device) / len(step.clients))
         self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
         self.optimizer.step()
         self.models = None
@@ -149,11 +153,12 @@ class PFedHNServer(ServerAlgorithm):
         opts = self.ctx.options
         newcomers = require(self.newcomers, "the new clients' embeddings")
         velocity = require(self.newcomer_velocity, "their momentum")
-        (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, -torch.from_numpy(rows.copy()))
+        cotangent = -torch.from_numpy(rows.copy()).to(self.device)
+        (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, cotangent)
         with torch.no_grad():
             velocity.mul_(opts.momentum).add_(grad)
             self.newcomers = newcomers.detach() - opts.new_client_lr * velocity
-            self.adapted[torch.tensor(step.clients)] = self.newcomers
+            self.adapted[torch.tensor(step.clients, device=self.device)] = self.newcomers
         self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
         self.models = None
 
@@ -162,7 +167,7 @@ class PFedHNServer(ServerAlgorithm):
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"hypernetwork": self.joint.numpy()[self.table.weight.numel() :].copy(),
-                "client_embeddings": self.table.weight.detach().numpy().copy()}
+                "client_embeddings": host_numpy(self.table.weight.detach()).copy()}
 
 
 class PFedHNClient(HyperClient):

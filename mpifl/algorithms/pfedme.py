@@ -27,7 +27,7 @@ from mpifl.algorithms.base import RunContext, StepContext, require
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
 from mpifl.schema import limits
-from mpifl.training.device import host_numpy
+from mpifl.training.device import host_floats, host_numpy
 from mpifl.training.sgd import client_generator, training_batches
 
 
@@ -87,9 +87,9 @@ class PFedMeClient(FedAvgClient):
                 with torch.no_grad():
                     grads.add_(theta, alpha=cfg.weight_decay).add_(theta - local, alpha=opts.lam)
                     theta.add_(grads, alpha=-opts.personal_lr)
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             local.add_(local - theta, alpha=-cfg.lr * opts.lam)
-        self.round_losses[client] = float(np.mean(losses))
+        self.round_losses[client] = float(np.mean(host_floats(losses)))  # read once, not once per batch
         self.state.edit(client)["personal"] = host_numpy(theta).copy()
         self.deltas[client] = host_numpy(local) - start
 

@@ -52,7 +52,7 @@ from mpifl.runtime.timing import Profile, RankTimes, rank_summary
 from mpifl.runtime.visits import Visits
 from mpifl.runtime.walker import PlanWalker, Walk
 from mpifl.schema import ConfigError
-from mpifl.training.device import rank_device
+from mpifl.training.device import rank_devices
 
 
 class Engine:
@@ -75,12 +75,14 @@ class Engine:
         cfg = self.cfg
         # the same on every rank, whatever the rank count: a client's arithmetic must not depend on where it runs
         torch.set_num_threads(cfg.threads_per_rank)
-        device = rank_device(cfg.device, self.comm)  # first: a collective (unless cpu), then may raise
+        # first: a collective (unless both are cpu), then may raise
+        devices = rank_devices(cfg.device, cfg.server.device, self.comm, cfg.allow_tf32, cfg.data_memory_gb * 2**30)
+        device = devices.clients
         if self.rank == 0:
             check_writable(self.output)  # now, not at the first evaluation after training up to it
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
-        ctx = dataclasses.replace(check_run(cfg, layout), device=device)  # where this rank's clients compute
+        ctx = dataclasses.replace(check_run(cfg, layout), device=device, server_device=devices.server)
         self.seen = np.flatnonzero(~layout.unseen)
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         wire = wire_format(cfg)

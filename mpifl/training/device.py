@@ -1,61 +1,97 @@
-"""Which torch device a rank computes on, and how tensors cross between it and the host.
+"""Which torch device a rank computes on, how it is set up, and how tensors cross between it and the host.
 
 A rank's clients (workspace models, data tensors) live on its device; everything that crosses to MPI
 stays numpy in host memory. On a GPU, device→host copies go through pinned host memory, so no
 CUDA-aware MPI is needed. On the CPU nothing changes: host views are the tensors' own memory.
 
-GPU ranks are mapped by their rank within the node: local rank ``r`` uses ``cuda:(r % visible GPUs)``,
-so 8 ranks on a node with 4 GPUs put 2 ranks on each, and rank 0 (the server) shares GPU 0 with the
-workers of its node (the server's own state stays on the CPU).
+Workers map to GPUs by their index among the worker ranks of their node (:func:`worker_gpu`); the server
+(rank 0) is not one of them and opens no GPU context unless ``server.device`` gives its networks a GPU
+(PeFLL's and pFedHN's), or it is the only rank and hosts the clients itself. docs/how-to/gpus.md says more.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mpifl.schema import ConfigError
 
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-"""Launcher variables holding a process's rank within its node (Open MPI, MPICH/Intel MPI, Slurm)."""
+CPU = torch.device("cpu")
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS's workspace setting that makes its GEMMs deterministic (NVIDIA's cuBLAS docs, "Results
+reproducibility"); read when cuBLAS starts, so it is set before a rank's first CUDA operation."""
 
 
-def pick_device(setting: str, local_rank: int, cuda_count: int, where: str = "this rank") -> str:
-    """The device for ``setting`` (``cpu``, ``cuda`` or ``auto``) of the process with ``local_rank`` on a
-    node where ``cuda_count`` GPUs are visible: ``cuda:(local_rank % cuda_count)`` for ``cuda``, and for
-    ``auto`` when a GPU is visible; ``cpu`` otherwise. ``cuda`` without a GPU is a :class:`ConfigError`."""
+@dataclass(frozen=True)
+class RankDevices:
+    """Where one rank computes: its clients (workers, and rank 0 of a one-rank job) and the server's
+    networks (rank 0 only); the CPU for whatever the rank does not do."""
+
+    clients: torch.device = CPU
+    server: torch.device = CPU
+
+
+def worker_gpu(worker: int, workers: int, gpus: int) -> int:
+    """The GPU of the ``worker``-th of a node's ``workers`` worker ranks (0-based, the server not counted)
+    when ``gpus`` are visible: consecutive workers share a GPU in blocks as even as can be (8 workers on 4
+    GPUs: 0 0 1 1 2 2 3 3; 3 on 2: 0 0 1; 2 on 4: 0 2). Consecutive blocks because launchers bind
+    consecutive ranks to the same socket, and GPUs are numbered by socket too."""
+    if gpus < 1 or not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} of {workers} on {gpus} GPUs")
+    return worker * gpus // workers
+
+
+def server_gpu(workers: int, gpus: int) -> int:
+    """The GPU for the server's networks on a node whose ``workers`` worker ranks share ``gpus`` GPUs: the
+    first one that serves the fewest of them (GPU 0 on a node without workers)."""
+    load = [0] * gpus
+    for worker in range(workers):
+        load[worker_gpu(worker, workers, gpus)] += 1
+    return load.index(min(load))
+
+
+def pick_device(setting: str, gpus: int, gpu: int, where: str = "this rank", key: str = "device") -> str:
+    """The device for ``setting`` (``cpu``, ``cuda`` or ``auto``) where ``gpus`` GPUs are visible and this
+    rank's is ``gpu``: ``cuda:gpu`` for ``cuda``, and for ``auto`` when a GPU is visible; ``cpu`` otherwise.
+    ``cuda`` without a GPU is a :class:`ConfigError` naming the config ``key``."""
     if setting == "cpu":
         return "cpu"
-    if cuda_count > 0:
-        return f"cuda:{local_rank % cuda_count}"
+    if gpus > 0:
+        return f"cuda:{gpu}"
     if setting == "cuda":
-        raise ConfigError(f"device: 'cuda', but PyTorch sees no CUDA GPU on {where} (CPU-only build, no GPU "
+        raise ConfigError(f"{key}: 'cuda', but PyTorch sees no CUDA GPU on {where} (CPU-only build, no GPU "
                           "allocated, or CUDA_VISIBLE_DEVICES empty); use 'auto' or 'cpu'")
     return "cpu"
 
 
-def local_rank(comm=None) -> int:  # noqa: ANN001 - an mpi4py Comm
-    """This process's rank among the processes of its node: from MPI's shared-memory split of ``comm``
-    (any MPI; a collective, so every rank of ``comm`` must call it), else from the launcher's variables."""
-    if comm is not None:
-        from mpi4py import MPI
+def node_ranks(comm) -> list[int]:  # noqa: ANN001 - an mpi4py Comm
+    """The ranks of ``comm`` on this process's node, ascending: MPI's shared-memory split (MPI 3), else the
+    ranks reporting the same host name. A collective: every rank of ``comm`` calls it."""
+    from mpi4py import MPI
 
-        try:
-            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        except (NotImplementedError, MPI.Exception):  # an MPI older than 3.0
-            pass
-        else:
-            rank = node.Get_rank()
-            node.Free()
-            return rank
-    for name in LOCAL_RANK_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    try:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    except (NotImplementedError, MPI.Exception):  # an MPI older than 3.0
+        names = comm.allgather(platform.node())
+        return [r for r, name in enumerate(names) if name == names[comm.Get_rank()]]
+    ranks = node.allgather(comm.Get_rank())
+    node.Free()
+    return sorted(ranks)
+
+
+def node_workers(comm) -> tuple[int | None, int]:  # noqa: ANN001 - an mpi4py Comm
+    """(this rank's index among its node's worker ranks, or ``None`` for the server; how many worker ranks its
+    node has). Rank 0 is the server, a worker too only when it is the only rank. A collective over ``comm``."""
+    if comm is None or comm.Get_size() == 1:
+        return 0, 1
+    workers = [r for r in node_ranks(comm) if r > 0]
+    rank = comm.Get_rank()
+    return (workers.index(rank) if rank > 0 else None), len(workers)
 
 
 def cuda_count() -> int:
@@ -63,17 +99,72 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def rank_device(setting: str, comm=None) -> torch.device:  # noqa: ANN001 - an mpi4py Comm
-    """The device of this rank for config ``device: setting`` (a collective over ``comm`` unless ``cpu``)."""
-    if setting == "cpu":  # the same on every rank, so either all ranks split the communicator or none
-        return torch.device("cpu")
-    where = "this rank" if comm is None else f"rank {comm.Get_rank()}"
-    where += f" (host {platform.node()})"
-    device = torch.device(pick_device(setting, local_rank(comm), cuda_count(), where))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # CUDA context and pinned buffers on this rank's GPU, not all on GPU 0
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    return device
+def rank_devices(clients: str, server: str = "cpu", comm=None, allow_tf32: bool = False,  # noqa: ANN001 - a Comm
+                 data_bytes: float = 0.0) -> RankDevices:
+    """This rank's devices for config ``device: clients`` and ``server.device: server``, set up once: TF32 as
+    ``allow_tf32`` says (:func:`set_tf32`), and on a rank with GPU work the deterministic settings
+    (:func:`make_deterministic`), its GPU made current, and a check that the ``data_bytes`` of client data each
+    worker may keep fit the GPU's free memory beside those of the workers sharing it. A collective over
+    ``comm`` unless both settings are ``cpu`` (the same on every rank, so either all ranks take part or none);
+    a rank without GPU work never touches CUDA."""
+    set_tf32(allow_tf32)
+    if clients == "cpu" and server == "cpu":
+        return RankDevices()
+    worker, workers = node_workers(comm)
+    rank = 0 if comm is None else comm.Get_rank()
+    where = f"rank {rank} (host {platform.node()})"
+    wants_gpu = (worker is not None and clients != "cpu") or (rank == 0 and server != "cpu")
+    gpus = cuda_count() if wants_gpu else 0
+    devices = RankDevices()
+    if worker is not None:
+        gpu = worker_gpu(worker, workers, gpus) if gpus else 0
+        devices = RankDevices(clients=torch.device(pick_device(clients, gpus, gpu, where)))
+    if rank == 0:
+        gpu = (0 if worker is not None else server_gpu(workers, gpus)) if gpus else 0
+        devices = RankDevices(devices.clients, torch.device(pick_device(server, gpus, gpu, where, "server.device")))
+    used = [d for d in (devices.clients, devices.server) if d.type == "cuda"]
+    if used:
+        make_deterministic()
+        torch.cuda.set_device(used[0])  # CUDA context and pinned buffers on this rank's GPU, not all on GPU 0
+    if devices.clients.type == "cuda" and worker is not None:
+        gpu = devices.clients.index or 0
+        sharing = sum(worker_gpu(w, workers, gpus) == gpu for w in range(workers))
+        free, total = torch.cuda.mem_get_info(devices.clients)
+        check_data_fits(free, total, data_bytes, sharing, f"{devices.clients} of {where}")
+    return devices
+
+
+def check_data_fits(free: int, total: int, data_bytes: float, sharing: int, where: str) -> None:
+    """Refuse, before any client data is staged, a ``data_memory_gb`` budget (``data_bytes`` per worker) that
+    the ``sharing`` worker ranks of one GPU cannot all keep in its ``free`` bytes (of ``total``): one line
+    now, not an out-of-memory traceback in some later round."""
+    need = sharing * data_bytes
+    if need > free:
+        ranks = "1 worker rank keeps" if sharing == 1 else f"{sharing} worker ranks each keep"
+        raise ConfigError(f"data_memory_gb: {ranks} up to {data_bytes / 2**30:.2f} GB of client data on "
+                          f"{where}, {need / 2**30:.2f} GB in all, but it has {free / 2**30:.2f} GB free of "
+                          f"{total / 2**30:.2f} GB; lower data_memory_gb or put fewer ranks on each GPU")
+
+
+def set_tf32(allow: bool) -> None:
+    """TF32 (10-bit mantissa products) in CUDA matrix products and cuDNN convolutions and RNNs: off unless
+    ``allow``, so a GPU's float32 arithmetic is float32's (PyTorch leaves cuDNN's on by default). Only the
+    CUDA flags are turned on: the general ``float32_matmul_precision('high')`` would let oneDNN round CPU
+    products differently too."""
+    if not allow:
+        torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
+
+
+def make_deterministic() -> None:
+    """Deterministic GPU kernels for every model kind (the LSTM's cuBLAS calls included), set before the
+    rank's first CUDA operation. An operation PyTorch has no deterministic kernel for warns once instead of
+    stopping the run: ResNet-20's global average pool has none for its backward pass, but with one output
+    per channel every input gradient receives one contribution, so it is deterministic in fact."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def host_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -84,3 +175,11 @@ def host_numpy(tensor: torch.Tensor) -> np.ndarray:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor)
     return host.numpy()
+
+
+def host_floats(values: Sequence[torch.Tensor]) -> np.ndarray:
+    """Device scalars (a client's per-step losses, say) as one float64 array: one device→host copy where
+    reading them one by one would wait for the device once per value."""
+    if not values:
+        return np.empty(0)
+    return host_numpy(torch.stack([v.detach().to(torch.float64) for v in values]))

@@ -17,6 +17,7 @@ from torch import nn
 from mpifl.models.flat import FlatModel
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
+from mpifl.training.device import host_numpy
 
 GradHook = Callable[[torch.Tensor, torch.Tensor], None]
 """Called as ``hook(params, grads)`` after each backward pass; may modify ``grads`` in place
@@ -33,8 +34,15 @@ def client_generator(seed: int, round_: int, client: int, purpose: int = 0) -> t
 
 @dataclass(frozen=True)
 class TrainStats:
+    """What a client's local SGD reports. The loss stays on the device until :attr:`mean_loss` reads it: one
+    device→host copy per client, never one per step."""
+
     steps: int
-    mean_loss: float
+    loss_sum: torch.Tensor  # Σ of the steps' losses, a float64 scalar on the training device
+
+    @property
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) / max(self.steps, 1)
 
 
 def local_sgd(
@@ -57,6 +65,9 @@ def local_sgd(
     its own ``momentum`` (updated in place, for algorithms whose optimizer state outlives a round).
     ``part``: only this span of the flat parameters trains (clipping, weight decay and momentum included),
     the rest stays frozen (FedRep's head and body).
+
+    Nothing here waits for the device: the round's batches move to it in one copy (:func:`training_batches`),
+    clipping has no host branch, and the loss is summed on the device (tests/test_syncs.py counts the reads).
     """
     lr = cfg.lr if lr is None else lr
     params, grads = model.params[part], model.grads[part]
@@ -74,18 +85,61 @@ def local_sgd(
             grad_hook(model.params, model.grads)
         sgd_step(params, grads, momentum, lr, cfg)
         done += 1
-    return TrainStats(done, float(loss_sum) / max(done, 1))
+    return TrainStats(done, loss_sum)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A client's batches for one round, drawn on the host and moved to its device in one copy: sample
+    indices of every step end to end (step k's are ``rows[bounds[k] : bounds[k + 1]]``), and with
+    ``crop_flip`` each sample's crop offsets and flip."""
+
+    rows: torch.Tensor
+    bounds: list[int]
+    crops: torch.Tensor | None  # int64 [samples, 3]: dy, dx, flip (0/1)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+
+def batch_plan(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None,
+               device: torch.device | str = "cpu") -> BatchPlan:
+    """The round's :func:`batch_schedule` and ``crop_flip`` draws, in the order the step loop used to draw
+    them (a pass's permutation, then each of its batches' crops), so a client's batches are bitwise what
+    they were; then one host→device copy (pinned and asynchronous on a GPU)."""
+    batches, crops = [], []
+    for idx in batch_schedule(n, cfg, generator, steps):
+        batches.append(idx)
+        if cfg.augment == "crop_flip":
+            crops.append(draw_crops(len(idx), generator))
+    bounds = np.cumsum([0] + [len(b) for b in batches]).tolist()
+    packed = torch.cat(batches)[:, None] if batches else torch.zeros((0, 1), dtype=torch.int64)
+    if crops:
+        packed = torch.cat([packed, torch.cat(crops)], dim=1)
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return BatchPlan(packed[:, 0], bounds, packed[:, 1:] if crops else None)
 
 
 def training_batches(x: torch.Tensor, y: torch.Tensor, cfg: ClientConfig, generator: torch.Generator,
                      steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each local step's batch (:func:`batch_schedule`), augmented as ``cfg.augment`` says (shared by
-    algorithms with their own loop)."""
-    for idx in batch_schedule(len(x), cfg, generator, steps):
-        xb = x[idx]
-        if cfg.augment == "crop_flip":
-            xb = crop_flip(xb, generator)
-        yield xb, y[idx]
+    """Each local step's batch (:func:`batch_plan`), augmented as ``cfg.augment`` says (shared by
+    algorithms with their own loop). The plan is drawn at the first batch asked for."""
+    plan = batch_plan(len(x), cfg, generator, steps, x.device)
+    for start, end in zip(plan.bounds, plan.bounds[1:]):
+        rows = plan.rows[start:end]
+        xb = x[rows]
+        if plan.crops is not None:
+            xb = apply_crops(xb, plan.crops[start:end])
+        yield xb, y[rows]
+
+
+def draw_crops(b: int, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """``crop_flip``'s random draws for ``b`` images (int64 [b, 3]: row offset, column offset, flip)."""
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    flip = torch.rand(b, generator=generator) < 0.5
+    return torch.stack([dy, dx, flip.long()], dim=1)
 
 
 def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -93,14 +147,16 @@ def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torc
     ½ (torchvision's RandomCrop(size, padding=4) and RandomHorizontalFlip, as the FedALS authors train on
     CIFAR and SVHN). mpifl's images are normalized when loaded, so the padding is the channel mean (0)
     rather than black."""
+    return apply_crops(x, draw_crops(len(x), generator, pad).to(x.device), pad)
+
+
+def apply_crops(x: torch.Tensor, crops: torch.Tensor, pad: int = 4) -> torch.Tensor:
+    """The crops and flips of :func:`draw_crops` (on ``x``'s device) applied to the images ``x``."""
     b, _, h, w = x.shape
     padded = nn.functional.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
-    flip = (torch.rand(b, generator=generator) < 0.5).to(x.device)
-    rows = dy[:, None] + torch.arange(h, device=x.device)
-    cols = dx[:, None] + torch.arange(w, device=x.device)
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    rows = crops[:, 0, None] + torch.arange(h, device=x.device)
+    cols = crops[:, 1, None] + torch.arange(w, device=x.device)
+    cols = torch.where(crops[:, 2, None] != 0, cols.flip(1), cols)
     batch = torch.arange(b, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
 
@@ -175,9 +231,7 @@ def sgd_step(
     params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float, cfg: ClientConfig
 ) -> None:
     if cfg.clip_norm is not None:
-        norm = torch.linalg.vector_norm(grads)
-        if norm > cfg.clip_norm:
-            grads.mul_(cfg.clip_norm / (norm + 1e-6))
+        grads.mul_(clip_factor(torch.linalg.vector_norm(grads), cfg.clip_norm))
     if cfg.weight_decay:
         grads.add_(params, alpha=cfg.weight_decay)
     if momentum is not None:
@@ -186,19 +240,45 @@ def sgd_step(
     params.add_(grads, alpha=-lr)
 
 
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What scales a gradient of ``norm`` to norm ≤ ``max_norm`` (as ``clip_grad_norm_``), decided on the
+    device: exactly 1.0 when no clipping is needed (so multiplying by it changes no bit), never a host branch
+    on the norm (which would wait for the device every step)."""
+    return torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+
+
 @torch.no_grad()
 def evaluate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, batch: int = 1024) -> np.ndarray:
-    """One row of :data:`EVAL_FIELDS` sums (so clients can be pooled exactly on the server)."""
+    """One row of :data:`EVAL_FIELDS` sums (so clients can be pooled exactly on the server); the batches'
+    sums are read from the device once, then added in float64 in batch order."""
     row = np.zeros(len(EVAL_FIELDS))
     row[0] = len(x)
+    sums = host_numpy(evaluation_sums(module, x, y, loss_fn, batch))
+    sizes = [min(batch, len(x) - start) for start in range(0, len(x), batch)]
+    for size, values in zip(sizes, sums, strict=True):
+        if y.is_floating_point():
+            row[2] += values[0]
+            row[3] += values[1]
+            row[4] += values[2]
+        else:
+            row[1] += values[0]
+            row[2] += values[1] * size
+    return row
+
+
+@torch.no_grad()
+def evaluation_sums(module: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, batch: int = 1024
+                    ) -> torch.Tensor:
+    """Per batch of ``batch`` samples, on the device, float64 [batches, 3]: for regression the squared error,
+    Σy and Σy² (as float32, float32 and float64 sums), for classification the correct count, the mean
+    loss (float32) and 0."""
+    rows = []
     for start in range(0, len(x), batch):
         xb, yb = x[start : start + batch], y[start : start + batch]
         out = module(xb)
         if yb.is_floating_point():
-            row[2] += float(((out - yb) ** 2).sum())
-            row[3] += float(yb.sum())
-            row[4] += float((yb.double() ** 2).sum())
+            parts = [((out - yb) ** 2).sum(), yb.sum(), (yb.double() ** 2).sum()]
         else:
-            row[1] += float((out.argmax(1) == yb).sum())
-            row[2] += float(loss_fn(out, yb)) * len(xb)
-    return row
+            parts = [(out.argmax(1) == yb).sum(), loss_fn(out, yb), torch.zeros((), device=yb.device)]
+        rows.append(torch.stack([p.double() for p in parts]))
+    return torch.stack(rows) if rows else torch.zeros((0, 3), dtype=torch.float64, device=x.device)

@@ -74,5 +74,5 @@ class VectorizedSGD:
             for k in range(group):
                 sgd_step(params[k], grads[k], None if momentum is None else momentum[k], cfg.lr, cfg)
             steps += 1
-        return params, [TrainStats(steps, float(s) / max(steps, 1)) for s in loss_sums]
+        return params, [TrainStats(steps, s) for s in loss_sums]
 

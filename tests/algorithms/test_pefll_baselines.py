@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mpifl.algorithms.base import EvalLayout, RunContext, StepContext
+from mpifl.algorithms.knnper import knn_probabilities
 from mpifl.comm.messages import Message
 from mpifl.data import FederatedLayout
 from mpifl.registry import get_algorithm, load_config
@@ -274,3 +276,23 @@ def test_every_pefll_config_runs_each_baseline_with_its_bytes(path: Path):
     assert (opts["perfedavg"].variant, opts["perfedavg"].epochs) == ("fo", 1)  # spec §4.2's settings
     assert (opts["fedrep"].head_epochs, opts["fedrep"].body_epochs, opts["fedrep"].new_head_epochs) == (5, 1, 20)
     assert (opts["knnper"].scale, opts["knnper"].k, len(opts["knnper"].weights)) == (100, (5, 10), 11)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_knn_probabilities_add_neighbours_in_a_fixed_order(device):
+    """One neighbour per row and addition: on the CPU bitwise what one ``scatter_add_`` over all neighbours gives
+    (its order), and on a GPU the same bits run after run (no two atomic adds meet in one cell); the weights
+    sum to 1 per query. Few classes and many neighbours, so every class gathers many weights."""
+    gen = torch.Generator().manual_seed(4)
+    distances = torch.rand(300, 500, generator=gen, dtype=torch.float64).to(device)
+    labels = torch.randint(0, 3, (500,), generator=gen).to(device)
+    probabilities = knn_probabilities(distances, labels, 64, 0.05, 3)
+    nearest, index = torch.topk(distances, 64, dim=1, largest=False)
+    weights = torch.softmax(-nearest / 0.05, dim=1)
+    if device == "cpu":
+        at_once = torch.zeros(300, 3, dtype=torch.float64).scatter_add_(1, labels[index], weights)
+        assert torch.equal(probabilities, at_once)
+    else:
+        assert torch.equal(probabilities, knn_probabilities(distances, labels, 64, 0.05, 3))
+    np.testing.assert_allclose(probabilities.sum(1).cpu().numpy(), 1.0, rtol=1e-12)

@@ -1,0 +1,150 @@
+"""No host synchronization per local step: local SGD and the evaluation sums read nothing from the device, and
+every algorithm reads a client's results a fixed number of times per client, however many steps it takes
+(mpifl/training/syncdebug.py says why). The counter sees the reads a GPU would wait for; on a GPU the tests
+also count CUDA's own synchronization warnings."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpifl.algorithms.base import ClientAlgorithm
+from mpifl.registry import get_algorithm
+from mpifl.training import sgd
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import client_generator, evaluate, local_sgd
+from mpifl.training.syncdebug import CASES, HostSyncError, check, example, host_reads, refusing_host_syncs, step_configs
+from tests.conftest import _merge, run_engine
+from tests.test_checkpoint import CONFIGS
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def test_the_counter_sees_every_kind_of_read():
+    t = torch.arange(3.0)
+    with host_reads() as counts:
+        if t[0] < 1:  # __bool__
+            pass
+        float(t[1]), int(t[2]), t[0].item(), t.tolist(), t.numpy(), t.cpu(), np.asarray(t), range(t[2].long())
+    assert counts == Counter({"__bool__": 1, "__float__": 1, "__int__": 1, "item": 1, "tolist": 1, "numpy": 1,
+                              "cpu": 1, "__array__": 1, "__index__": 1})
+    assert "__bool__" not in vars(torch.Tensor) and bool(torch.tensor(1.0))  # the methods are torch's own again
+
+
+def test_refusing_fails_on_a_read_and_passes_without():
+    with refusing_host_syncs("cpu") as counts:
+        torch.ones(3).sum().mul_(2)
+    assert not counts
+    with pytest.raises(HostSyncError, match="__float__"), refusing_host_syncs("cpu"):
+        float(torch.ones(3).sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_local_sgd_and_evaluation_sums_read_nothing(name, device):
+    """Every model kind, with clipping, momentum, weight decay, crop-and-flip and both samplings (the GPU
+    check's cases, also under CUDA's sync debug mode there)."""
+    results = check(device, [name])
+    assert len(results) == len(step_configs(len(CASES[name][1]) == 3))
+    assert all(failure is None for _, failure in results), results
+
+
+def clip_with_a_host_branch(params, grads, momentum, lr, cfg):  # noqa: ANN001, ANN201 - the step before PR 27
+    if cfg.clip_norm is not None:
+        norm = torch.linalg.vector_norm(grads)
+        if norm > cfg.clip_norm:
+            grads.mul_(cfg.clip_norm / (norm + 1e-6))
+    params.add_(grads, alpha=-lr)
+
+
+def test_a_host_branch_on_the_norm_is_caught(monkeypatch):
+    """The check fails if the clipping branch on the host comes back: one read per step."""
+    model, loss_fn, x, y = example("mlp", torch.device("cpu"))
+    cfg = ClientConfig(steps=5, batch_size=4, clip_norm=0.1)
+    monkeypatch.setattr(sgd, "sgd_step", clip_with_a_host_branch)
+    with host_reads() as counts:
+        local_sgd(model, x, y, loss_fn, cfg, client_generator(0, 1, 0))
+    assert counts == {"__bool__": 5}
+    failures = dict(check("cpu", ["mlp"]))
+    assert "__bool__" in failures["mlp epochs"] and failures["mlp fresh"] is None  # fresh: no clipping
+
+
+def test_clipping_without_a_branch_is_the_branch_bitwise():
+    """The factor is exactly 1.0 when no clipping is needed, and the branch's factor otherwise."""
+    for scale in (1e-3, 1.0, 50.0):
+        grads = torch.randn(100, generator=torch.Generator().manual_seed(1)) * scale
+        branch, factor = grads.clone(), grads.clone()
+        clip_with_a_host_branch(torch.zeros(100), branch, None, 0.0, ClientConfig(clip_norm=1.0))
+        factor.mul_(sgd.clip_factor(torch.linalg.vector_norm(factor), 1.0))
+        assert torch.equal(branch, factor)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_evaluation_reads_once_whatever_the_batches(device):
+    for name in ("mlp", "linear"):
+        model, loss_fn, x, y = example(name, torch.device(device))
+        rows = []
+        for batch in (1000, 3):
+            with host_reads() as counts:
+                rows.append(evaluate(model.module, x, y, loss_fn, batch=batch))
+            assert sum(counts.values()) == 1, counts
+        np.testing.assert_allclose(rows[0], rows[1], rtol=1e-6)
+
+
+class ReadsPerClient:
+    """Host reads per client of each call of a client side's local step and evaluation, by stage."""
+
+    def __init__(self, monkeypatch, client_type: type[ClientAlgorithm]):  # noqa: ANN001
+        self.calls: Counter[tuple[str, float]] = Counter()
+        self.cuda_syncs: Counter[tuple[str, int]] = Counter()
+        for method in ("compute_clients", "evaluate"):
+            original = getattr(client_type, method)
+            monkeypatch.setattr(client_type, method, self.counting(original))
+
+    def counting(self, original):  # noqa: ANN001, ANN201
+        def counted(client: ClientAlgorithm, step, *args):  # noqa: ANN001, ANN002, ANN202
+            per = len(args[0]) if isinstance(args[0], np.ndarray) else 1  # compute_clients' clients, or one
+            with warnings.catch_warnings(record=True) as caught, host_reads() as counts:
+                warnings.simplefilter("always")
+                if client.device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = original(client, step, *args)
+                finally:
+                    if client.device.type == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+            syncs = sum("synchronizing" in str(w.message) for w in caught)
+            self.calls[original.__name__, step.stage, sum(counts.values()) / per] += 1
+            self.cuda_syncs[original.__name__, step.stage, syncs / per] += 1
+            return result
+
+        return counted
+
+
+# few and many local steps for every algorithm: client.steps, the batch size (algorithms counting epochs) and
+# FedALS's τ; kNN-Per searches a 2-point and an 11-point grid of λ
+FEW = {"rounds": 1, "eval_every": 1, "client": {"steps": 2, "batch_size": 16}, "fedals": {"tau": 2},
+       "knnper": {"k": [5], "weights": [0.0, 1.0]}}
+MANY = {"rounds": 1, "eval_every": 1, "client": {"steps": 6, "batch_size": 5}, "fedals": {"tau": 6}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+def test_each_algorithm_reads_per_client_not_per_step(algorithm, device, tmp_path, monkeypatch):
+    """The host reads of a client's local step and of its evaluation do not grow with its local steps (nor with
+    kNN-Per's grid): a read inside a step loop, a per-batch loss read or ``if norm > clip`` would."""
+    client_type = get_algorithm(algorithm).client
+    counted = []
+    for tag, overrides in (("few", FEW), ("many", MANY)):
+        reads = ReadsPerClient(monkeypatch, client_type)
+        run_engine(_merge(CONFIGS[algorithm], {**overrides, "device": device}), MPI.COMM_SELF, tmp_path / f"{tag}.h5")
+        monkeypatch.undo()
+        counted.append(reads)
+    few, many = counted
+    assert few.calls and few.calls == many.calls
+    assert few.cuda_syncs == many.cuda_syncs
