@@ -8,7 +8,7 @@ from typing import Any
 from mpifl import plugins
 from mpifl.schema import ConfigError, limits
 
-MODELS = ("lenet", "mlp", "cnn", "convnet", "resnet20", "linear", "logistic", "char_lstm")
+MODELS = ("lenet", "mlp", "cnn", "convnet", "resnet20", "simple_cnn", "linear", "logistic", "char_lstm")
 PLUGIN_CONTRACT = "a callable (model config, data layout) -> torch.nn.Module"
 
 

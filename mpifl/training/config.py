@@ -25,10 +25,15 @@ class ClientConfig:
     # (the PeFLL/pFedHN reference code's next(iter(loader)): always full batches)
     batch_sampling: Literal["epochs", "fresh"] = "epochs"
     augment: Literal["none", "crop_flip"] = "none"  # training batches: random crop (pad 4) + horizontal flip
-    # FedAvg with linear, logistic or mlp models: train every client through the torch.func kernel, a rank's
-    # equally sized clients as one computation. A setting of the results: the kernel and the one-at-a-time
-    # loop agree bitwise for narrow layers but may round differently for wide ones.
-    vectorize: bool = True
+    # train clients through the torch.func kernel (mpifl.training.vectorized), a rank's clients with equally many
+    # local steps as one computation, for FedAvg-style steps (fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff) on
+    # linear, logistic, mlp, cnn, lenet, convnet, resnet20, simple_cnn; false: one client at a time; auto: the
+    # kernel on a GPU, and on the CPU where it is faster (dense models with FedAvg's plain step; the loop for CNNs).
+    # A setting of the results: the kernel and the loop may round differently
+    vectorize: bool | Literal["auto"] = "auto"
+    # clients per kernel call where the kernel's rounding may depend on that count (convolutions; any model on a
+    # GPU): every call is padded to exactly this many, so a client's update does not depend on the rank count
+    vectorize_chunk: int = field(default=16, metadata=limits(ge=1))
 
     def for_epochs(self, epochs: int) -> ClientConfig:
         """These settings with ``epochs`` passes in place of the configured steps or epochs (an algorithm whose
