@@ -21,9 +21,8 @@ from mpifl.algorithms.base import (
 )
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.device import host_numpy
-from mpifl.training.sgd import GradHook, client_generator
-from mpifl.training.vectorized import ClientRun, VectorizedSGD, kernel_wanted
+from mpifl.training.sgd import GradHook
+from mpifl.training.vectorized import VectorizedSGD
 
 
 class FedAvgProtocol(Protocol):
@@ -109,7 +108,6 @@ class FedAvgClient(DeltaClient):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.vectorizer = self.make_vectorizer()
-        self.trained_together = 0
 
     def make_vectorizer(self) -> VectorizedSGD | None:
         """The kernel that trains this rank's clients together (``client.vectorize``), or None: for FedAvg's local
@@ -120,12 +118,6 @@ class FedAvgClient(DeltaClient):
         if cls.compute is not FedAvgClient.compute:
             return None
         return self.vectorizer_if(cpu_default=cls.grad_hook is FedAvgClient.grad_hook)
-
-    def vectorizer_if(self, cpu_default: bool) -> VectorizedSGD | None:
-        cfg = self.ctx.cfg
-        if not kernel_wanted(cfg.client, cfg.model.name, self.device, cpu_default):
-            return None
-        return VectorizedSGD(self.workspace, self.loss_fn, cfg.client)
 
     def compute(self, step: StepContext, client: int) -> None:
         start = self.start.pop(client)
@@ -142,21 +134,13 @@ class FedAvgClient(DeltaClient):
         reporting an equal share of its group's seconds), whichever clients share its rank."""
         if self.vectorizer is None:
             return super().compute_clients(step, clients)
-        ids = [int(c) for c in clients]
-        starts = [self.start.pop(c) for c in ids]
-        seed = self.ctx.cfg.seed
-        runs = [ClientRun(start, self.data[c].x_train, self.data[c].y_train, client_generator(seed, step.round, c),
-                          self.grad_hook(c, start)) for c, start in zip(ids, starts)]
-        result = self.vectorizer.train(runs, self.ctx.cfg.client)
-        for k, (client, start) in enumerate(zip(ids, starts)):
-            self.deltas[client] = host_numpy(result.params[k]) - start
-            self.round_losses[client] = result.stats[k].mean_loss
+        starts = {int(c): self.start.pop(int(c)) for c in clients}
+        hooks = {c: self.grad_hook(c, start) for c, start in starts.items()}
+        trained, seconds = self.train_together(self.vectorizer, step, starts, hooks)
+        for client, start in starts.items():
+            self.deltas[client] = trained[client] - start
             self.after_training(client)
-        self.trained_together += len(ids)
-        return result.seconds
-
-    def rank_stats(self) -> dict[str, float]:
-        return {"clients_trained_vectorized": self.trained_together}
+        return seconds
 
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""

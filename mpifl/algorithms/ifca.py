@@ -5,6 +5,7 @@ Clusters start from different random initializations, so they can separate."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -96,6 +97,7 @@ class IFCAClient(ClientAlgorithm):
         super().__init__(ctx, data, state)
         self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
         self.outbox: dict[tuple[str, int], np.ndarray] = {}
+        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
         self.received = row.reshape(self.protocol.k, -1)
@@ -118,8 +120,28 @@ class IFCAClient(ClientAlgorithm):
         j = self.best_cluster(client)
         self.workspace.load(self.models[j])
         self.train_workspace(step, client)
+        self.report(client, j, self.workspace.numpy())
+
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
+        """With the kernel, each client picks its cluster, then all train together from their clusters' models
+        (each client's seconds: its pick plus an equal share of its group's training)."""
+        if self.vectorizer is None:
+            return super().compute_clients(step, clients)
+        seconds = np.empty(len(clients))
+        chosen = {}
+        for i, client in enumerate(clients):
+            began = time.perf_counter()
+            chosen[int(client)] = self.best_cluster(int(client))
+            seconds[i] = time.perf_counter() - began
+        trained, training_s = self.train_together(self.vectorizer, step, {c: self.models[j] for c, j in chosen.items()})
+        for client, j in chosen.items():
+            self.report(client, j, trained[client])
+        return seconds + training_s
+
+    def report(self, client: int, j: int, trained: np.ndarray) -> None:
+        """Queue ``client``'s cluster and its delta from that cluster's model to ``trained``."""
         self.outbox[self.protocol.cluster_msg.name, client] = np.array([j], dtype=np.int32)
-        self.outbox[self.protocol.delta_msg.name, client] = self.workspace.numpy() - self.models[j]
+        self.outbox[self.protocol.delta_msg.name, client] = trained - self.models[j]
 
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
         return self.outbox.pop((msg.name, client))
