@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from common import REPO, heading, mpifl_job, record
 
-from mpifl.config import load_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import build_model
+from mpifl.registry import load_config
 from mpifl.runtime.sampling import sample_clients
 
 CONFIG = REPO / "configs" / "b1.yaml"

@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.karula_table1 import estimation_error, run_engine, truth_of  # noqa: E402
 from mpifl.algorithms.projection import Projector, pair_indices  # noqa: E402
-from mpifl.config import apply_overrides, load_raw, parse_config  # noqa: E402
+from mpifl.config import apply_overrides, load_raw  # noqa: E402
 from mpifl.data import build_federated_dataset  # noqa: E402
+from mpifl.registry import parse_config  # noqa: E402
 
 
 def design(x: np.ndarray) -> np.ndarray:

@@ -39,12 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mpifl.algorithms.karula import estimation_errors  # noqa: E402
-from mpifl.checkpoint import read_client_states  # noqa: E402
-from mpifl.config import load_raw, parse_config  # noqa: E402
+from mpifl.config import load_raw  # noqa: E402
 from mpifl.data import ClientSplit, build_federated_dataset  # noqa: E402
 from mpifl.data.base import FederatedDataset  # noqa: E402
 from mpifl.models import FlatModel, build_model  # noqa: E402
+from mpifl.registry import parse_config  # noqa: E402
 from mpifl.results import Results, read_results  # noqa: E402
+from mpifl.state_io import read_client_states  # noqa: E402
 
 STRATEGIES = ("local", "fedsgd", "fedavg", "pfedme", "ifca", "karula")
 LABELS = {"local": "Local", "fedsgd": "FedSGD", "fedavg": "FedAvg", "pfedme": "pFedMe", "ifca": "IFCA",
@@ -138,10 +139,10 @@ def run_engine(cfg, dataset: FederatedDataset | None = None) -> Run:  # noqa: AN
         path = Path(tmp) / "run.h5"
         engine = engine_module.Engine(cfg, MPI.COMM_SELF, path)
         if dataset is None:
-            engine.setup()
+            engine.prepare()
         else:
             with mock.patch.object(engine_module, "build_federated_dataset", lambda *_: dataset):
-                engine.setup()
+                engine.prepare()
         engine.run(progress=False)
         states = {c: s for worker in read_client_states(path).values() for c, s in worker.items()}
         return Run(read_results(path), states)

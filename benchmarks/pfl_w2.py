@@ -32,9 +32,9 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 from common import REPO, heading, record
 
-from mpifl.config import load_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import build_model
+from mpifl.registry import load_config
 
 MISSING = ("pfl_w2: pfl-research is not installed (pip install pfl==0.6.0, in a venv of its own with a CPU torch "
            "installed first: see this script's docstring)")

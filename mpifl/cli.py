@@ -124,9 +124,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from mpifl.config import load_config
     from mpifl.data import build_federated_dataset
     from mpifl.data.prepared import prepare
+    from mpifl.registry import load_config
 
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
@@ -140,13 +140,13 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from mpifl.config import load_config
+    from mpifl.registry import load_config
 
     cfg = load_config(args.config, args.overrides)
     detail = ""
     if not args.no_data:
         from mpifl.data import build_federated_dataset
-        from mpifl.runtime.engine import check_run
+        from mpifl.runtime.assembly import check_run
 
         layout = build_federated_dataset(cfg.data, cfg.seed).layout
         check_run(cfg, layout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 
@@ -131,30 +131,42 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def parse_config(raw: dict[str, Any]) -> RunConfig:
-    """Validate a raw mapping into a :class:`RunConfig` (static checks only, no data access)."""
-    from mpifl.plugins import ALGORITHMS, installed
-    from mpifl.registry import get_algorithm, known_algorithms
+class AlgorithmCatalog(Protocol):
+    """Where the algorithms' option schemas come from (:mod:`mpifl.registry`, which sits above the algorithms:
+    the config layer never imports them)."""
 
+    def options_type(self, name: str) -> type:
+        """The options dataclass of algorithm ``name`` (a :class:`ConfigError` for a name that is none)."""
+
+    def builtin_names(self) -> list[str]:
+        """The built-in algorithms."""
+
+    def plugin_names(self) -> list[str]:
+        """The installed plug-in algorithms (package metadata only: nothing is imported)."""
+
+
+def build_config(raw: dict[str, Any], algorithms: AlgorithmCatalog) -> RunConfig:
+    """Validate a raw mapping into a :class:`RunConfig` (static checks only, no data access), the algorithms'
+    sections against ``algorithms``' schemas."""
     raw = dict(raw)
     name = raw.get("algorithm", RunConfig.algorithm)
     if not isinstance(name, str):
         raise ConfigError(f"algorithm: expected a name, got {name!r}")
-    algo = get_algorithm(name)  # built in, or a plug-in imported and checked here
+    options_type = algorithms.options_type(name)  # built in, or a plug-in imported and checked here
     # A config may carry the options of several algorithms (a paper config holding every compared method's
     # settings, picked with --set algorithm=...): each section is validated, the named algorithm's applies.
-    sections = {other: raw.pop(other) for other in sorted({name, *known_algorithms()}) if other in raw}
+    sections = {other: raw.pop(other) for other in sorted({name, *algorithms.builtin_names()}) if other in raw}
     unknown = set(raw) - {f.name for f in fields(RunConfig)}
     if unknown:  # sections of installed plug-ins (only those present get imported); the rest are unknown keys
-        sections.update({other: raw.pop(other) for other in sorted(unknown & set(installed(ALGORITHMS)))})
+        sections.update({other: raw.pop(other) for other in sorted(unknown & set(algorithms.plugin_names()))})
     for other, options in sections.items():
         if other != name:
-            build(get_algorithm(other).options_type, options, other)
+            build(algorithms.options_type(other), options, other)
     section = sections.get(name)
     if "algorithm_options" in raw:
         raise ConfigError(f"config: unknown key 'algorithm_options' (put options under '{name}:')")
     cfg = build(RunConfig, raw)
-    options = build(algo.options_type, section, name)
+    options = build(options_type, section, name)
     cfg = RunConfig(**{**cfg.__dict__, "algorithm_options": options})
     _check_cross_fields(cfg)
     return cfg
@@ -205,13 +217,6 @@ def check_required(raw: dict[str, Any], source: str | Path, keys: tuple[str, ...
     if missing:
         raise ConfigError(f"{source}: missing {' and '.join(missing)}; name {'them' if len(missing) > 1 else 'it'} "
                           "in the file or with --set (e.g. algorithm: fedavg, data: {dataset: digits})")
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None, required: tuple[str, ...] = REQUIRED
-                ) -> RunConfig:
-    raw = apply_overrides(load_raw(path), overrides or [])
-    check_required(raw, path, required)
-    return parse_config(raw)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

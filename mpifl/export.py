@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.results import Results, flatten, optional_import, read_results
+from mpifl.extras import optional_import
+from mpifl.results import Results, flatten, read_results
 from mpifl.schema import ConfigError
 
 # MLflow's limits on one log_batch call (params; metrics)

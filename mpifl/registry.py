@@ -1,10 +1,14 @@
-"""Algorithm registry: name → (options schema, server side, client side).
+"""Algorithm registry: name → (options schema, server side, client side), and run configs read with it.
 
 Entries are imported on first use, one algorithm at a time: importing all of them would load
 scipy, POT, scikit-learn and networkx into every rank of a FedAvg job (about 74 MB each). A name
 that is not built in is a plug-in (:mod:`mpifl.plugins`): an entry point of group ``mpifl.algorithms``
 or a ``module:attribute`` path whose object is a tuple like the built-in entries, with classes instead
 of names: (options dataclass or None, ServerAlgorithm subclass, ClientAlgorithm subclass).
+
+The registry sits above the algorithms in the import layers (it names their modules), and the config layer
+below them knows the algorithms' option schemas only through the :class:`~mpifl.config.AlgorithmCatalog` the
+registry hands it: :func:`parse_config` and :func:`load_config` are how a run config is read.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, is_dataclass
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpifl import plugins
+from mpifl.config import REQUIRED, RunConfig, apply_overrides, build_config, check_required, load_raw
 from mpifl.schema import ConfigError
 
 if TYPE_CHECKING:  # the registry names algorithm modules; it imports one only when asked for it
@@ -40,6 +46,7 @@ _REGISTRY: dict[str, tuple[str | None, str, str]] = {
     "karula": ("karula.KarulaOptions", "karula.KarulaServer", "karula.KarulaClient"),
     "fedsgd": (None, "fedsgd.FedSGDServer", "fedsgd.FedSGDClient"),
     "fedbuff": ("fedbuff.FedBuffOptions", "fedbuff.FedBuffServer", "fedbuff.FedBuffClient"),
+    "fedasync": ("fedasync.FedAsyncOptions", "fedasync.FedAsyncServer", "fedasync.FedAsyncClient"),
     "pfedme": ("pfedme.PFedMeOptions", "pfedme.PFedMeServer", "pfedme.PFedMeClient"),
     "ifca": ("ifca.IFCAOptions", "ifca.IFCAServer", "ifca.IFCAClient"),
     "pefll": ("pefll.PeFLLOptions", "pefll.PeFLLServer", "pefll.PeFLLClient"),
@@ -83,3 +90,29 @@ def _plugin_entry(name: str, value: Any, no_options: type) -> AlgorithmEntry:
 def _load(path: str) -> type:
     module, cls = path.rsplit(".", 1)
     return getattr(importlib.import_module(f"mpifl.algorithms.{module}"), cls)
+
+
+class _Catalog:
+    """The registry as the config layer sees it (:class:`~mpifl.config.AlgorithmCatalog`)."""
+
+    def options_type(self, name: str) -> type:
+        return get_algorithm(name).options_type
+
+    def builtin_names(self) -> list[str]:
+        return known_algorithms()
+
+    def plugin_names(self) -> list[str]:
+        return plugins.installed(plugins.ALGORITHMS)
+
+
+def parse_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a raw mapping into a :class:`~mpifl.config.RunConfig` (static checks only, no data access)."""
+    return build_config(raw, _Catalog())
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, required: tuple[str, ...] = REQUIRED
+                ) -> RunConfig:
+    """The run config in the YAML file ``path``, with ``--set`` ``overrides`` applied and ``required`` keys given."""
+    raw = apply_overrides(load_raw(path), overrides or [])
+    check_required(raw, path, required)
+    return parse_config(raw)

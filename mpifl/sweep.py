@@ -35,7 +35,8 @@ from typing import Any
 
 import yaml
 
-from mpifl.config import apply_overrides, check_required, load_raw, parse_config
+from mpifl.config import apply_overrides, check_required, load_raw
+from mpifl.registry import parse_config
 from mpifl.schema import ConfigError, build, limits
 
 

@@ -100,11 +100,11 @@ def _merge(base: dict, extra: dict) -> dict:
 def run_engine(cfg, comm, out: Path, resume: bool = False) -> Path:  # noqa: ANN001
     """Run ``cfg`` (a RunConfig or a raw mapping) on communicator ``comm`` in this process; returns the results
     file, which is how tests look at a run (never the engine's insides)."""
-    from mpifl.config import parse_config
+    from mpifl.registry import parse_config
     from mpifl.runtime.engine import Engine
 
     engine = Engine(cfg if not isinstance(cfg, dict) else parse_config(cfg), comm, out, resume=resume)
-    engine.setup()
+    engine.prepare()
     engine.run(progress=False)
     return Path(out)
 

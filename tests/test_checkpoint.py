@@ -11,10 +11,10 @@ import h5py
 import pytest
 import yaml
 
-from mpifl.checkpoint import read_client_states
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import SHARDS
 from tests.algorithms.test_karula import KARULA, RIDGE
 from tests.algorithms.test_pefll import PEFLL
@@ -25,8 +25,12 @@ CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
 CONFIGS.update(pefll=PEFLL, pfedhn=PFEDHN, karula=_merge(RIDGE, KARULA))
 CONFIGS["feddeper"] = _merge(CONFIGS["feddeper"], {"clients_per_round": 3})  # partial participation
 # asynchronous: 4 of the 6 clients training at once on lognormal links, a server step every 3 arrivals
-CONFIGS["fedbuff"] = _merge(CONFIGS["fedbuff"], {"clients_per_round": 4, "fedbuff": {"buffer_size": 3}, "network": {
-    "compute": "model", "seconds_per_sample": 0.001, "distribution": "lognormal", "sigma": 1.0}})
+ASYNCHRONOUS_NETWORK = {"compute": "model", "seconds_per_sample": 0.001, "distribution": "lognormal", "sigma": 1.0}
+CONFIGS["fedbuff"] = _merge(CONFIGS["fedbuff"], {"clients_per_round": 4, "fedbuff": {"buffer_size": 3},
+                                                 "network": ASYNCHRONOUS_NETWORK})
+# one arrival per round, 3 clients in flight, hinge staleness so that stale models are damped
+CONFIGS["fedasync"] = _merge(CONFIGS["fedasync"], {"clients_per_round": 3, "network": ASYNCHRONOUS_NETWORK,
+                                                   "fedasync": {"staleness": "hinge", "a": 1.0, "b": 1}})
 for _name in ("perfedavg", "fedrep", "knnper"):  # PeFLL's baselines: evaluated on unseen clients too
     CONFIGS[_name] = _merge(CONFIGS[_name], {"clients_per_round": 3, "data": {"unseen_fraction": 0.34}})
 

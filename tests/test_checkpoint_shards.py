@@ -9,9 +9,9 @@ from pathlib import Path
 import h5py
 import yaml
 
-from mpifl.checkpoint import read_client_states
 from mpifl.cli import main
 from mpifl.results import read_results, shard_dir
+from mpifl.state_io import read_client_states
 from tests.conftest import TINY, _merge, assert_same, deterministic, mpirun_cmd, run_mpifl
 from tests.test_append_only import check_committed, kill_at_random
 

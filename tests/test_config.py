@@ -1,10 +1,13 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mpifl.cli import main
-from mpifl.config import apply_overrides, config_to_dict, load_config, parse_config
+from mpifl.config import apply_overrides, config_to_dict
+from mpifl.registry import load_config, parse_config
 from mpifl.results import check_writable, read_results
 from mpifl.schema import ConfigError
 
@@ -130,3 +133,13 @@ def test_results_paths_that_cannot_be_written_are_refused_and_creatable_ones_lef
         check_writable(tmp_path)
     check_writable(tmp_path / "new" / "dir" / "run.h5")  # created at the first write
     assert sorted(tmp_path.iterdir()) == [blocker]  # the check itself leaves nothing behind
+
+
+def test_the_config_layer_imports_no_algorithm():
+    """config → algorithms → config would be a cycle the import contracts cannot see (the registry imports
+    algorithm modules by name): the config layer reads the algorithms' option schemas only through the catalog
+    the registry hands it."""
+    code = ("import sys, mpifl.config; print(sorted(m for m in sys.modules "
+            "if m.startswith('mpifl.algorithms') or m == 'mpifl.registry'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"

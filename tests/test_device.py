@@ -8,8 +8,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpifl.config import parse_config
 from mpifl.models import FlatModel
+from mpifl.registry import parse_config
 from mpifl.results import read_results
 from mpifl.runtime.engine import Engine
 from mpifl.schema import ConfigError
@@ -72,7 +72,7 @@ def test_cpu_host_views_are_the_tensors_own_memory():
 def test_engine_refuses_cuda_without_a_gpu(tmp_path):
     engine = Engine(parse_config({**CONFIGS["fedavg"], "device": "cuda"}), MPI.COMM_SELF, tmp_path / "r.h5")
     with pytest.raises(ConfigError, match="sees no CUDA GPU on rank 0"):
-        engine.setup()
+        engine.prepare()
 
 
 @no_cuda

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from mpifl.cli import main
-from mpifl.config import parse_config
-from mpifl.registry import known_algorithms
+from mpifl.registry import known_algorithms, parse_config
 from mpifl.results import read_results
 from tests.conftest import REPO, TINY, _merge, mpi_env, mpirun_cmd, run_mpifl
 from tests.test_checkpoint import CONFIGS, assert_same, deterministic
@@ -79,7 +78,7 @@ def test_nonfinite_abort_stops_every_algorithm_at_the_first_broken_update(algori
 
     cfg = parse_config(_merge(CONFIGS[algorithm], {"rounds": 3, "faults": {"nonfinite": "abort", "corrupt": 0.5}}))
     engine = Engine(cfg, MPI.COMM_SELF, tmp_path / "r.h5")
-    engine.setup()
+    engine.prepare()
     with pytest.raises(FloatingPointError, match=r"round \d+: .* of client\(s\) \[\d+.*\] is not finite"):
         engine.run(progress=False)
 

@@ -99,7 +99,8 @@ BROKEN_MODULE = "import not_installed_dependency  # noqa: F401\n\n\ndef build(cf
 
 @pytest.mark.parametrize("change, error", [
     ({"algorithm": "damped_fedav"},
-     "algorithm: unknown algorithm 'damped_fedav' (did you mean 'damped_fedavg'?); built-in: fedals, fedavg, "),
+     "algorithm: unknown algorithm 'damped_fedav' (did you mean 'damped_fedavg'?); built-in: fedals, fedasync, "
+     "fedavg, "),
     ({"model": {"name": "tanh_mpl"}}, "model.name: unknown model 'tanh_mpl' (did you mean 'tanh_mlp'?); built-in: "),
     ({"data": {"dataset": "blob"}}, "data.dataset: unknown dataset 'blob' (did you mean 'blobs'?); built-in: "),
     ({"model": {"name": "broken_plugin:build"}},
@@ -120,6 +121,28 @@ def test_unknown_or_broken_plugins_are_one_line_and_exit_code_2(on_path, tmp_pat
     cfg = {**ENTRY_POINTS, **{k: {**ENTRY_POINTS[k], **v} if isinstance(v, dict) else v for k, v in change.items()}}
     code, err = call(["validate", str(write(tmp_path / "cfg.yaml", cfg))])
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"mpifl: error: {error}"), err
+
+
+UNHANDLED_MODULE = """from mpifl.algorithms.fedavg import FedAvgClient, FedAvgServer
+
+
+class NoDeltaServer(FedAvgServer):
+    def handlers(self):
+        return {msg: fn for msg, fn in super().handlers().items() if msg.name != "delta"}
+
+
+ALGORITHM = (None, NoDeltaServer, FedAvgClient)
+"""
+
+
+def test_a_message_without_a_handler_is_refused_at_set_up(on_path, tmp_path):
+    """A plug-in whose plan names a message its server does not handle: one line, exit 2, nothing written."""
+    (on_path / "unhandled_plugin.py").write_text(UNHANDLED_MODULE)
+    config = write(tmp_path / "cfg.yaml", {**ENTRY_POINTS, "algorithm": "unhandled_plugin:ALGORITHM"})
+    code, err = call(["run", str(config), "--out", str(tmp_path / "r.h5"), "--quiet"])
+    assert code == 2 and err == ("mpifl: error: algorithm NoDeltaServer: no server handler for message(s) delta "
+                                 "(declare them in its handlers())\n")
+    assert not (tmp_path / "r.h5").exists()
 
 
 def test_an_unknown_name_lists_the_choices_and_says_how_to_add_one(on_path, tmp_path):

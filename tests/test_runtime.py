@@ -8,9 +8,9 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.comm import Placement
-from mpifl.config import load_config
 from mpifl.data import build_federated_dataset
 from mpifl.data.config import DataConfig
+from mpifl.registry import load_config
 from mpifl.report import logical_totals, report
 from mpifl.results import read_results
 from mpifl.runtime.sampling import sample_clients

@@ -46,7 +46,7 @@ def test_the_least_recently_used_states_spill_and_come_back_bitwise():
     for name, value in want[0].items():
         assert got[name].dtype == value.dtype and got[name].shape == value.shape
         assert np.array_equal(got[name], value) and not got[name].flags.writeable
-    exported = store.export([1, 2])  # for a checkpoint: read, not kept
+    exported = store.export_states([1, 2])  # for a checkpoint: read, not kept
     assert store.reloads == 1 and store.memory_bytes == 2 * one
     assert all(np.array_equal(exported[c]["w"], want[c]["w"]) for c in (1, 2))
     store.edit(3)["w"][:] = 0  # a rejected update: the spilled state stays as it was

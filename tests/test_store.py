@@ -9,8 +9,8 @@ import h5py
 import numpy as np
 import torch
 
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import parse_config
 from mpifl.runtime.store import ClientStore
 from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl
 from tests.data.test_data_own_files import config as own_config

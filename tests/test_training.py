@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from mpifl.algorithms.base import RunContext
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import batch_schedule, crop_flip, planned_samples
 from tests.algorithms.conftest import SHARDS
@@ -54,7 +53,7 @@ def test_crop_flip_is_a_shifted_window_of_the_padded_image_maybe_mirrored():
 
 
 def test_augmentation_needs_images():
-    from mpifl.runtime.engine import check_run
+    from mpifl.runtime.assembly import check_run
     from mpifl.schema import ConfigError
 
     cfg = parse_config(_merge(SHARDS, {"client": {"augment": "crop_flip"}, "data": {"dataset": "gaussian_images",

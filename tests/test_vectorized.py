@@ -10,10 +10,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
+from mpifl.registry import parse_config
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, local_sgd
@@ -175,9 +175,9 @@ def test_vectorize_takes_true_false_or_auto(value):
 
 # FedAvg's local step and its variants: the gradient hooks, SCAFFOLD's control variates after training, FedSGD's
 # full-batch gradients, kNN-Per's evaluation and FedBuff's clients starting from different model versions; and the
-# other algorithms whose clients run plain local SGD from a start of their own: Local (its own model), IFCA (its
-# cluster's), PeFLL and pFedHN (the generated one)
-DENSE_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedsgd", "knnper", "fedbuff", "local", "ifca")
+# other algorithms whose clients run plain local SGD from a start of their own: FedAsync (the model it downloaded),
+# Local (its own model), IFCA (its cluster's), PeFLL and pFedHN (the generated one)
+DENSE_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedsgd", "knnper", "fedbuff", "fedasync", "local", "ifca")
 KERNEL_ALGORITHMS = (*DENSE_ALGORITHMS, "pefll", "pfedhn")
 IMAGES = {"data": {"dataset": "gaussian_images", "num_clients": 6, "partition": "iid",
                    "synthetic": {"image_shape": [1, 16, 16], "samples_per_client": 30, "size_sigma": 0.3}},
@@ -208,8 +208,8 @@ def test_every_kernel_algorithm_trains_a_cnn_within_rounding_of_the_loop(algorit
 
 @pytest.mark.parametrize("algorithm", DENSE_ALGORITHMS)
 def test_every_kernel_algorithm_with_a_narrow_dense_model_is_bitwise_the_loop(algorithm, tmp_path):
-    """SHARDS' MLP 16: here FedProx, SCAFFOLD, FedSGD, Local and IFCA give the same bits in the kernel as in the
-    loop (their CPU default under ``auto``)."""
+    """SHARDS' MLP 16: here FedProx, SCAFFOLD, FedSGD, FedAsync, Local and IFCA give the same bits in the kernel as
+    in the loop (their CPU default under ``auto``)."""
     runs = run_both(CONFIGS[algorithm], tmp_path)
     assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() > 0
     assert_same(deterministic(runs["kernel"].filename), deterministic(runs["loop"].filename))

@@ -8,18 +8,17 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext
+from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.comm import LOCAL, Message, Placement, Transport
 from mpifl.comm.messages import EVERYONE_LOCAL
-from mpifl.comm.network import NetworkModel
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import parse_config
 from mpifl.results import read_results
 from mpifl.runtime.checkpointer import Checkpointer
-from mpifl.runtime.clock import RankClock
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.store import ClientStore
+from mpifl.runtime.timing import RankTimes
 from mpifl.runtime.walker import PlanWalker
 from mpifl.schema import ConfigError
 from mpifl.training.sgd import EVAL_FIELDS
@@ -105,10 +104,8 @@ def parts(faults: dict | None = None):  # noqa: ANN201
     placement = Placement.balanced(dataset.layout.train_sizes, 1)
     store = ClientStore(dataset, placement.clients_of(0), ctx.device)
     server, client = EchoServer(ctx), EchoClient(ctx, store)
-    clock = RankClock()
-    faults_model = FaultModel(cfg.faults, NetworkModel.from_config(cfg.network, dataset.layout.num_clients, cfg.seed),
-                              cfg.seed)
-    walker = PlanWalker(Transport(None, placement), server, client, store, faults_model, clock)
+    walker = PlanWalker(Transport(None, placement), server, client, store, FaultModel(cfg.faults, cfg.seed),
+                        RankTimes())
     return cfg, dataset, server, client, walker
 
 
@@ -135,7 +132,7 @@ def test_a_rejected_upload_drops_the_client_and_rolls_its_state_back(capsys):
     p = server.protocol
     client.broken = {3}
     walk = walker.walk(1, "train", (p.value, LOCAL, p.reply, p.value, p.reply), np.array([1, 3]))
-    assert walk.clients.tolist() == [1] and walker.rejected == 1
+    assert walk.clients.tolist() == [1] and walk.rejected == 1
     assert "rejected non-finite reply of client(s) [3]" in capsys.readouterr().err
     consumed = [s.clients for k, _, s in server.calls if k == "consume"]
     assert consumed == [[1], [1]]  # the server never sees client 3's rows; the next message skips it
@@ -172,7 +169,8 @@ def test_faults_corrupt_breaks_training_uploads_only():
 def test_recorder_pools_rows_and_writes_a_readable_file(tmp_path):
     cfg, dataset, _, _, walker = parts()
     layout = dataset.layout
-    recorder = Recorder(cfg, layout, ("global",), ("test", "val"), tmp_path / "r.h5", 1)
+    recorder = Recorder(cfg, layout, EvalLayout(("global",), ("test", "val")), tmp_path / "r.h5", 1,
+                        np.zeros(layout.num_clients, np.int64))
     rows = np.zeros((layout.num_clients, 2 * len(EVAL_FIELDS)))
     rows[:, 0], rows[:, 1], rows[:, 2] = 10, np.arange(layout.num_clients), 5.0  # test: n, correct, loss sum
     rows[:, 5], rows[:, 6] = 4, 4  # val: n, correct
@@ -193,21 +191,22 @@ def test_checkpointer_round_trips_server_and_client_state(tmp_path):
     cfg, dataset, server, client, walker = parts()
     p = server.protocol
     walker.walk(1, "train", (p.value, LOCAL, p.reply), np.array([1, 4]))
-    recorder = Recorder(cfg, dataset.layout, ("global",), ("test",), tmp_path / "r.h5", 1)
+    recorder = Recorder(cfg, dataset.layout, EvalLayout(("global",), ("test",)), tmp_path / "r.h5", 1,
+                        np.zeros(dataset.layout.num_clients, np.int64))
     recorder.record_round({"round": 1, "train_loss": 0.5, "wall_time_s": 0.1})
     out = tmp_path / "r.h5"
-    checkpointer = Checkpointer(walker.transport, RankClock(), out)
+    checkpointer = Checkpointer(walker.transport, RankTimes(), out)
     checkpointer.take(1, server, client.state)
     recorder.write("running", walker.transport.ledger, walker.transport.physical, checkpointer.latest, wait=True)
     _, _, fresh_server, fresh_client, _ = parts()
 
     def restore(cfg, server, state, clients):  # noqa: ANN001, ANN202
-        return Checkpointer(walker.transport, RankClock(), out).restore(out, cfg, server, state, clients)
+        return Checkpointer(walker.transport, RankTimes(), out).load(out, cfg, server, state, clients)
 
     round_, saved = restore(cfg, fresh_server, fresh_client.state, np.arange(10))
     assert round_ == 1 and saved.table("rounds")["round"].tolist() == [1]
     np.testing.assert_array_equal(fresh_server.total, server.total)
-    assert fresh_client.state.export().keys() == {1, 4}
+    assert fresh_client.state.export_states().keys() == {1, 4}
     assert fresh_client.state.get(4, "rounds").tolist() == [1]
     restricted = parts()[3]
     restore(cfg, None, restricted.state, np.array([4]))

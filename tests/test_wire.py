@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 
 from mpifl.algorithms.base import RunContext
-from mpifl.checkpoint import read_client_states
 from mpifl.comm import Message
 from mpifl.comm.codecs import index_width, sparse_k
 from mpifl.comm.config import SecAggConfig
 from mpifl.comm.secagg import secagg_messages
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import SHARDS
 from tests.conftest import _merge, run_engine
 from tests.test_checkpoint import CONFIGS
@@ -204,3 +203,37 @@ def test_report_shows_epsilon_per_run_and_per_sweep_group(tmp_path, capsys):
     assert f"differential privacy: ε = {epsilon:.4g} at δ = 1e-05 after round 4" in capsys.readouterr().out
     (row,) = aggregate(str(tmp_path))["rows"]
     assert row["epsilon"][0] == pytest.approx(epsilon)
+
+
+@pytest.mark.parametrize("algorithm, wire", [
+    ("fedavg", {"secure_aggregation": "secagg_plus", "compression": {"down": {"codec": "bf16"}}}),
+    ("fedals", {"compression": {"up": {"codec": "topk", "fraction": 0.1}}}),
+    ("pefll", {"compression": {"up": {"codec": "qsgd"}, "down": {"codec": "fp16"}}}),
+])
+def test_the_simulated_clock_counts_exactly_the_bytes_the_ledger_records(algorithm, wire, tmp_path):
+    """One source for what a client moves: the traffic the simulated clock (and a deadline) reads off the plan is,
+    client by client and round by round, what the ledger recorded (codecs, SecAgg's own messages, FedALS's rounds
+    that sync only the head)."""
+    from mpi4py import MPI
+
+    from mpifl.runtime.engine import Engine
+
+    raw = _merge(CONFIGS[algorithm], {"rounds": 3, "eval_every": 3, **wire})
+    results = read_results(run_engine(raw, MPI.COMM_SELF, tmp_path / "r.h5"))
+    engine = Engine(parse_config(raw), MPI.COMM_SELF, tmp_path / "probe.h5")
+    engine.prepare()
+    ledger, directions = results.table("ledger"), results.table_attrs["ledger"]["directions"]
+    up = np.array([d == "up" for d in directions])[ledger["message"]]
+    train = ledger["stage"] == 0
+    for round_ in (1, 2, 3):
+        rows = train & (ledger["round"] == round_)
+        clients = np.unique(ledger["client"][rows])
+        traffic = engine.simtime.traffic(engine.protocol.train_plan(round_), clients)
+        for direction, mask, expected, messages in (("down", ~up, traffic.down_bytes, traffic.down_messages),
+                                                    ("up", up, traffic.up_bytes, traffic.up_messages)):
+            chosen = rows & mask
+            recorded = np.bincount(np.searchsorted(clients, ledger["client"][chosen]), ledger["bytes"][chosen],
+                                   minlength=len(clients))
+            counted = np.bincount(np.searchsorted(clients, ledger["client"][chosen]), minlength=len(clients))
+            assert recorded.tolist() == expected.tolist(), (round_, direction)
+            assert counted.tolist() == messages.tolist(), (round_, direction)

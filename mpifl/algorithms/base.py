@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -27,9 +27,10 @@ from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
+from mpifl.schema import ConfigError, limits
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import GradHook, client_generator, evaluate, local_sgd, planned_samples
+from mpifl.training.sgd import EVAL_FIELDS, GradHook, client_generator, evaluate, local_sgd, planned_samples
 from mpifl.training.tensors import TensorSplit
 from mpifl.training.vectorized import ClientRun, VectorizedSGD, kernel_wanted
 
@@ -100,6 +101,29 @@ class StepContext:
         return dataclasses.replace(self, clients=clients)
 
 
+@dataclass(frozen=True)
+class EvalLayout:
+    """How one client's evaluation row is laid out: the :data:`~mpifl.training.sgd.EVAL_FIELDS` sums of every
+    model kind (:attr:`Protocol.eval_kinds`) on every data split, kinds outermost. The one place that says so:
+    the client writes its row in this order, the runtime sizes the message by it, the recorder reads it back."""
+
+    kinds: tuple[str, ...]
+    splits: tuple[str, ...]
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(kind, split) for kind in self.kinds for split in self.splits]
+
+    @property
+    def width(self) -> int:
+        return len(self.pairs) * len(EVAL_FIELDS)
+
+    def blocks(self, rows: np.ndarray) -> list[tuple[tuple[str, str], np.ndarray]]:
+        """Each (model kind, data split)'s :data:`EVAL_FIELDS` columns of evaluation ``rows``."""
+        width = len(EVAL_FIELDS)
+        return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(self.pairs)]
+
+
 class Protocol:
     """Message declarations and the order they move in; shared by both sides of an algorithm."""
 
@@ -108,9 +132,6 @@ class Protocol:
     # previous client's left (pFedHN's reference code); False: all of them walk it together.
     turns: bool = False
     setup_includes_unseen: bool = False  # walk the set-up plan among every client, not only the seen ones
-    # True: one round is one server step of an asynchronous protocol, its clients dispatched and arriving one
-    # event at a time on the simulated clock (mpifl.runtime.asynchronous; FedBuff)
-    asynchronous: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -164,20 +185,73 @@ class Protocol:
         return ()
 
 
-class ServerAlgorithm:
-    """Lives on rank 0: global state and the server's step for each message."""
+Handler = Callable[..., Any]
+"""A method that handles one declared message (see :meth:`ServerAlgorithm.handlers`,
+:meth:`ClientAlgorithm.handlers`)."""
+
+
+class _Handles:
+    """Dispatch by declaration: each side of an algorithm maps every message of its protocol to the method that
+    handles it (:meth:`handlers`), and the runtime finds the method by the message, never by comparing names.
+    A protocol message without a handler is refused at set-up (:meth:`unhandled`)."""
+
+    protocol: Protocol
+    side = "side"
+
+    def handlers(self) -> Mapping[Message, Handler]:
+        return {}
+
+    def unhandled(self) -> list[str]:
+        """The protocol's messages this side has no handler for (the runtime refuses the algorithm then)."""
+        table = self._table()
+        return [msg.name for msg in self.protocol.messages() if msg.name not in table]
+
+    def handler(self, msg: Message) -> Handler:
+        table = self._table()
+        if msg.name not in table:
+            raise RuntimeError(f"{type(self).__name__} has no handler for message {msg.name!r}")
+        return table[msg.name]
+
+    def _table(self) -> dict[str, Handler]:
+        table = self.__dict__.get("handler_table")  # built once, on first use (handlers may use late attributes)
+        if table is None:
+            table = self.__dict__["handler_table"] = {msg.name: fn for msg, fn in self.handlers().items()}
+        return table
+
+
+def send_from(outbox: dict[int, np.ndarray]) -> Handler:
+    """A client's send handler that hands over what its local step left in ``outbox`` (client id -> row)."""
+    return lambda step, client: outbox.pop(client)
+
+
+def check_handlers(*sides: _Handles | None) -> None:
+    """Refuse an algorithm whose protocol declares a message that one of its sides does not handle."""
+    for side in sides:
+        missing = side.unhandled() if side is not None else []
+        if side is not None and missing:
+            raise ConfigError(f"algorithm {type(side).__name__}: no {side.side} handler for message(s) "
+                              f"{', '.join(missing)} (declare them in its handlers())")
+
+
+class ServerAlgorithm(_Handles):
+    """Lives on rank 0: global state and the server's step for each message.
+
+    :meth:`handlers` maps each message to its method: for a down message ``fn(step) -> payload`` (one row if
+    broadcast, else one row per client of ``step.clients``), for an up message ``fn(step, rows)`` with the
+    accepted clients' rows in client-id order."""
 
     protocol_type: type[Protocol] = Protocol
+    side = "server"
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.protocol = self.protocol_type(ctx)
 
     def payload(self, msg: Message, step: StepContext) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
+        return self.handler(msg)(step)
 
     def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
+        self.handler(msg)(step, rows)
 
     def round_metrics(self) -> dict[str, float]:
         """Extra per-round scalars an algorithm wants logged (e.g. solver iterations)."""
@@ -196,8 +270,86 @@ class ServerAlgorithm:
         return {}
 
 
-class ClientAlgorithm:
+@dataclass(frozen=True)
+class AsynchronousOptions:
+    """The options every asynchronous algorithm has."""
+
+    concurrency: int = field(default=0, metadata=limits(ge=0))  # clients training at once; 0: clients_per_round
+
+
+class AsynchronousProtocol(Protocol):
+    """One round is one server step of an event-driven protocol: clients are dispatched and arrive one event at a
+    time on the simulated clock (:mod:`mpifl.runtime.asynchronous` walks it; FedBuff, FedAsync). Its options
+    extend :class:`AsynchronousOptions`."""
+
+    @property
+    def concurrency(self) -> int:
+        """How many clients train at once."""
+        return int(self.ctx.options.concurrency) or self.ctx.cfg.clients_per_round
+
+
+class EventDrivenServer(ServerAlgorithm):
+    """The server of an :class:`AsynchronousProtocol`. It alone knows who is in flight and when each arrives (the
+    runtime dispatches, moves the messages and asks for arrivals), so its state, checkpointed with it, carries the
+    events in flight. An upload is held (:meth:`hold`) until its client's simulated arrival; a subclass says what
+    an arrival does (:meth:`on_arrival`)."""
+
+    protocol_type: type[AsynchronousProtocol] = AsynchronousProtocol
+    protocol: AsynchronousProtocol
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.now_s = 0.0  # the simulated clock: the last event's time
+        self.version = 0  # server steps taken
+        self.dispatches = 0  # dispatch events so far (what keys the choice of clients)
+        self.free_slots = self.protocol.concurrency
+        self.arrival_s: dict[int, float] = {}  # in flight: client -> simulated arrival time
+        self.downloaded: dict[int, int] = {}  # in flight: client -> the version it trains from
+        self.uploads: dict[int, np.ndarray] = {}  # in flight, upload received: client -> its row
+
+    def in_flight(self) -> np.ndarray:
+        return np.array(sorted(self.arrival_s), dtype=np.int64)
+
+    def dispatch(self, clients: np.ndarray, arrival_s: np.ndarray) -> None:
+        """``clients`` download the current model now and will be back at ``arrival_s``."""
+        for client, t in zip(clients.tolist(), arrival_s.tolist()):
+            self.arrival_s[client], self.downloaded[client] = t, self.version
+        self.free_slots -= len(clients)
+        self.dispatches += 1
+
+    def hold(self, step: StepContext, rows: np.ndarray) -> None:
+        """Keep each upload until its client's simulated arrival (a handler of the upload message)."""
+        for client, row in zip(step.clients.tolist(), rows):
+            self.uploads[client] = np.array(row)
+
+    def next_arrival(self) -> tuple[int, float] | None:
+        """The in-flight client that arrives first (ties: the lower id) and when; ``None`` if nobody is in flight."""
+        if not self.arrival_s:
+            return None
+        client = min(self.arrival_s, key=lambda c: (self.arrival_s[c], c))
+        return client, self.arrival_s[client]
+
+    def arrive(self) -> bool:
+        """Advance the clock to the next arrival and hand it to :meth:`on_arrival`; True once a server step is
+        complete."""
+        client, self.now_s = require(self.next_arrival(), "a client in flight")
+        del self.arrival_s[client]
+        version = self.downloaded.pop(client)
+        self.free_slots += 1
+        return self.on_arrival(client, self.uploads.pop(client, None), self.version - version)
+
+    def on_arrival(self, client: int, upload: np.ndarray | None, staleness: int) -> bool:
+        """``client``'s upload (``None``: it never came: the client dropped out or its upload was rejected),
+        ``staleness`` server steps after the version it trained from; True once a server step is complete
+        (every arrival must eventually complete one, uploads or not, so that a round always ends)."""
+        raise NotImplementedError
+
+
+class ClientAlgorithm(_Handles):
     """Lives on each worker rank: the clients it hosts, their data, and their state in :attr:`state`.
+
+    :meth:`handlers` maps each message to its method: for a down message ``fn(step, client, row)`` (a client
+    receives its row), for an up message ``fn(step, client) -> row`` (a client's row to send).
 
     Anything about a client that must outlive its round lives in ``state`` (the runtime's
     :class:`ClientState`: committed or rolled back with the server's verdict, checkpointed by client id).
@@ -206,6 +358,7 @@ class ClientAlgorithm:
     """
 
     protocol_type: type[Protocol] = Protocol
+    side = "client"
     scratch: tuple[str, ...] = ()  # per-round dict attributes (client id -> value), emptied by end_round
 
     def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
@@ -229,10 +382,10 @@ class ClientAlgorithm:
         return self.workspace.device
 
     def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        raise NotImplementedError(f"{type(self).__name__} receives no {msg.name}")
+        self.handler(msg)(step, client, row)
 
     def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} sends no {msg.name}")
+        return self.handler(msg)(step, client)
 
     def compute(self, step: StepContext, client: int) -> None:
         """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
@@ -256,17 +409,16 @@ class ClientAlgorithm:
         before the next call, so it may live in the shared workspace."""
         raise NotImplementedError
 
-    def evaluate(self, step: StepContext, client: int, splits: Sequence[str]) -> np.ndarray:
-        """``client``'s :data:`~mpifl.training.sgd.EVAL_FIELDS` sums under every model kind (in
-        :attr:`Protocol.eval_kinds` order) on each of ``splits`` (``test``, ``val``), for the runtime to pool.
-        Which model, which BatchNorm statistics and which loss are the algorithm's business."""
+    def evaluate(self, step: StepContext, client: int, layout: EvalLayout) -> np.ndarray:
+        """``client``'s evaluation row as ``layout`` orders it (every model kind on every split), for the
+        runtime to pool. Which model, which BatchNorm statistics and which loss are the algorithm's business."""
         data = self.data[client]
         rows = []
-        for kind in self.protocol.eval_kinds:
+        for kind in layout.kinds:
             model = self.eval_model(step, client, kind)
             stats = self.eval_norm_statistics(step, client, kind, model)
             with normalized_with(model, stats) if stats is not None else contextlib.nullcontext():
-                for split in splits:
+                for split in layout.splits:
                     rows.append(evaluate(model, getattr(data, f"x_{split}"), getattr(data, f"y_{split}"),
                                          self.loss_fn))
         return np.concatenate(rows)

@@ -29,8 +29,9 @@ average running statistics, and every client evaluates the global model in infer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -39,6 +40,7 @@ from torch import nn
 
 from mpifl.algorithms.base import (
     ClientAlgorithm,
+    Handler,
     Protocol,
     RunContext,
     ServerAlgorithm,
@@ -82,7 +84,8 @@ Kind = Literal["params", "control"]
 
 @dataclass(frozen=True)
 class Part:
-    """A contiguous span of the model synchronized every ``period`` rounds, and its messages."""
+    """A contiguous span of the model synchronized every ``period`` rounds, and its messages: ``down`` and ``up``
+    each hold the parameters' message, then (with ``scaffold``) the control variate's."""
 
     name: str
     span: slice
@@ -106,7 +109,6 @@ class FedALSProtocol(Protocol):
         if split > len(self.groups):
             raise ConfigError(f"fedals.split_layer: {split} exceeds the {len(self.groups)} layer groups of the model")
         boundary = self.groups[split - 1].stop if split else 0
-        self.route: dict[str, tuple[Part, Kind]] = {}
         parts = []
         for name, span, period, groups in (("extractor", slice(0, boundary), opts.alpha, range(split)),
                                            ("head", slice(boundary, model.numel), 1, range(split, len(self.groups)))):
@@ -117,7 +119,6 @@ class FedALSProtocol(Protocol):
             down = tuple(Message(names[k], "down", span.stop - span.start, broadcast=True) for k in kinds)
             up = tuple(Message(f"{names[k]}_delta", "up", span.stop - span.start, update=True) for k in kinds)
             part = Part(name, span, period, tuple(groups), down, up)
-            self.route.update({m.name: (part, k) for msgs in (down, up) for m, k in zip(msgs, kinds, strict=True)})
             parts.append(part)
         self.parts = tuple(parts)
         self.extractor = next((p for p in self.parts if p.name == "extractor"), None)
@@ -157,48 +158,55 @@ class FedALSServer(ServerAlgorithm):
         # chunk in client-id order
         self.sums: dict[str, np.ndarray] = {}
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name == p.eval_msg.name:
-            return self._evaluated_model(step.round)
-        if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
-            return require(self.sums.get(p.norm_msg.name), "the clients' BatchNorm statistics")
-        part, kind = p.route[msg.name]
-        return (self.params if kind == "params" else self.control)[part.span]
+        table: dict[Message, Handler] = {p.eval_msg: self.evaluated_model, p.eval_norm_msg: self.norm_statistics}
+        for part in p.parts:
+            table.update({part.down[0]: partial(self.part_params, part), part.up[0]: partial(self.average_part, part)})
+            if len(part.down) > 1:  # with scaffold: the part's control variate
+                table.update({part.down[1]: partial(self.part_control, part),
+                              part.up[1]: partial(self.update_part_control, part)})
+        table.update({m: partial(self.accumulate, m) for m in (p.extractor_eval, p.norm_msg) if m is not None})
+        return table
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        p = self.protocol
-        if msg.name in (getattr(p.extractor_eval, "name", None), getattr(p.norm_msg, "name", None)):
-            self._accumulate(msg, step.clients, rows)
-            return
-        part, kind = p.route[msg.name]
-        if kind == "control":
-            control = self.control.copy()
-            weights = population_weights(self.ctx, step.clients)
-            control[part.span] = update_control(self.control[part.span], rows, weights)
-            self.control = control
-            return
+    def part_params(self, part: Part, step: StepContext) -> np.ndarray:
+        return self.params[part.span]
+
+    def part_control(self, part: Part, step: StepContext) -> np.ndarray:
+        return self.control[part.span]
+
+    def update_part_control(self, part: Part, step: StepContext, rows: np.ndarray) -> None:
+        control = self.control.copy()
+        weights = population_weights(self.ctx, step.clients)
+        control[part.span] = update_control(self.control[part.span], rows, weights)
+        self.control = control
+
+    def average_part(self, part: Part, step: StepContext, rows: np.ndarray) -> None:
         weights = self.ctx.weights(step.clients)
         mean = weighted_sum(rows, weights)
         self.metrics.update(self._consensus(part, rows, mean, weights))
         self.model.step(mean, part.span)
         self.synced[part.name] = step.round
 
-    def _accumulate(self, msg: Message, clients: np.ndarray, rows: np.ndarray) -> None:
+    def accumulate(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
         """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
         clients: the same ordered float64 sum whatever the chunks."""
         total = self.sums.setdefault(msg.name, np.zeros(msg.numel, dtype=np.float64))
-        for w, row in zip(population_weights(self.ctx, clients), rows):
+        for w, row in zip(population_weights(self.ctx, step.clients), rows):
             total += w * row
 
-    def _evaluated_model(self, round_: int) -> np.ndarray:
+    def norm_statistics(self, step: StepContext) -> np.ndarray:
+        norm = require(self.protocol.norm_msg, "the BatchNorm statistics message")
+        return require(self.sums.get(norm.name), "the clients' BatchNorm statistics")
+
+    def evaluated_model(self, step: StepContext) -> np.ndarray:
         """The evaluated model: φ averaged over the seen clients unless this round already synced it (the
         paper's virtual average); worked out once per evaluation, after every chunk's φ came in."""
         extractor, message = self.protocol.extractor, self.protocol.extractor_eval
         average = self.sums.pop(message.name, None) if message is not None else None
         if extractor is not None and average is not None:
             self.eval_params = self.params
-            if self.synced.get("extractor") != round_:
+            if self.synced.get("extractor") != step.round:
                 self.eval_params = self.params.copy()
                 self.eval_params[extractor.span] = average.astype(np.float32)
         return self.params if self.eval_params is None else self.eval_params
@@ -259,19 +267,32 @@ class FedALSClient(ClientAlgorithm):
                           gradient_sum=np.zeros(self.initial.shape, dtype=np.float64))
         return st
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name == p.eval_msg.name:
-            self.eval_params = row
-            return
-        if p.norm_msg is not None and msg.name == p.eval_norm_msg.name:
-            self.eval_norm = row
-            return
-        part, kind = p.route[msg.name]
+        table: dict[Message, Handler] = {p.eval_msg: self.receive_evaluated, p.eval_norm_msg: self.receive_norm}
+        for part in p.parts:
+            table.update({part.down[0]: partial(self.receive_part, part), part.up[0]: partial(self.send_part, part)})
+            if len(part.down) > 1:  # with scaffold: the part's control variate
+                table.update({part.down[1]: partial(self.receive_part_control, part),
+                              part.up[1]: partial(self.send_part_control, part)})
+        if p.extractor_eval is not None:
+            table[p.extractor_eval] = self.send_extractor
+        if p.norm_msg is not None:
+            table[p.norm_msg] = self.send_norm_statistics
+        return table
+
+    def receive_evaluated(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.eval_params = row
+
+    def receive_norm(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.eval_norm = row
+
+    def receive_part_control(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.working(client)["global_control"][part.span] = row
+
+    def receive_part(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
+        p = self.protocol
         st = self.working(client)
-        if kind == "control":
-            st["global_control"][part.span] = row
-            return
         st["model"][part.span] = row
         st["reference"][part.span] = row
         st["steps"][p.parts.index(part)] = 0
@@ -296,21 +317,24 @@ class FedALSClient(ClientAlgorithm):
         if gradients is not None:
             st["gradient_sum"] += host_numpy(gradients.total)
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        p = self.protocol
-        if msg.name == getattr(p.extractor_eval, "name", None):
-            return self.current_model(client)[require(p.extractor, "the extractor part").span]
-        if msg.name == getattr(p.norm_msg, "name", None):
-            self.workspace.load(self.current_model(client))
-            split = self.data[client]
-            return norm_statistics(self.workspace.module, split.x_train, self.ctx.cfg.client.batch_size)
-        part, kind = p.route[msg.name]
+    def send_extractor(self, step: StepContext, client: int) -> np.ndarray:
+        return self.current_model(client)[require(self.protocol.extractor, "the extractor part").span]
+
+    def send_norm_statistics(self, step: StepContext, client: int) -> np.ndarray:
+        self.workspace.load(self.current_model(client))
+        split = self.data[client]
+        return norm_statistics(self.workspace.module, split.x_train, self.ctx.cfg.client.batch_size)
+
+    def send_part(self, part: Part, step: StepContext, client: int) -> np.ndarray:
+        st = self.working(client)
+        return st["model"][part.span] - st["reference"][part.span]
+
+    def send_part_control(self, part: Part, step: StepContext, client: int) -> np.ndarray:
+        """Option II: cₖ⁺ = the mean local gradient since the part's reference."""
         st = self.working(client)
         span = part.span
-        if kind == "params":
-            return st["model"][span] - st["reference"][span]
-        own = st["control"][span].copy()  # option II: cₖ⁺ = the mean local gradient since the part's reference
-        steps = max(int(st["steps"][p.parts.index(part)]), 1)
+        own = st["control"][span].copy()
+        steps = max(int(st["steps"][self.protocol.parts.index(part)]), 1)
         st["control"][span] = (st["gradient_sum"][span] / steps).astype(np.float32)
         return st["control"][span] - own
 

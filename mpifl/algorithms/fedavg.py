@@ -5,13 +5,14 @@ Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from torch import nn
 
 from mpifl.algorithms.base import (
     ClientAlgorithm,
+    Handler,
     Protocol,
     RunContext,
     ServerAlgorithm,
@@ -70,10 +71,14 @@ class FedAvgServer(ServerAlgorithm):
     def params(self) -> np.ndarray:
         return self.model.params
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.model_msg: self.global_params, p.eval_msg: self.global_params, p.delta_msg: self.apply_deltas}
+
+    def global_params(self, step: StepContext) -> np.ndarray:
         return self.params
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
         self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)))
 
     def final_state(self) -> dict[str, np.ndarray]:
@@ -94,13 +99,17 @@ class DeltaClient(ClientAlgorithm):
         self.deltas: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        if msg.name == self.protocol.eval_msg.name:
-            self.global_params = row
-        else:
-            self.start[client] = row
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.model_msg: self.receive_start, p.eval_msg: self.receive_evaluated, p.delta_msg: self.send_delta}
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
+    def receive_start(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.start[client] = row
+
+    def receive_evaluated(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.global_params = row
+
+    def send_delta(self, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)
 
 

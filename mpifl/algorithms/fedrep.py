@@ -18,13 +18,14 @@ clients start); an unseen client (pefll spec §4.2) trains a fresh head from the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require, weighted_sum
 from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
 from mpifl.comm.messages import Message
 from mpifl.models.flat import layer_groups
@@ -77,10 +78,14 @@ class FedRepServer(ServerAlgorithm):
         super().__init__(ctx)
         self.model = GlobalModel(ctx)
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.model_msg: self.global_body, p.eval_msg: self.global_body, p.delta_msg: self.apply_deltas}
+
+    def global_body(self, step: StepContext) -> np.ndarray:
         return self.model.params[self.protocol.body]
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
         self.model.step(weighted_sum(rows, self.ctx.weights(step.clients)), self.protocol.body)
 
     def final_state(self) -> dict[str, np.ndarray]:

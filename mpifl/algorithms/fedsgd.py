@@ -8,11 +8,11 @@ Mini-batch FedSGD is FedAvg with ``client.steps: 1``; this is the variant Karula
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.training.device import host_numpy
@@ -35,13 +35,19 @@ class FedSGDServer(FedAvgServer):
     protocol_type: type[FedSGDProtocol] = FedSGDProtocol
     protocol: FedSGDProtocol
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+    def handlers(self) -> Mapping[Message, Handler]:
+        return {**super().handlers(), self.protocol.grad_msg: self.apply_gradients}
+
+    def apply_gradients(self, step: StepContext, rows: np.ndarray) -> None:
         self.model.step(-self.ctx.cfg.client.lr * weighted_sum(rows, self.ctx.weights(step.clients)))
 
 
 class FedSGDClient(FedAvgClient):
     protocol_type: type[FedSGDProtocol] = FedSGDProtocol
     protocol: FedSGDProtocol
+
+    def handlers(self) -> Mapping[Message, Handler]:
+        return {**super().handlers(), self.protocol.grad_msg: self.send_delta}  # the gradient, kept as a delta
 
     def compute(self, step: StepContext, client: int) -> None:
         self.deltas[client] = self.gradient_at(client, self.start.pop(client))

@@ -6,7 +6,7 @@ Clusters start from different random initializations, so they can separate."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +15,7 @@ from torch import nn
 
 from mpifl.algorithms.base import (
     ClientAlgorithm,
+    Handler,
     Protocol,
     RunContext,
     ServerAlgorithm,
@@ -68,13 +69,18 @@ class IFCAServer(ServerAlgorithm):
         ]).astype(np.float32)
         self.assignment: dict[int, int] = {}  # this round's cluster of each client that reported one
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.models_msg: self.cluster_models, p.eval_msg: self.cluster_models,
+                p.cluster_msg: self.note_assignment, p.delta_msg: self.apply_deltas}
+
+    def cluster_models(self, step: StepContext) -> np.ndarray:
         return self.params.reshape(-1)
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        if msg.name == self.protocol.cluster_msg.name:
-            self.assignment = dict(zip(step.clients.tolist(), rows[:, 0].tolist()))
-            return
+    def note_assignment(self, step: StepContext, rows: np.ndarray) -> None:
+        self.assignment = dict(zip(step.clients.tolist(), rows[:, 0].tolist()))
+
+    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
         clients = step.clients  # the clients whose delta was accepted
         assignment = np.array([self.assignment[c] for c in clients.tolist()])
         params = self.params.copy()  # a new array: clients on this rank may hold views of the old one
@@ -91,15 +97,21 @@ class IFCAServer(ServerAlgorithm):
 class IFCAClient(ClientAlgorithm):
     protocol_type: type[IFCAProtocol] = IFCAProtocol
     protocol: IFCAProtocol
-    scratch: tuple[str, ...] = ("outbox",)
+    scratch: tuple[str, ...] = ("chosen", "deltas")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
-        self.outbox: dict[tuple[str, int], np.ndarray] = {}
+        self.chosen: dict[int, int] = {}  # this round: client -> its cluster
+        self.deltas: dict[int, np.ndarray] = {}
         self.vectorizer = self.vectorizer_if(cpu_default=False)
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.models_msg: self.receive_models, p.eval_msg: self.receive_models,
+                p.cluster_msg: self.send_cluster, p.delta_msg: self.send_delta}
+
+    def receive_models(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.received = row.reshape(self.protocol.k, -1)
 
     @property
@@ -128,23 +140,26 @@ class IFCAClient(ClientAlgorithm):
         if self.vectorizer is None:
             return super().compute_clients(step, clients)
         seconds = np.empty(len(clients))
-        chosen = {}
+        picks = {}
         for i, client in enumerate(clients):
             began = time.perf_counter()
-            chosen[int(client)] = self.best_cluster(int(client))
+            picks[int(client)] = self.best_cluster(int(client))
             seconds[i] = time.perf_counter() - began
-        trained, training_s = self.train_together(self.vectorizer, step, {c: self.models[j] for c, j in chosen.items()})
-        for client, j in chosen.items():
+        trained, training_s = self.train_together(self.vectorizer, step, {c: self.models[j] for c, j in picks.items()})
+        for client, j in picks.items():
             self.report(client, j, trained[client])
         return seconds + training_s
 
     def report(self, client: int, j: int, trained: np.ndarray) -> None:
-        """Queue ``client``'s cluster and its delta from that cluster's model to ``trained``."""
-        self.outbox[self.protocol.cluster_msg.name, client] = np.array([j], dtype=np.int32)
-        self.outbox[self.protocol.delta_msg.name, client] = trained - self.models[j]
+        """Keep ``client``'s cluster and its delta from that cluster's model to ``trained``, to send."""
+        self.chosen[client] = j
+        self.deltas[client] = trained - self.models[j]
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        return self.outbox.pop((msg.name, client))
+    def send_cluster(self, step: StepContext, client: int) -> np.ndarray:
+        return np.array([self.chosen.pop(client)], dtype=np.int32)
+
+    def send_delta(self, step: StepContext, client: int) -> np.ndarray:
+        return self.deltas.pop(client)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.models[self.best_cluster(client)])

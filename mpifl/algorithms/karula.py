@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +27,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext, require
+from mpifl.algorithms.base import (
+    ClientAlgorithm,
+    Handler,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    StepContext,
+    require,
+    send_from,
+)
 from mpifl.algorithms.dissimilarity import (
     Metric,
     data_points,
@@ -186,30 +195,40 @@ class KarulaServer(ServerAlgorithm):
         self.step_metrics: dict[str, float] = {}
         self.metrics: dict[str, float] = {}
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
-        proto = self.protocol
-        if msg.name == proto.standardizer_msg.name:
-            return self.standardizer
-        if msg.name == proto.reference_msg.name:
-            return self.reference.reshape(-1)
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.moments_msg: self.pool_moments, p.standardizer_msg: self.send_standardizer,
+                p.reference_msg: self.send_reference, p.embedding_msg: self.set_up_projection,
+                p.initial_grad_msg: self.fill_table, p.curvature_msg: self.set_step_size,
+                p.model_msg: self.personal_models, p.eval_msg: self.personal_models, p.grad_msg: self.take_gradients}
+
+    def send_standardizer(self, step: StepContext) -> np.ndarray:
+        return self.standardizer
+
+    def send_reference(self, step: StepContext) -> np.ndarray:
+        return self.reference.reshape(-1)
+
+    def personal_models(self, step: StepContext) -> np.ndarray:
         return self.theta[step.clients].astype(np.float32)
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        proto = self.protocol
-        if msg.name == proto.moments_msg.name:
-            self.standardizer = pooled_standardizer(rows, self.continuous)
-        elif msg.name == proto.embedding_msg.name:
-            embeddings = rows.astype(np.float64).reshape(self.n, self.opts.reference_size, -1)
-            self.dissimilarity = dissimilarities(embeddings, self.opts.metric)
-            radii = self.opts.t * self.dissimilarity[pair_indices(self.n)]
-            self.projector = Projector(radii, self.opts.solver, self.opts.tol, self.opts.max_inner)
-        elif msg.name == proto.initial_grad_msg.name:
-            self.table[step.clients] = self.weighted(step.clients, rows) / self.n
-        elif msg.name == proto.curvature_msg.name:
-            self.lr, smoothness = theory_step_size(self.alpha[step.clients], rows[:, 0])
-            self.step_metrics = {"step_size": self.lr, "smoothness_L": smoothness}
-        else:
-            self.step(step.clients, self.weighted(step.clients, rows))
+    def pool_moments(self, step: StepContext, rows: np.ndarray) -> None:
+        self.standardizer = pooled_standardizer(rows, self.continuous)
+
+    def set_up_projection(self, step: StepContext, rows: np.ndarray) -> None:
+        embeddings = rows.astype(np.float64).reshape(self.n, self.opts.reference_size, -1)
+        self.dissimilarity = dissimilarities(embeddings, self.opts.metric)
+        radii = self.opts.t * self.dissimilarity[pair_indices(self.n)]
+        self.projector = Projector(radii, self.opts.solver, self.opts.tol, self.opts.max_inner)
+
+    def fill_table(self, step: StepContext, rows: np.ndarray) -> None:
+        self.table[step.clients] = self.weighted(step.clients, rows) / self.n
+
+    def set_step_size(self, step: StepContext, rows: np.ndarray) -> None:
+        self.lr, smoothness = theory_step_size(self.alpha[step.clients], rows[:, 0])
+        self.step_metrics = {"step_size": self.lr, "smoothness_L": smoothness}
+
+    def take_gradients(self, step: StepContext, rows: np.ndarray) -> None:
+        self.step(step.clients, self.weighted(step.clients, rows))
 
     def weighted(self, clients: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return rows.astype(np.float64) * self.alpha[clients, None]
@@ -251,7 +270,7 @@ class KarulaServer(ServerAlgorithm):
 class KarulaClient(ClientAlgorithm):
     protocol_type: type[KarulaProtocol] = KarulaProtocol
     protocol: KarulaProtocol
-    scratch: tuple[str, ...] = ("models", "outbox")
+    scratch: tuple[str, ...] = ("models", "embeddings", "initial_grads", "curvatures", "grads")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -261,35 +280,48 @@ class KarulaClient(ClientAlgorithm):
         self.standardizer = np.concatenate([np.zeros(p), np.ones(p)])
         self.reference: np.ndarray | None = None
         self.models: dict[int, np.ndarray] = {}
-        self.outbox: dict[tuple[str, int], np.ndarray] = {}
+        # what each client computed for its next upload, by client id
+        self.embeddings: dict[int, np.ndarray] = {}
+        self.initial_grads: dict[int, np.ndarray] = {}
+        self.curvatures: dict[int, np.ndarray] = {}
+        self.grads: dict[int, np.ndarray] = {}
 
     def points(self, client: int) -> np.ndarray:
         split = self.data[client]
         return data_points(host_numpy(split.x_train), host_numpy(split.y_train), self.ctx.layout.num_classes,
                            self.opts.label_scale)
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        proto = self.protocol
-        if msg.name == proto.standardizer_msg.name:
-            self.standardizer = np.array(row)
-        elif msg.name == proto.reference_msg.name:
-            self.reference = row.astype(np.float64).reshape(self.opts.reference_size, -1)
-        else:
-            self.models[client] = np.array(row)
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {p.moments_msg: self.send_moments, p.standardizer_msg: self.receive_standardizer,
+                p.reference_msg: self.receive_reference, p.embedding_msg: send_from(self.embeddings),
+                p.initial_grad_msg: send_from(self.initial_grads), p.curvature_msg: send_from(self.curvatures),
+                p.model_msg: self.receive_model, p.eval_msg: self.receive_model, p.grad_msg: send_from(self.grads)}
+
+    def send_moments(self, step: StepContext, client: int) -> np.ndarray:
+        return moments(self.points(client))
+
+    def receive_standardizer(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.standardizer = np.array(row)
+
+    def receive_reference(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.reference = row.astype(np.float64).reshape(self.opts.reference_size, -1)
+
+    def receive_model(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.models[client] = np.array(row)
 
     def compute(self, step: StepContext, client: int) -> None:
         """Set-up (round 0): the LOT embedding and the gradient at the common initial model. Later: one
         gradient at the received personalized model."""
-        proto = self.protocol
         if step.stage == "setup":
             mean, std = np.split(self.standardizer, 2)
             embedding = lot_embedding(require(self.reference, "the reference set"), (self.points(client) - mean) / std)
-            self.outbox[proto.embedding_msg.name, client] = embedding.astype(np.float32).reshape(-1)
-            self.outbox[proto.initial_grad_msg.name, client] = self.gradient(step.round, client, self.initial)
+            self.embeddings[client] = embedding.astype(np.float32).reshape(-1)
+            self.initial_grads[client] = self.gradient(step.round, client, self.initial)
             if self.opts.lr_rule == "theory":
-                self.outbox[proto.curvature_msg.name, client] = np.array([self.curvature(client)])
+                self.curvatures[client] = np.array([self.curvature(client)])
         else:
-            self.outbox[proto.grad_msg.name, client] = self.gradient(step.round, client, self.models[client])
+            self.grads[client] = self.gradient(step.round, client, self.models[client])
 
     def curvature(self, client: int) -> float:
         """L_i = λ_max(∇²f_i) of the full-batch loss at the common initial model (the start vector is keyed by
@@ -304,11 +336,6 @@ class KarulaClient(ClientAlgorithm):
         n = len(self.data[client].x_train)
         rows = torch.randperm(n, generator=client_generator(self.ctx.cfg.seed, round_, client))
         return self.gradient_at(client, params, rows[: self.ctx.cfg.client.batch_size])
-
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        if msg.name == self.protocol.moments_msg.name:
-            return moments(self.points(client))
-        return self.outbox.pop((msg.name, client))
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.models.get(client, self.initial))

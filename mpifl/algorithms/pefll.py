@@ -17,7 +17,7 @@ and keeps only the descriptors (l floats per client) for the rank correlation it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from mpifl.algorithms.base import (
     ClientAlgorithm,
+    Handler,
     Protocol,
     RunContext,
     ServerAlgorithm,
@@ -185,44 +186,56 @@ class PeFLLServer(ServerAlgorithm):
         self.scalars: dict[str, float] = {}
         self.eval_descriptors: dict[int, np.ndarray] = {}  # this evaluation's v_i by client id, chunk after chunk
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
-            return self.joint.numpy()[: self.split].copy()
-        if msg.name == p.descriptor_grad_msg.name:
-            gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
-            return gradient[rows_of(require(self.described, "the described clients"), step.clients)].numpy()
-        models = require(self.models, "the clients' models").detach().numpy()
-        if msg.name == p.eval_model_msg.name:  # an evaluation chunk's models are not needed again
-            self.models = None
+        return {p.embed_msg: self.embedding_net, p.eval_embed_msg: self.embedding_net,
+                p.descriptor_msg: self.take_descriptors, p.model_msg: self.personal_models,
+                p.delta_msg: self.backpropagate_deltas, p.descriptor_grad_msg: self.descriptor_gradients,
+                p.embed_grad_msg: self.apply_embedding_gradients,
+                p.eval_descriptor_msg: self.take_eval_descriptors, p.eval_model_msg: self.evaluated_models}
+
+    def embedding_net(self, step: StepContext) -> np.ndarray:
+        return self.joint.numpy()[: self.split].copy()
+
+    def personal_models(self, step: StepContext) -> np.ndarray:
+        return require(self.models, "the clients' models").detach().numpy()
+
+    def evaluated_models(self, step: StepContext) -> np.ndarray:
+        models, self.models = self.personal_models(step), None  # an evaluation chunk's models are not needed again
         return models
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        p = self.protocol
-        if msg.name == p.descriptor_msg.name:
-            if not self.standardizer_frozen:  # the code's scalars: mean and (unbiased) std of the first descriptor
-                first = torch.from_numpy(rows[0].copy())
-                self.shift, self.scale = float(first.mean()), float(first.std())
-                self.standardizer_frozen = True
-            self.described = step.clients
-            self.descriptors = torch.tensor(rows, requires_grad=True)
-            self.models = self.hyper((self.descriptors - self.shift) / self.scale)
-        elif msg.name == p.eval_descriptor_msg.name:
-            with torch.no_grad():
-                self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
-            self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
-        elif msg.name == p.delta_msg.name:  # only the clients whose Δθ was accepted: their rows of h(V)
-            self.joint.grads.zero_()
-            accepted, models = step.clients, require(self.models, "the round's models")
-            if len(accepted) < len(require(self.described, "the described clients")):
-                models = models[rows_of(require(self.described, "the described clients"), accepted)]
-            models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
-            self.joint.grads[self.split :] /= len(accepted)
-            self.models = None
-        else:
-            grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
-            grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
-            self.step(grads)
+    def descriptor_gradients(self, step: StepContext) -> np.ndarray:
+        gradient = require(require(self.descriptors, "the round's descriptors").grad, "their gradient")
+        return gradient[rows_of(require(self.described, "the described clients"), step.clients)].numpy()
+
+    def take_descriptors(self, step: StepContext, rows: np.ndarray) -> None:
+        if not self.standardizer_frozen:  # the code's scalars: mean and (unbiased) std of the first descriptor
+            first = torch.from_numpy(rows[0].copy())
+            self.shift, self.scale = float(first.mean()), float(first.std())
+            self.standardizer_frozen = True
+        self.described = step.clients
+        self.descriptors = torch.tensor(rows, requires_grad=True)
+        self.models = self.hyper((self.descriptors - self.shift) / self.scale)
+
+    def take_eval_descriptors(self, step: StepContext, rows: np.ndarray) -> None:
+        with torch.no_grad():
+            self.models = rowwise(self.hyper, (torch.from_numpy(rows.copy()) - self.shift) / self.scale)
+        self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
+
+    def backpropagate_deltas(self, step: StepContext, rows: np.ndarray) -> None:
+        """Only the clients whose Δθ was accepted: their rows of h(V)."""
+        self.joint.grads.zero_()
+        accepted, models = step.clients, require(self.models, "the round's models")
+        if len(accepted) < len(require(self.described, "the described clients")):
+            models = models[rows_of(require(self.described, "the described clients"), accepted)]
+        models.backward(torch.from_numpy(rows.copy()))  # Σ_i J_hᵀΔθ_i into η_h's grads, Δv_i into v_i
+        self.joint.grads[self.split :] /= len(accepted)
+        self.models = None
+
+    def apply_embedding_gradients(self, step: StepContext, rows: np.ndarray) -> None:
+        grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients
+        grads[: self.split] = torch.from_numpy(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))
+        self.step(grads)
 
     def step(self, mean_delta: torch.Tensor) -> None:
         """Alg. 2's update η ← (1 − 2βλ)η + mean Δη, or Adam descending −mean Δη (the code's default)."""
@@ -314,6 +327,15 @@ class HyperClient(ClientAlgorithm):
         self.eval_models: dict[int, np.ndarray] = {}
         self.vectorizer = self.vectorizer_if(cpu_default=False)
 
+    def receive_start(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.start[client] = row
+
+    def receive_eval_model(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.eval_models[client] = row
+
+    def send_delta(self, step: StepContext, client: int) -> np.ndarray:
+        return self.deltas.pop(client)
+
     def train_from(self, client: int, generator: torch.Generator) -> TrainStats:
         start = self.start.pop(client)
         self.workspace.load(start)
@@ -363,30 +385,32 @@ class PeFLLClient(HyperClient):
         self.batches: dict[int, torch.Tensor] = {}
         self.descriptor_grads: dict[int, np.ndarray] = {}
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name in (p.embed_msg.name, p.eval_embed_msg.name):
-            self.embed.load(row)
-        elif msg.name == p.model_msg.name:
-            self.start[client] = row
-        elif msg.name == p.eval_model_msg.name:
-            self.eval_models[client] = row
-        else:
-            self.descriptor_grads[client] = row
+        return {p.embed_msg: self.receive_embedding_net, p.eval_embed_msg: self.receive_embedding_net,
+                p.descriptor_msg: self.send_descriptor, p.model_msg: self.receive_start,
+                p.delta_msg: self.send_delta, p.descriptor_grad_msg: self.receive_descriptor_gradient,
+                p.embed_grad_msg: self.send_embedding_gradient,
+                p.eval_descriptor_msg: self.send_eval_descriptor, p.eval_model_msg: self.receive_eval_model}
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        p = self.protocol
-        if msg.name == p.descriptor_msg.name:
-            rows = descriptor_rows(self.ctx.cfg.seed, step.round, client, len(self.data[client].y_train),
-                                   self.ctx.options.descriptor_batch)
-            self.batches[client] = rows
-            with torch.no_grad():
-                return host_numpy(self.describe(client, rows))
-        if msg.name == p.eval_descriptor_msg.name:
-            return self.describe_all(client)
-        if msg.name == p.delta_msg.name:
-            return self.deltas.pop(client)
-        # Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: backpropagate the server's Δv_i through φ on the same batch
+    def receive_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.embed.load(row)
+
+    def receive_descriptor_gradient(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.descriptor_grads[client] = row
+
+    def send_descriptor(self, step: StepContext, client: int) -> np.ndarray:
+        rows = descriptor_rows(self.ctx.cfg.seed, step.round, client, len(self.data[client].y_train),
+                               self.ctx.options.descriptor_batch)
+        self.batches[client] = rows
+        with torch.no_grad():
+            return host_numpy(self.describe(client, rows))
+
+    def send_eval_descriptor(self, step: StepContext, client: int) -> np.ndarray:
+        return self.describe_all(client)
+
+    def send_embedding_gradient(self, step: StepContext, client: int) -> np.ndarray:
+        """Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: the server's Δv_i backpropagated through φ on the same batch."""
         v = self.describe(client, self.batches.pop(client))
         self.embed.compute_gradient(torch.dot(v, torch.from_numpy(self.descriptor_grads.pop(client)).to(v.device)))
         return host_numpy(self.embed.grads)

@@ -34,7 +34,6 @@ from torch import nn
 
 from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
-from mpifl.comm.messages import Message
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, local_sgd, planned_samples, planned_step_counts, training_batches
@@ -81,7 +80,7 @@ class PerFedAvgServer(FedAvgServer):
     protocol_type: type[PerFedAvgProtocol] = PerFedAvgProtocol
     protocol: PerFedAvgProtocol
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
+    def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
         self.model.step(weighted_sum(rows, np.full(len(rows), 1 / len(rows))))  # every client weighs 1
 
 

@@ -19,7 +19,7 @@ embeddings, so the server holds K models and K new embeddings in flight, plus l 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, ServerAlgorithm, StepContext, require
+from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require
 from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rows_of, rowwise
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -102,45 +102,54 @@ class PFedHNServer(ServerAlgorithm):
         self.models: torch.Tensor | None = None
         self.scalars: dict[str, float] = {}
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name == p.model_msg.name:
-            self.models = self.hyper(self.table(torch.from_numpy(step.clients)))
-            self.sent = step.clients
-        elif msg.name == p.newcomer_model_msg.name:
-            if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
-                self.newcomers = self.newcomer_init[torch.tensor(step.clients)]
-                self.newcomer_velocity = torch.zeros_like(self.newcomers)
-            newcomers = require(self.newcomers, "the new clients' embeddings").requires_grad_(True)
-            self.models = rowwise(self.hyper, newcomers)
-        else:
-            with torch.no_grad():
-                ids = torch.tensor(step.clients)
-                new = torch.from_numpy(self.ctx.layout.unseen[step.clients])
-                embeddings = torch.where(new[:, None], self.adapted[ids], self.table.weight[ids])
-                return rowwise(self.hyper, embeddings).numpy()
+        return {p.model_msg: self.personal_models, p.delta_msg: self.step_hypernetwork,
+                p.newcomer_model_msg: self.newcomer_models, p.newcomer_delta_msg: self.adapt_newcomers,
+                p.eval_model_msg: self.evaluated_models}
+
+    def personal_models(self, step: StepContext) -> np.ndarray:
+        self.models = self.hyper(self.table(torch.from_numpy(step.clients)))
+        self.sent = step.clients
         return self.models.detach().numpy()
 
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        cotangent = -torch.from_numpy(rows.copy())  # θ_i − θ_i^new
-        if msg.name == self.protocol.delta_msg.name:  # only the accepted clients' rows of h(E)
-            self.joint.grads.zero_()
-            models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
-            if len(step.clients) < len(sent):
-                models = models[rows_of(sent, step.clients)]
-            models.backward(cotangent / len(step.clients))
-            self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
-            self.optimizer.step()
-        else:  # each new client's embedding follows its own gradient; h stays frozen
-            opts = self.ctx.options
-            newcomers = require(self.newcomers, "the new clients' embeddings")
-            velocity = require(self.newcomer_velocity, "their momentum")
-            (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, cotangent)
-            with torch.no_grad():
-                velocity.mul_(opts.momentum).add_(grad)
-                self.newcomers = newcomers.detach() - opts.new_client_lr * velocity
-                self.adapted[torch.tensor(step.clients)] = self.newcomers
-            self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
+    def newcomer_models(self, step: StepContext) -> np.ndarray:
+        if self.newcomer_steps == 0:  # every evaluation adapts new clients afresh from the same start
+            self.newcomers = self.newcomer_init[torch.tensor(step.clients)]
+            self.newcomer_velocity = torch.zeros_like(self.newcomers)
+        newcomers = require(self.newcomers, "the new clients' embeddings").requires_grad_(True)
+        self.models = rowwise(self.hyper, newcomers)
+        return self.models.detach().numpy()
+
+    @torch.no_grad()
+    def evaluated_models(self, step: StepContext) -> np.ndarray:
+        ids = torch.tensor(step.clients)
+        new = torch.from_numpy(self.ctx.layout.unseen[step.clients])
+        embeddings = torch.where(new[:, None], self.adapted[ids], self.table.weight[ids])
+        return rowwise(self.hyper, embeddings).numpy()
+
+    def step_hypernetwork(self, step: StepContext, rows: np.ndarray) -> None:
+        """Only the accepted clients' rows of h(E), each with cotangent θ_i − θ_i^new."""
+        self.joint.grads.zero_()
+        models, sent = require(self.models, "the round's models"), require(self.sent, "their clients")
+        if len(step.clients) < len(sent):
+            models = models[rows_of(sent, step.clients)]
+        models.backward(-torch.from_numpy(rows.copy()) / len(step.clients))
+        self.scalars = {"update_norm": clip_(self.joint.grads, self.ctx.options.clip_norm)}
+        self.optimizer.step()
+        self.models = None
+
+    def adapt_newcomers(self, step: StepContext, rows: np.ndarray) -> None:
+        """Each new client's embedding follows its own gradient; h stays frozen."""
+        opts = self.ctx.options
+        newcomers = require(self.newcomers, "the new clients' embeddings")
+        velocity = require(self.newcomer_velocity, "their momentum")
+        (grad,) = torch.autograd.grad(require(self.models, "their models"), newcomers, -torch.from_numpy(rows.copy()))
+        with torch.no_grad():
+            velocity.mul_(opts.momentum).add_(grad)
+            self.newcomers = newcomers.detach() - opts.new_client_lr * velocity
+            self.adapted[torch.tensor(step.clients)] = self.newcomers
+        self.newcomer_steps = (self.newcomer_steps + 1) % opts.new_client_rounds
         self.models = None
 
     def round_metrics(self) -> dict[str, float]:
@@ -160,14 +169,15 @@ class PFedHNClient(HyperClient):
         super().__init__(ctx, data, state)
         self.newcomer_steps: dict[int, int] = {}  # a new client's adaptation step within this evaluation
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
+    def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        if msg.name == p.eval_model_msg.name:
-            self.eval_models[client] = row
-            return
+        return {p.model_msg: self.receive_start, p.delta_msg: self.send_delta, p.newcomer_model_msg:
+                self.receive_newcomer_start, p.newcomer_delta_msg: self.send_delta,
+                p.eval_model_msg: self.receive_eval_model}
+
+    def receive_newcomer_start(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.start[client] = row
-        if msg.name == p.newcomer_model_msg.name:
-            self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
+        self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
 
     def compute(self, step: StepContext, client: int) -> None:
         if step.stage == "newcomer":  # a new client adapting its embedding: not a training loss
@@ -176,5 +186,3 @@ class PFedHNClient(HyperClient):
         else:
             super().compute(step, client)
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        return self.deltas.pop(client)

@@ -19,12 +19,12 @@ twice FedAvg's bytes (the ledger's ``control``/``control_delta`` rows).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import RunContext, StepContext, weighted_sum
+from mpifl.algorithms.base import Handler, RunContext, StepContext, weighted_sum
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
@@ -94,17 +94,18 @@ class ScaffoldServer(FedAvgServer):
         super().__init__(ctx)
         self.control = np.zeros_like(self.params)
 
-    def payload(self, msg: Message, step: StepContext) -> np.ndarray:
-        return self.control if msg.name == self.protocol.control_msg.name else super().payload(msg, step)
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {**super().handlers(), p.control_msg: self.global_control, p.control_delta_msg: self.apply_controls}
+
+    def global_control(self, step: StepContext) -> np.ndarray:
+        return self.control
+
+    def apply_controls(self, step: StepContext, rows: np.ndarray) -> None:
+        self.control = update_control(self.control, rows, population_weights(self.ctx, step.clients))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {**super().final_state(), "control": self.control}
-
-    def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        if msg.name == self.protocol.control_delta_msg.name:
-            self.control = update_control(self.control, rows, population_weights(self.ctx, step.clients))
-        else:
-            super().consume(msg, step, rows)
 
 
 class ScaffoldClient(FedAvgClient):
@@ -118,11 +119,12 @@ class ScaffoldClient(FedAvgClient):
         self.gradients: dict[int, GradientMean] = {}
         self.control_deltas: dict[int, np.ndarray] = {}
 
-    def receive(self, msg: Message, step: StepContext, client: int, row: np.ndarray) -> None:
-        if msg.name == self.protocol.control_msg.name:
-            self.global_control[client] = row
-        else:
-            super().receive(msg, step, client, row)
+    def handlers(self) -> Mapping[Message, Handler]:
+        p = self.protocol
+        return {**super().handlers(), p.control_msg: self.receive_control, p.control_delta_msg: self.send_control}
+
+    def receive_control(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        self.global_control[client] = row
 
     def own_control(self, client: int) -> np.ndarray:
         own = self.state.get(client, "control")
@@ -139,7 +141,5 @@ class ScaffoldClient(FedAvgClient):
         self.control_deltas[client] = new - own
         self.state.edit(client)["control"] = new
 
-    def send(self, msg: Message, step: StepContext, client: int) -> np.ndarray:
-        if msg.name == self.protocol.control_delta_msg.name:
-            return self.control_deltas.pop(client)
-        return super().send(msg, step, client)
+    def send_control(self, step: StepContext, client: int) -> np.ndarray:
+        return self.control_deltas.pop(client)

@@ -83,7 +83,7 @@ class ClientState:
         """Clients that have committed state, in id order."""
         return sorted(self._spilled.union(self._committed))
 
-    def export(self, clients: Iterable[int] | None = None) -> dict[int, StateDict]:
+    def export_states(self, clients: Iterable[int] | None = None) -> dict[int, StateDict]:
         """Committed states (all, or of ``clients``) by client id, e.g. for a checkpoint; a spilled state is read
         from disk without being kept in memory."""
         ids = self.clients() if clients is None else [int(c) for c in clients]
@@ -95,7 +95,7 @@ class ClientState:
                 out[client] = self._load(client)
         return out
 
-    def restore(self, states: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+    def import_states(self, states: Mapping[int, Mapping[str, np.ndarray]]) -> None:
         """Take these committed states (e.g. read back from a checkpoint), replacing what was there."""
         for client, state in states.items():
             self._keep(int(client), {name: _frozen(name, np.asarray(value)) for name, value in state.items()})

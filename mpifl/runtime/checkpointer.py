@@ -17,12 +17,13 @@ import numpy as np
 
 from mpifl.algorithms.base import ServerAlgorithm
 from mpifl.algorithms.state import ClientState
-from mpifl.checkpoint import load_client_states, load_state_blob, read_checkpoint, state_blob, write_client_shard
 from mpifl.comm import Transport
-from mpifl.config import RunConfig, config_to_dict, parse_config
+from mpifl.config import RunConfig, config_to_dict
+from mpifl.registry import parse_config
 from mpifl.results import SHARDS, Results, shard_dir
-from mpifl.runtime.clock import RankClock
+from mpifl.runtime.timing import RankTimes
 from mpifl.schema import ConfigError
+from mpifl.state_io import load_client_states, load_state_blob, read_checkpoint, state_blob, write_client_shard
 
 
 def shard_name(round_: int, rank: int) -> str:
@@ -30,8 +31,8 @@ def shard_name(round_: int, rank: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, transport: Transport, clock: RankClock, output: Path):
-        self.transport, self.clock, self.output = transport, clock, output
+    def __init__(self, transport: Transport, times: RankTimes, output: Path):
+        self.transport, self.times, self.output = transport, times, output
         self.latest: dict[str, Any] | None = None  # rank 0: {"round": r, "blobs": {"server": ..., "worker_R": ...}}
 
     def take(self, round_: int, server: ServerAlgorithm | None, state: ClientState | None) -> None:
@@ -45,7 +46,7 @@ class Checkpointer:
             folder = shard_dir(self.output)
             folder.mkdir(parents=True, exist_ok=True)
             nbytes = write_client_shard(folder / shard_name(round_, self.transport.rank), state)
-        self.clock.serialization += time.perf_counter() - start
+        self.times.serialization += time.perf_counter() - start
         sizes = self.transport.gather_bytes(round_, "checkpoint", np.array([nbytes], dtype=np.int64).view(np.uint8))
         if server is None:
             return
@@ -54,9 +55,9 @@ class Checkpointer:
                     for rank, size in enumerate(sizes) if size.view(np.int64)[0] >= 0]
         shards = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
         self.latest = {"round": round_, "blobs": {"server": state_blob(server), SHARDS: shards}}
-        self.clock.serialization += time.perf_counter() - start
+        self.times.serialization += time.perf_counter() - start
 
-    def restore(self, path: Path, cfg: RunConfig, server: ServerAlgorithm | None, state: ClientState | None,
+    def load(self, path: Path, cfg: RunConfig, server: ServerAlgorithm | None, state: ClientState | None,
                 clients: np.ndarray) -> tuple[int, Results]:
         """Load the checkpoint in ``path`` into this rank (the server's state, or the states of ``clients``,
         the ones this rank hosts); returns its round and the saved results (for rank 0's tables). The config

@@ -1,18 +1,18 @@
 """Emulated client faults: drop-out, deadlines with over-selection, and broken (non-finite) updates.
 
 Which clients survive a round is decided before it starts, from (seed, round, client) and the
-network model's *expected* times (transfers plus ``seconds_per_sample`` × samples), never from
-measured wall time, so the outcome is the same for every rank count and every rerun.
+simulated clock's *expected* finish times (transfers plus ``seconds_per_sample`` × samples, :mod:`.simtime`),
+never from measured wall time, so the outcome is the same for every rank count and every rerun.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from mpifl.comm.network import NetworkModel
 from mpifl.config import FaultsConfig
 
 _DROPOUT_TAG = 0x64726F70
@@ -27,34 +27,33 @@ def selection_size(clients_per_round: int, cfg: FaultsConfig) -> int:
 @dataclass(frozen=True)
 class FaultModel:
     cfg: FaultsConfig
-    network: NetworkModel
     seed: int
 
     def selection_size(self, clients_per_round: int) -> int:
         return selection_size(clients_per_round, self.cfg)
 
-    def participants(self, round_: int, sampled: np.ndarray, wanted: int, down_bytes: int, up_bytes: int,
-                     messages: tuple[int, int], samples: np.ndarray, broadcast_bytes: int = 0) -> np.ndarray:
+    def participants(self, round_: int, sampled: np.ndarray, wanted: int,
+                     expected_finish: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """The sampled clients that take part: those that did not drop out, finish before the deadline,
-        and (with over-selection) are among the ``wanted`` first to finish. Sorted by id. A client's expected
-        finish is the network model's for the clients left after drop-out running the round together, so a
-        shared server link's contention counts (``messages``: the plan's down and up message counts)."""
-        clients = sampled
-        if self.cfg.dropout:
-            draws = np.array([np.random.default_rng([self.seed, _DROPOUT_TAG, round_, int(c)]).random()
-                              for c in clients])
-            clients = clients[draws >= self.cfg.dropout]
+        and (with over-selection) are among the ``wanted`` first to finish. Sorted by id. ``expected_finish``
+        gives the finish times of the clients left after drop-out running the round together (so a shared
+        server link's contention counts); it is asked only with a deadline or over-selection."""
+        clients = self.survivors_of_dropout(round_, sampled)
         if self.cfg.deadline_s is None and not self.cfg.over_selection:
             return clients
-        n = len(clients)
-        expected = self.network.round_seconds(
-            clients, np.full(n, down_bytes), np.full(n, messages[0]), np.full(n, up_bytes), np.full(n, messages[1]),
-            self.network.seconds_per_sample[clients] * samples[clients], broadcast_bytes,
-        )
+        expected = expected_finish(clients)
         if self.cfg.deadline_s is not None:
             clients, expected = clients[expected <= self.cfg.deadline_s], expected[expected <= self.cfg.deadline_s]
         first = np.lexsort((clients, expected))[:wanted]
         return np.sort(clients[first])
+
+    def survivors_of_dropout(self, round_: int, clients: np.ndarray) -> np.ndarray:
+        """The ``clients`` that do not fail before they send (``faults.dropout``)."""
+        if not self.cfg.dropout:
+            return clients
+        draws = np.array([np.random.default_rng([self.seed, _DROPOUT_TAG, round_, int(c)]).random()
+                          for c in clients])
+        return clients[draws >= self.cfg.dropout]
 
     def corrupted(self, round_: int, clients: np.ndarray) -> np.ndarray:
         """Which of ``clients`` send NaN in place of this round's training uploads (``faults.corrupt``: a

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from mpifl.config import load_config
+from mpifl.registry import load_config
 from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
@@ -31,6 +31,27 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, ConfigError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _prepare_everywhere(engine, comm) -> int | None:  # noqa: ANN001 - an Engine, an mpi4py Comm
+    """Prepare the engine on every rank; the ranks agree on the outcome (one small ``allgather``) and rank 0
+    reports the first failure as one line. Returns the exit code of a failed set-up, ``None`` when all went well."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    failure = None
+    try:
+        engine.prepare()
+    except Exception as exc:  # noqa: BLE001 - reported once, below, for whichever rank raised
+        failure = (rank, isinstance(exc, ConfigError), _describe(exc), traceback.format_exc())
+    failures = [f for f in (comm.allgather(failure) if size > 1 else [failure]) if f is not None]
+    if not failures:
+        return None
+    first = failures[0]
+    if rank == 0:
+        where = f" (rank {first[0]})" if size > 1 and not first[1] else ""
+        _error(f"{first[2]}{where}")
+        if os.environ.get("MPIFL_DEBUG"):
+            sys.stderr.write(first[3])
+    return EXIT_BAD_INPUT if all(f[1] for f in failures) else EXIT_FAILURE
 
 
 def run_job(config_path: str, overrides: list[str], output: str | None, quiet: bool = False,
@@ -54,21 +75,9 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
         return EXIT_BAD_INPUT
     output = resume or output
     engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume), profile=profile)
-    failure = None
-    try:
-        engine.setup()
-    except Exception as exc:  # noqa: BLE001 - reported once, below, for whichever rank raised
-        failure = (rank, isinstance(exc, ConfigError), _describe(exc), traceback.format_exc())
-    failures = [f for f in (comm.allgather(failure) if size > 1 else [failure]) if f is not None]
-    if failures:
-        first = failures[0]
-        if rank == 0:
-            where = f" (rank {first[0]})" if size > 1 and not first[1] else ""
-            _error(f"{first[2]}{where}")
-            if os.environ.get("MPIFL_DEBUG"):
-                sys.stderr.write(first[3])
-        return EXIT_BAD_INPUT if all(f[1] for f in failures) else EXIT_FAILURE
-
+    failed = _prepare_everywhere(engine, comm)
+    if failed is not None:
+        return failed
     if rank == 0 and not quiet:
         start = f"from round {engine.start_round}, " if resume else ""
         print(f"mpifl: {cfg.algorithm} on {cfg.data.dataset}, {engine.layout.num_clients} clients, "

@@ -17,26 +17,26 @@ import numpy as np
 import torch
 
 from mpifl import __version__
+from mpifl.algorithms.base import EvalLayout
 from mpifl.comm import Ledger, PhysicalLog
 from mpifl.comm.ledger import STAGES
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout
 from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
 from mpifl.runtime.metrics import summarize
-from mpifl.training.sgd import EVAL_FIELDS
 
 
 class Recorder:
     """The tables of a run (kept on rank 0) and the file they are written to."""
 
-    def __init__(self, cfg: RunConfig, layout: FederatedLayout, eval_kinds: tuple[str, ...],
-                 eval_splits: tuple[str, ...], output: Path, world_size: int):
+    def __init__(self, cfg: RunConfig, layout: FederatedLayout, eval_layout: EvalLayout, output: Path,
+                 world_size: int, owner: np.ndarray):
         self.cfg, self.layout, self.output, self.world_size = cfg, layout, output, world_size
-        self.eval_kinds, self.eval_splits = eval_kinds, eval_splits
+        self.eval_layout = eval_layout
+        self.owner = owner  # each client's home rank (the clients table)
         self.rounds, self.evaluations = Table(), Table()
         self.diagnostics: dict[str, set[str]] = {"rounds": set(), "eval": set()}  # the algorithm's own columns
         self.final_rows: np.ndarray | None = None  # the last evaluation's per-client rows
-        self.owner: np.ndarray | None = None  # each client's home rank (the clients table)
         self.started = time.time()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpifl-results")
         self.pending_write: Future | None = None
@@ -61,7 +61,7 @@ class Recorder:
         self.final_rows, self.clients_changed = rows, True
         row: dict[str, float] = {"round": round_, "cum_logical_bytes": float(train_bytes)}
         regression = self.layout.task == "regression"
-        for (kind, split), block in self.blocks(rows):
+        for (kind, split), block in self.eval_layout.blocks(rows):
             prefix = "" if split == "test" else f"{split}_"
             for group, mask in (("seen", ~self.layout.unseen), ("unseen", self.layout.unseen)):
                 for name, value in summarize(block[mask], regression).items():
@@ -70,18 +70,12 @@ class Recorder:
         self.diagnostics["eval"].update(extra)
         self.evaluations.append(row)
 
-    def blocks(self, rows: np.ndarray) -> list[tuple[tuple[str, str], np.ndarray]]:
-        """The :data:`EVAL_FIELDS` columns of each (model kind, data split) in evaluation rows."""
-        pairs = [(kind, split) for kind in self.eval_kinds for split in self.eval_splits]
-        width = len(EVAL_FIELDS)
-        return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(pairs)]
-
     def progress_line(self, round_: int) -> str:
         """The line printed at an evaluation: the newest scores, and the median wall time of the last 100 rounds
         (recent rows only, so printing costs the same at round 10,000 as at round 10)."""
         last = self.evaluations.since(self.evaluations.length - 1)
         rounds = self.rounds.since(max(self.rounds.length - 100, 0))
-        kind = self.eval_kinds[0]
+        kind = self.eval_layout.kinds[0]
         parts = [f"round {round_:>{len(str(self.cfg.rounds))}}/{self.cfg.rounds}"]
         for group in ("seen", "unseen"):
             key = f"{kind}.{group}.acc_pooled"
@@ -92,7 +86,7 @@ class Recorder:
         parts.append(f"{np.median(rounds['wall_time_s']):.3f} s/round")
         return " | ".join(parts)
 
-    def restore(self, saved: Results, round_: int) -> None:
+    def continue_from(self, saved: Results, round_: int) -> None:
         """Start from a results file's rows up to ``round_`` (resuming a run): rank 0's tables here, and the
         file's appended tables continue after their rows up to that round (later ones are overwritten)."""
         for table, target in (("rounds", self.rounds), ("eval", self.evaluations)):
@@ -178,7 +172,7 @@ class Recorder:
             "config": yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False),
             "algorithm": self.cfg.algorithm,
             "world_size": self.world_size,
-            "eval_kinds": list(self.eval_kinds),
+            "eval_kinds": list(self.eval_layout.kinds),
             "task": self.layout.task,
             "mpifl_version": __version__,
             "python_version": sys.version.split()[0],
@@ -211,11 +205,10 @@ class Recorder:
             "client": np.arange(layout.num_clients),
             "unseen": layout.unseen.astype(np.int8),
             "train_size": layout.train_sizes,
+            "owner": self.owner,
         }
-        if self.owner is not None:
-            table["owner"] = self.owner
         if self.final_rows is not None:
-            for (kind, split), block in self.blocks(self.final_rows):
+            for (kind, split), block in self.eval_layout.blocks(self.final_rows):
                 if split != "test":
                     continue
                 n = np.maximum(block[:, 0], 1)

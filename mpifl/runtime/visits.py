@@ -13,24 +13,41 @@ round; dynamic placement keeps visitors few (a client stays home while its home 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
 from mpifl.algorithms.state import ClientState, pack_states, unpack_states
 from mpifl.comm import Placement, Transport
 from mpifl.comm.transport import exchange_names
-from mpifl.runtime.clock import RankClock
 from mpifl.runtime.store import ClientStore
+from mpifl.runtime.timing import RankTimes
 
 OUTWARD, HOMEWARD = "visitor_state", "visitor_state_home"  # the two exchanges' names in the physical log
 
 
 class Visits:
+    """Where a round's clients compute: at home (static placement), or (``dynamic``) re-spread over the workers
+    by their planned samples, visitors taking their state along."""
+
     def __init__(self, transport: Transport, home: Placement, store: ClientStore | None, state: ClientState | None,
-                 clock: RankClock):
-        self.transport, self.home, self.store, self.state, self.clock = transport, home, store, state, clock
+                 times: RankTimes, dynamic: bool = False, samples: np.ndarray | None = None):
+        self.transport, self.home, self.store, self.state, self.times = transport, home, store, state, times
+        self.dynamic, self.samples = dynamic, samples
         self.visitors = np.zeros(0, dtype=np.int64)
         self.moved_states = 0  # visits that took a client's state along (counted on the way out)
+
+    @contextmanager
+    def placed(self, round_: int, clients: np.ndarray) -> Iterator[Placement]:
+        """The round's placement of ``clients``, its messages moved under it and its visitors there meanwhile."""
+        placement = self.home
+        if self.dynamic and self.samples is not None:
+            placement = placement.for_round(clients, self.samples[clients])
+        with self.transport.placed(placement):
+            self.arrive(round_, placement, clients)
+            yield placement
+            self.depart(round_, placement)
 
     def arrive(self, round_: int, placement: Placement, clients: np.ndarray) -> None:
         """Before the round: this round's visitors' data is staged where they visit and their state goes there."""
@@ -68,15 +85,15 @@ class Visits:
         sent = 0
         if self.state is not None:
             for rank in np.unique(destination[clients]):
-                states = self.state.export(clients[destination[clients] == rank])
+                states = self.state.export_states(clients[destination[clients] == rank])
                 if states:
                     outgoing[int(rank)] = pack_states(states)
                     sent += len(states)
-        self.clock.serialization += time.perf_counter() - start
+        self.times.serialization += time.perf_counter() - start
         incoming = self.transport.exchange(round_, name, outgoing)
         start = time.perf_counter()
         if self.state is not None:
             for blob in incoming.values():
-                self.state.restore(unpack_states(blob))
-        self.clock.serialization += time.perf_counter() - start
+                self.state.import_states(unpack_states(blob))
+        self.times.serialization += time.perf_counter() - start
         return sent

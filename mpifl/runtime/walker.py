@@ -18,10 +18,11 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
+from mpifl.comm.secagg import UNMASKING_ROUND
 from mpifl.comm.wire import BROADCAST, WireFormat
-from mpifl.runtime.clock import RankClock
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
+from mpifl.runtime.timing import RankTimes
 
 LEDGER_STAGES: dict[Stage, str] = {"setup": "setup", "train": "train", "newcomer": "eval", "eval_prelude": "eval",
                                    "eval": "eval"}
@@ -35,6 +36,33 @@ class Walk:
     local: np.ndarray  # this rank's clients still taking part at the end (ascending ids)
     seconds: np.ndarray  # their compute seconds during the walk
     clients: np.ndarray  # every client still taking part at the end
+    rejected: int = 0  # training uploads rejected as non-finite (every rank learns the verdicts)
+
+
+@dataclass
+class _Progress:
+    """Who is still taking part while a plan is walked, shrinking as uploads are rejected."""
+
+    clients: np.ndarray  # every participant
+    local: np.ndarray  # this rank's participants
+    audience: np.ndarray  # who ``everyone`` steps reach (a superset of ``clients``)
+    reached: np.ndarray  # this rank's part of the audience
+    seconds: np.ndarray  # the local participants' compute seconds so far
+    corrupt: np.ndarray  # which local participants' training uploads arrive broken (faults.corrupt)
+    rejected: int = 0
+
+    def targets(self, step: Step) -> tuple[np.ndarray, np.ndarray]:
+        """Whom ``step`` reaches: every participant, or for an ``everyone`` step the audience; and this rank's."""
+        return (self.audience, self.reached) if step.everyone else (self.clients, self.local)
+
+    def keep(self, accepted: np.ndarray) -> None:
+        """Only the clients whose upload the server accepted go on."""
+        keep = np.isin(self.local, self.clients[accepted])
+        self.audience = np.setdiff1d(self.audience, self.clients[~accepted])
+        self.reached = self.reached[np.isin(self.reached, self.audience)]
+        self.clients, self.local = self.clients[accepted], self.local[keep]
+        self.seconds, self.corrupt = self.seconds[keep], self.corrupt[keep]
+        self.rejected += int((~accepted).sum())
 
 
 class PlanWalker:
@@ -42,70 +70,67 @@ class PlanWalker:
     workers (both when the job has one rank)."""
 
     def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
-                 store: ClientStore | None, faults: FaultModel, clock: RankClock, wire: WireFormat | None = None):
+                 store: ClientStore | None, faults: FaultModel, times: RankTimes, wire: WireFormat | None = None):
         self.transport, self.server, self.client, self.store = transport, server, client, store
         self.wire = wire or WireFormat()
-        self.faults, self.clock = faults, clock
-        self.rejected = 0  # training uploads rejected as non-finite since the counter was last reset
+        self.faults, self.times = faults, times
 
     def walk(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray,
              audience: np.ndarray | None = None) -> Walk:
         """Move every step of ``plan`` among ``clients`` (its ``everyone`` steps among ``audience``, a superset).
         Training drops a client whose upload is not finite; the plan ends where no client is left. The state
         edits of the clients still in are committed (of the whole audience), those of dropped ones discarded."""
-        server, client = self.server, self.client
         audience = clients if audience is None else audience
-        local = self._hosted(clients)
-        reached = self._hosted(audience)
-        started = reached
-        seconds = np.zeros(len(local))
+        local, reached = self._hosted(clients), self._hosted(audience)
         if len(reached) and self.store is not None:
             start = time.perf_counter()
             self.store.stage(reached)
-            self.clock.data += time.perf_counter() - start
+            self.times.data += time.perf_counter() - start
         corrupt = self.faults.corrupted(round_, local) if stage == "train" else np.zeros(len(local), dtype=bool)
+        now = _Progress(clients, local, audience, reached, np.zeros(len(local)), corrupt)
         context = StepContext(round_, stage, clients)
         position = 0
-        while position < len(plan) and len(clients):
+        while position < len(plan) and len(now.clients):
             step = plan[position]
             position += 1
-            targets, hosted = (audience, reached) if step.everyone else (clients, local)
-            mine = np.searchsorted(hosted, local)  # where each local participant sits among ``hosted``
-            here = context.with_clients(targets)
-            if isinstance(step, LocalCompute):
-                if client is not None and len(hosted):
-                    start = time.perf_counter()
-                    seconds += client.compute_clients(context.with_clients(hosted), hosted)[mine]
-                    self._charge_compute(start)
-            elif step.direction == "down":
-                payload = self._server(server.payload, step, here) if server is not None else None
-                rows = self._down(round_, stage, step, payload, targets, len(hosted))
-                if client is not None and len(hosted):
-                    spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
-                                      for i, c in enumerate(hosted)])
-                    seconds += spent[mine]
-            else:  # a client's update: this and the up messages right after it, accepted or rejected as a whole
+            if isinstance(step, Message) and step.direction == "up":  # an update: the up messages in a row
                 group = [step]
                 while position < len(plan) and isinstance(nxt := plan[position], Message) and nxt.direction == "up":
                     group.append(nxt)
                     position += 1
-                accepted = self._upload(round_, stage, group, here, local, seconds, corrupt)
-                if stage == "train" and accepted is not None:
-                    keep = np.isin(local, clients[accepted])
-                    audience = np.setdiff1d(audience, clients[~accepted])
-                    reached = reached[np.isin(reached, audience)]
-                    clients, local, seconds, corrupt = clients[accepted], local[keep], seconds[keep], corrupt[keep]
-        if client is not None:
-            client.state.commit(reached)
-            client.state.discard(np.setdiff1d(started, reached))
-        return Walk(local, seconds, clients)
+                self._upload(round_, stage, group, context.with_clients(now.clients), now)
+            else:
+                self._move_down_or_compute(round_, stage, step, context, now)
+        if self.client is not None:
+            self.client.state.commit(now.reached)
+            self.client.state.discard(np.setdiff1d(reached, now.reached))
+        return Walk(now.local, now.seconds, now.clients, now.rejected)
 
-    def _upload(self, round_: int, stage: Stage, group: list[Message], step: StepContext, local: np.ndarray,
-                seconds: np.ndarray, corrupt: np.ndarray) -> np.ndarray | None:
+    def _move_down_or_compute(self, round_: int, stage: Stage, step: Step, context: StepContext,
+                              now: _Progress) -> None:
+        """A local step (the hosted targets compute) or a down message (the server's payload to its targets)."""
+        server, client = self.server, self.client
+        targets, hosted = now.targets(step)
+        mine = np.searchsorted(hosted, now.local)  # where each local participant sits among ``hosted``
+        if isinstance(step, LocalCompute):
+            if client is not None and len(hosted):
+                start = time.perf_counter()
+                now.seconds += client.compute_clients(context.with_clients(hosted), hosted)[mine]
+                self._charge_compute(start)
+            return
+        here = context.with_clients(targets)
+        payload = self._server(server.payload, step, here) if server is not None else None
+        rows = self._down(round_, stage, step, payload, targets, len(hosted))
+        if client is not None and len(hosted):
+            spent = np.array([self._client(client.receive, step, here, int(c), rows[i])
+                              for i, c in enumerate(hosted)])
+            now.seconds += spent[mine]
+
+    def _upload(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress) -> None:
         """Move one update (``group``'s messages) of ``step.clients`` to the server, which screens it and, in
-        training, tells every rank its verdict before consuming the accepted rows. Adds the local clients'
-        send times to ``seconds``; returns which clients were accepted (``None`` on a worker outside training)."""
-        server, client, clients = self.server, self.client, step.clients
+        training, tells every rank its verdict before consuming the accepted rows; only the accepted clients go
+        on. Adds the local clients' send times to their seconds."""
+        server, client, clients, local = self.server, self.client, step.clients, now.local
         blocks = []
         for msg in group:
             rows = np.empty((len(local), msg.numel), dtype=msg.dtype)
@@ -113,9 +138,9 @@ class PlanWalker:
                 for i, c in enumerate(local):
                     start = time.perf_counter()
                     rows[i] = self.wire.client_upload(msg, round_, int(c), client.send(msg, step, int(c)))
-                    seconds[i] += self._charge_compute(start)
+                    now.seconds[i] += self._charge_compute(start)
             if rows.dtype.kind == "f":
-                rows[corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
+                rows[now.corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
             blocks.append(rows)
         gathered = self._up(round_, LEDGER_STAGES[stage], group, blocks, clients, local)
         accepted = self._screen(round_, stage, group, clients, gathered) if server is not None else None
@@ -127,7 +152,8 @@ class PlanWalker:
             for msg, rows_in in zip(group, gathered):
                 rows_in = self.wire.server_noise(msg, round_, require(rows_in, "the gathered rows")[keep])
                 self._server(server.consume, msg, step.with_clients(clients[accepted]), rows_in)
-        return accepted
+        if stage == "train" and accepted is not None:
+            now.keep(accepted)
 
     def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,
               hosted: int) -> np.ndarray:
@@ -142,7 +168,7 @@ class PlanWalker:
             keys = [BROADCAST] if msg.broadcast else [int(c) for c in targets]
             blobs = [self.wire.encode(msg, round_, key, row, None)[0]
                      for key, row in zip(keys, payload.reshape(len(keys), msg.numel))]
-        self.clock.serialization += time.perf_counter() - start
+        self.times.serialization += time.perf_counter() - start
         arrived = self.transport.down_blobs(round_, LEDGER_STAGES[stage], msg, blobs, targets)
         start = time.perf_counter()
         if msg.broadcast:  # one encoding for everyone: decoded once
@@ -150,7 +176,7 @@ class PlanWalker:
             rows = np.broadcast_to(row, (hosted, msg.numel))
         else:
             rows = np.array([self.wire.decode(msg, blob) for blob in arrived], dtype=msg.dtype).reshape(-1, msg.numel)
-        self.clock.serialization += time.perf_counter() - start
+        self.times.serialization += time.perf_counter() - start
         return rows
 
     def _up(self, round_: int, stage: str, group: list[Message], blocks: list[np.ndarray], clients: np.ndarray,
@@ -167,13 +193,13 @@ class PlanWalker:
                 continue
             start = time.perf_counter()
             blobs = [self._encode_upload(msg, round_, int(c), row) for c, row in zip(local, blocks[i])]
-            self.clock.serialization += time.perf_counter() - start
+            self.times.serialization += time.perf_counter() - start
             arrived = self.transport.up_blobs(round_, stage, msg, blobs, clients)
             if arrived is not None:
                 start = time.perf_counter()
                 out[i] = np.array([self.wire.decode(msg, blob) for blob in arrived],
                                   dtype=msg.dtype).reshape(-1, msg.numel)
-                self.clock.serialization += time.perf_counter() - start
+                self.times.serialization += time.perf_counter() - start
         return out
 
     def _encode_upload(self, msg: Message, round_: int, client: int, row: np.ndarray) -> np.ndarray:
@@ -208,7 +234,6 @@ class PlanWalker:
                 print(f"mpifl: warning: round {round_}: rejected non-finite {msg.name} of client(s) "
                       f"{bad.tolist()}", file=sys.stderr, flush=True)
             accepted &= finite
-        self.rejected += int((~accepted).sum())
         return accepted
 
     def _share_acceptance(self, round_: int, accepted: np.ndarray | None, count: int) -> np.ndarray:
@@ -217,9 +242,20 @@ class PlanWalker:
         payload = accepted.astype(np.uint8) if accepted is not None else None
         return self.transport.broadcast(round_, msg, payload).astype(bool)
 
+    def record_secure_aggregation(self, round_: int, plan: Sequence[Step], participants: np.ndarray,
+                                  survivors: np.ndarray) -> None:
+        """Rank 0: the secure-aggregation protocol's own messages of a round in the ledger (a deployment sends them;
+        the simulator does not): key advertisement and shares for every participant, the unmasking for those whose
+        masked input arrived. The masked inputs are the update messages, already counted at their masked size."""
+        numel = sum(m.numel for m in plan if isinstance(m, Message) and m.update)
+        for sent in self.wire.secagg_round(len(participants), len(survivors), numel):
+            who = survivors if sent.name in UNMASKING_ROUND else participants
+            self.transport.ledger.record(round_, "train", Message(sent.name, sent.direction, sent.nbytes, "uint8"),
+                                         who)
+
     def _charge_compute(self, start: float) -> float:
         elapsed = time.perf_counter() - start
-        self.clock.compute += elapsed
+        self.times.compute += elapsed
         return elapsed
 
     def _client(self, fn: Callable[..., Any], *args: Any) -> float:
@@ -230,6 +266,6 @@ class PlanWalker:
     def _server(self, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter()
         result = fn(*args)
-        self.clock.server += time.perf_counter() - start
+        self.times.server += time.perf_counter() - start
         return result
 

@@ -26,8 +26,8 @@ class ClientConfig:
     batch_sampling: Literal["epochs", "fresh"] = "epochs"
     augment: Literal["none", "crop_flip"] = "none"  # training batches: random crop (pad 4) + horizontal flip
     # train clients through the torch.func kernel (mpifl.training.vectorized), a rank's clients with equally many
-    # local steps as one computation: fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff, local, ifca, pefll and
-    # pfedhn with linear, logistic, mlp, cnn, lenet, convnet, resnet20 or simple_cnn; false: one client at a time;
+    # local steps as one computation: fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff, fedasync, local, ifca,
+    # pefll, pfedhn with linear, logistic, mlp, cnn, lenet, convnet, resnet20 or simple_cnn; false: one at a time;
     # auto: the kernel on a GPU, and on the CPU where it is faster and was the default (dense models with FedAvg's
     # plain step: fedavg, knnper, fedbuff). A setting of the results: the kernel and the loop may round differently
     vectorize: bool | Literal["auto"] = "auto"

@@ -12,9 +12,8 @@ import yaml
 
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext
 from mpifl.comm.messages import LocalCompute
-from mpifl.config import parse_config
 from mpifl.data import FederatedDataset, build_federated_dataset
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
 from tests.conftest import _merge, assert_same, rank_dependent, run_config

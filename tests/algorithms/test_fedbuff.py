@@ -7,8 +7,8 @@ import pytest
 
 from mpifl.algorithms.base import StepContext
 from mpifl.comm.network import NetworkModel
-from mpifl.config import parse_config
-from mpifl.runtime.asynchronous import _DISPATCH_TAG
+from mpifl.registry import parse_config
+from mpifl.runtime.asynchronous import DISPATCH_TAG
 from tests.algorithms.conftest import SHARDS, _merge, both_sides
 from tests.conftest import run_mpifl
 from tests.test_checkpoint import CONFIGS
@@ -34,19 +34,19 @@ def test_buffer_staleness_and_lost_updates_by_hand():
     server.dispatch(np.array([1, 2]), np.array([3.0, 1.0]))
     server.consume(msg, StepContext(1, "train", np.array([1, 2])), np.stack([d[1], d[2]]))
     assert server.next_arrival() == (2, 1.0)
-    assert server.arrive() and server.clock == 1.0 and server.version == 1
+    assert server.arrive() and server.now_s == 1.0 and server.version == 1
     expected = step(d[2], 1.0)
     assert np.array_equal(server.params, expected)
     server.dispatch(np.array([3]), np.array([2.0]))
     server.consume(msg, StepContext(2, "train", np.array([3])), d[3][None])
-    assert server.arrive() and server.clock == 2.0
+    assert server.arrive() and server.now_s == 2.0
     expected = step(d[3], 1.0)
     server.dispatch(np.array([4]), np.array([5.0]))  # no consume: its upload was lost
-    assert server.arrive() and server.clock == 3.0 and server.version == 3
+    assert server.arrive() and server.now_s == 3.0 and server.version == 3
     expected = step(d[1], 3.0 ** -0.5)
     assert np.array_equal(server.params, expected)
     assert server.round_metrics()["staleness_max"] == 2
-    assert server.arrive() and server.clock == 5.0 and server.version == 3
+    assert server.arrive() and server.now_s == 5.0 and server.version == 3
     assert np.array_equal(server.params, expected) and server.round_metrics()["updates_applied"] == 0
     assert server.free_slots == server.protocol.concurrency and not len(server.in_flight())
 
@@ -67,7 +67,7 @@ def test_a_step_averages_its_k_updates_over_k():
     server.dispatch(np.array([3]), np.array([9.0]))
     server.consume(msg, StepContext(2, "train", np.array([3])), a[None])
     assert not server.arrive()  # client 1 at 4 s, one step stale: weight 1/2
-    assert server.arrive() and server.clock == 9.0  # client 3, fresh
+    assert server.arrive() and server.now_s == 9.0  # client 3, fresh
     assert np.allclose(server.params, start - 0.25 + (3.0 / 2 + 0.5) / 2, rtol=0, atol=1e-6)
 
 
@@ -95,7 +95,7 @@ def replay(raw: dict, rounds: int) -> list[dict]:
             idle = np.setdiff1d(seen, sorted(flying))
             due = flying and min(t for t, _ in flying.values()) <= clock  # arrivals now come before refills
             if not due and free and len(idle):
-                rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, _DISPATCH_TAG, dispatches]))
+                rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, DISPATCH_TAG, dispatches]))
                 count = min(free, len(idle))
                 for c in np.sort(rng.choice(idle, size=count, replace=False)).tolist():
                     alone = (2 * net.latency_s[c] + 4 * numel / net.down_bytes_per_s[c]

@@ -13,8 +13,8 @@ import yaml
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.karula import KarulaServer, curvature, estimation_errors, theory_step_size
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import parse_config
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
 from tests.conftest import _merge, rank_dependent, run_config

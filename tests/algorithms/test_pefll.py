@@ -21,9 +21,9 @@ from mpifl.algorithms.pefll import (
     descriptor_rows,
 )
 from mpifl.comm.messages import Message
-from mpifl.config import load_config, parse_config
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.models import FlatModel
+from mpifl.registry import load_config, parse_config
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import hosting_all, walk
 from tests.conftest import REPO, _merge, rank_dependent

@@ -14,9 +14,8 @@ import pytest
 
 from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.comm.messages import Message
-from mpifl.config import load_config
 from mpifl.data import FederatedLayout
-from mpifl.registry import get_algorithm
+from mpifl.registry import get_algorithm, load_config
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, both_sides, walk
 from tests.algorithms.test_references import SAMPLED, TOL, config, data, grad, weights

@@ -11,9 +11,9 @@ import torch
 
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.pfedhn import PFedHNClient, PFedHNServer
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model
+from mpifl.registry import parse_config
 from tests.algorithms.conftest import both_sides, hosting_all, walk
 from tests.algorithms.test_pefll import PEFLL, assert_identical_results, evaluate_in_chunks
 from tests.conftest import _merge

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpifl.checkpoint import read_client_states
-from mpifl.config import parse_config
 from mpifl.data import build_federated_dataset
+from mpifl.registry import parse_config
 from mpifl.results import read_results
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import both_sides, walk
 from tests.conftest import _merge, run_engine
 

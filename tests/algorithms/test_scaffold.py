@@ -19,7 +19,7 @@ def test_scaffold_with_momentum_trains_as_well_as_fedavg_on_the_quickstart(tmp_p
     """The quickstart data at client momentum 0.9 (the FedALS paper's optimizer): SCAFFOLD must not diverge
     (with the printed option II its control variates grew tenfold per round: accuracy 0.10 from round 10,
     non-finite deltas by round 40) and must score like FedAvg over the run's last evaluations."""
-    from mpifl.config import load_config
+    from mpifl.registry import load_config
     from tests.conftest import REPO
 
     scores = {}

@@ -1,12 +1,14 @@
 """The network model's flow schedule (the server's shared link, multicast) against hand-derived finish times, and
 the compute model's reproducible simulated time end to end."""
 
+from collections.abc import Callable
+
 import h5py
 import numpy as np
 import pytest
 
 from mpifl.comm.network import NetworkModel, fluid_schedule, star_rates, water_fill
-from mpifl.config import parse_config
+from mpifl.registry import parse_config
 from mpifl.training.sgd import planned_samples
 from tests.conftest import TINY, _merge, run_config
 
@@ -169,8 +171,15 @@ def test_deadlines_and_over_selection_count_the_shared_server_link():
     assert seconds(shared, [1e6] * 4, [0.0] * 4, [0.0] * 4, down_messages=1, up_messages=0) == pytest.approx(
         [10 / 3, 10 / 3, 10 / 3, 10.0])
     deadline = FaultsConfig(deadline_s=2.5)
-    assert FaultModel(deadline, alone, 0).participants(1, clients, 4, 1_000_000, 0, (1, 0), samples).tolist() == [
-        0, 1, 2]
-    assert FaultModel(deadline, shared, 0).participants(1, clients, 4, 1_000_000, 0, (1, 0), samples).tolist() == []
-    keep = FaultModel(FaultsConfig(over_selection=1.0), shared, 0)
-    assert keep.participants(1, clients, 2, 1_000_000, 0, (1, 0), samples).tolist() == [0, 1]
+
+    def expected(network: NetworkModel) -> Callable[[np.ndarray], np.ndarray]:
+        def finish(chosen: np.ndarray) -> np.ndarray:
+            n = len(chosen)
+            return network.round_seconds(chosen, np.full(n, 1_000_000), np.ones(n), np.zeros(n), np.zeros(n),
+                                         network.seconds_per_sample[chosen] * samples[chosen])
+        return finish
+
+    assert FaultModel(deadline, 0).participants(1, clients, 4, expected(alone)).tolist() == [0, 1, 2]
+    assert FaultModel(deadline, 0).participants(1, clients, 4, expected(shared)).tolist() == []
+    keep = FaultModel(FaultsConfig(over_selection=1.0), 0)
+    assert keep.participants(1, clients, 2, expected(shared)).tolist() == [0, 1]

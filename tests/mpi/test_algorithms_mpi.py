@@ -3,7 +3,7 @@ same run in one process (rank 0, COMM_SELF)."""
 
 import pytest
 
-from mpifl.config import parse_config
+from mpifl.registry import parse_config
 from tests.algorithms.test_norm_eval import BN
 from tests.conftest import _merge, assert_same, deterministic, run_engine
 from tests.test_checkpoint import CONFIGS

@@ -4,8 +4,8 @@ checkpointed and resumed on the world."""
 import h5py
 import pytest
 
-from mpifl.checkpoint import read_client_states
-from mpifl.config import parse_config
+from mpifl.registry import parse_config
+from mpifl.state_io import read_client_states
 from tests.conftest import TINY, assert_same, deterministic, run_engine, shared_dir
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpifl.config import parse_config
-from mpifl.registry import known_algorithms
+from mpifl.registry import known_algorithms, parse_config
 from mpifl.results import read_results
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS

@@ -5,8 +5,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpifl.checkpoint import read_client_states
 from mpifl.results import read_results
+from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import SHARDS, _merge
 from tests.conftest import run_engine, shared_dir
 

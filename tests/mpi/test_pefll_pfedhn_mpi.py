@@ -3,7 +3,7 @@ runs in one process evaluated whole, bit for bit (``mpirun -n 3 python -m pytest
 
 import pytest
 
-from mpifl.config import parse_config
+from mpifl.registry import parse_config
 from tests.algorithms.test_pefll import PEFLL
 from tests.algorithms.test_pfedhn import PFEDHN
 from tests.conftest import assert_same, deterministic, run_engine

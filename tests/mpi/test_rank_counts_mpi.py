@@ -3,8 +3,7 @@
 
 import pytest
 
-from mpifl.config import parse_config
-from mpifl.registry import known_algorithms
+from mpifl.registry import known_algorithms, parse_config
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS
 from tests.test_vectorized import IMAGES as VECTORIZED_IMAGES

@@ -13,7 +13,7 @@ class DampedOptions:  # the config section `damped_fedavg: {rate: 0.5}`, validat
 
 
 class DampedServer(FedAvgServer):
-    def consume(self, msg, step, rows):
+    def apply_deltas(self, step, rows):  # FedAvg's handler of its "delta" message (FedAvgServer.handlers)
         mean_delta = weighted_sum(rows, self.ctx.weights(step.clients))
         self.model.step(self.ctx.options.rate * mean_delta)
 

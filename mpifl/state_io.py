@@ -1,4 +1,5 @@
-"""Checkpoints as plain HDF5 trees: every algorithm's state saved and restored without pickle.
+"""State to and from HDF5: what a checkpoint holds (when to take one and where it goes: the runtime's
+:mod:`~mpifl.runtime.checkpointer`), as plain HDF5 trees, every algorithm's state saved and restored without pickle.
 
 A worker's state is its clients' committed states (:class:`~mpifl.algorithms.state.ClientState`), one group
 per client id, so a resume hands each client's state to whichever worker hosts it now. A server
@@ -33,8 +34,8 @@ from mpifl.comm.messages import Message
 from mpifl.results import SHARDS, shard_dir
 from mpifl.schema import ConfigError
 
-SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol"})
-"""Rebuilt from the config on resume, in every server algorithm."""
+SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "handler_table"})
+"""Rebuilt from the config on resume, in every server algorithm (the handler table: from its methods)."""
 
 _TORCH_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
                                      torch.uint8, torch.bool, torch.bfloat16)}
@@ -183,7 +184,7 @@ def write_client_shard(path: Path, state: ClientState) -> int:
         states = f.create_group("states")
         states.attrs["kind"] = "dict"
         for client in state.clients():
-            write_state(states, _key(client), state.export([client])[client])
+            write_state(states, _key(client), state.export_states([client])[client])
     with open(tmp, "rb") as written:
         os.fsync(written.fileno())
     tmp.replace(path)
@@ -236,11 +237,11 @@ def load_client_states(path: str | Path, blobs: dict[str, np.ndarray], state: Cl
     mine = {int(c) for c in clients}
     for file in checkpoint_shards(path, blobs).values():
         with h5py.File(file, "r") as f:
-            state.restore(shard_states(f, mine))
+            state.import_states(shard_states(f, mine))
     for name, blob in blobs.items():
         if name.startswith("worker_"):
             with h5py.File(io.BytesIO(blob.tobytes()), "r") as f:
-                state.restore(shard_states(f, mine))
+                state.import_states(shard_states(f, mine))
 
 
 def read_checkpoint(path: str | Path) -> Any:

@@ -1,0 +1,156 @@
+"""Runs that differ only in seed, grouped, and their mean ± 2·SE (``mpifl report DIRECTORY``: a sweep's table,
+written as ``summary.md`` and ``summary.csv``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpifl.report.text import SELECTIONS, best_val_row, diagnostics, epsilon_at
+from mpifl.results import Results, flatten, read_results
+
+
+def mean_2se(values: np.ndarray) -> tuple[float, float]:
+    """Mean and 2·SE (sample standard deviation over √n; NaN for one value) of finite ``values``: the
+    spread the seed papers' tables print."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    se = values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return float(values.mean()), float(2 * se)
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """Runs whose configs differ only in ``seed`` (and output path): one row of a sweep's table, one curve of
+    its plot. ``name``: the config keys that tell it from the other groups, with its values."""
+
+    config: dict[str, Any]
+    name: dict[str, Any]
+    runs: list[tuple[Path, Results]]
+
+    @property
+    def label(self) -> str:
+        """The sweep variant its runs came from (``mpifl sweep`` names them ``VARIANT,...,seed=S.h5``), else the
+        overrides that distinguish the group (``algorithm=fedals, fedals.alpha=5``), else its algorithm."""
+        swept = all(",seed=" in path.stem for path, _ in self.runs)
+        variants = {path.stem.split(",")[0] for path, _ in self.runs}
+        if swept and len(variants) == 1 and "=" not in (variant := variants.pop()):
+            return variant
+        return ", ".join(f"{k}={v}" for k, v in self.name.items()) or str(self.config.get("algorithm"))
+
+
+def group_runs(paths: Sequence[str | Path]) -> tuple[list[RunGroup], list[str]]:
+    """Read results files (a directory: every ``*.h5`` in it) and group the runs that differ only in seed; also
+    the keys that differ between groups. An algorithm's own options count only among that algorithm's runs
+    (every config carries every algorithm's defaults), and name only its groups."""
+    import yaml
+
+    from mpifl.registry import known_algorithms
+    from mpifl.schema import ConfigError
+
+    files = [f for p in map(Path, paths) for f in (sorted(p.glob("*.h5")) if p.is_dir() else [p])]
+    if not files:
+        raise ConfigError(f"{', '.join(map(str, paths))}: no .h5 results files")
+    by_config: dict[str, tuple[dict[str, Any], list[tuple[Path, Results]]]] = {}
+    for path in files:
+        res = read_results(path, ledger=False)
+        config = {k: v for k, v in flatten(res.config).items() if k not in ("seed", "output")}
+        by_config.setdefault(yaml.safe_dump(config, sort_keys=True), (config, []))[1].append((path, res))
+    configs = [config for config, _ in by_config.values()]
+    algorithms = set(known_algorithms()) | {str(c.get("algorithm")) for c in configs}  # plug-ins' sections too
+
+    def applies(key: str, config: dict[str, Any]) -> bool:
+        section = key.split(".", 1)[0]
+        return section not in algorithms or config.get("algorithm") == section
+
+    varying = sorted(k for k in set().union(*configs)
+                     if len({repr(c.get(k)) for c in configs if applies(k, c)}) > 1)
+    groups = [RunGroup(config, {k: config.get(k, "–") for k in varying if applies(k, config)}, runs)
+              for config, runs in by_config.values()]
+    return groups, varying
+
+
+def _run_metrics(res: Results, select: str) -> dict[str, float]:
+    """One run's numbers for a sweep's table: its test accuracies (pooled and client mean, of every model kind and
+    client group) and their round at both selections, as ``NAME@final`` and ``NAME@best-val`` (NaN where the run
+    recorded no validation accuracy); and under plain names everything at ``select``: those accuracies and
+    round, the algorithm's diagnostics (see :func:`diagnostics`) and the logical training MB so far."""
+    ev = res.table("eval")
+    accuracy = [k for k in ev if k.endswith((".acc_pooled", ".acc_mean")) and ".val_" not in k]
+    at = {"final": len(ev["round"]) - 1 if ev else None, "best-val": best_val_row(res)}
+    out: dict[str, float] = {}
+    for selection, row in at.items():
+        for key in (*accuracy, "round"):
+            out[f"{key}@{selection}"] = float("nan") if row is None else float(ev[key][row])
+    row = at[select]
+    out.update({key: out[f"{key}@{select}"] for key in (*accuracy, "round")})
+    for table, by_name in diagnostics(res, -1 if row is None else row).items():
+        for name, d in by_name.items():
+            value = d["value"]
+            out[name] = float("nan") if value is None or (row is None and table == "eval") else float(value)
+    out["train_MB"] = float("nan") if row is None else float(ev["cum_logical_bytes"][row]) / 1e6
+    if "epsilon" in res.table("rounds"):
+        out["epsilon"] = epsilon_at(res, row)
+    return out
+
+
+def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
+    """Mean ± 2·SE over seeds of every group of runs in ``directory`` (:func:`group_runs`): one row per group,
+    named by the config keys that differ between groups; test accuracies at each run's best-validation and at
+    its final evaluation side by side (the ``select`` one first; ``n/a`` where no run recorded validation
+    accuracy), the algorithm's diagnostics and the logical training MB at the ``select`` one. Writes the table as
+    ``summary.md``, and every number (:func:`_run_metrics`: plain names at ``select``) as ``summary.csv``."""
+    import csv
+
+    groups, varying = group_runs([directory])
+    per_group = [[_run_metrics(res, select) for _, res in group.runs] for group in groups]
+    names = set().union(*(m for runs in per_group for m in runs))
+    plain = sorted(n for n in names if "@" not in n and n not in ("round", "train_MB")) + ["round", "train_MB"]
+    accuracy = sorted((n for n in plain if n.endswith((".acc_pooled", ".acc_mean"))),
+                      key=lambda n: (n.split(".")[:2], not n.endswith("pooled")))  # pooled, then client mean
+    diagnostic_names = [n for n in plain if n not in accuracy and n not in ("round", "train_MB")]
+    order = (select, *(s for s in SELECTIONS if s != select))
+    both = [f"{n}@{s}" for n in (*accuracy, "round") for s in order]
+    rows = []
+    for group, runs in zip(groups, per_group):
+        row: dict[str, Any] = {k: group.name.get(k, "–") for k in varying}
+        row["seeds"] = len(runs)
+        row["files"] = [str(path) for path, _ in group.runs]
+        values = {name: np.array([m.get(name, np.nan) for m in runs]) for name in (*plain, *both)}
+        row.update({name: mean_2se(v) for name, v in values.items()})
+        row["n"] = {name: int(np.isfinite(v).sum()) for name, v in values.items()}
+        rows.append(row)
+    accuracy_cells = [f"{n}@{s}" for n in accuracy for s in order]
+    shown = [*accuracy_cells, "round@best-val", *diagnostic_names, "train_MB"]
+    how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy"
+    md = [f"Test metrics at each run's evaluation with the best validation accuracy of the seen clients (`@best-val`)"
+          f" and at its final one (`@final`); diagnostics and train_MB at its {how}. Mean ± 2·SE over seeds (sample "
+          "standard deviation); (n=k): only k seeds had a value; n/a: none had (best-val needs data.val_fraction > 0).",
+          "", "| " + " | ".join([*varying, "seeds", *shown]) + " |", "|" + "---|" * (len(varying) + 1 + len(shown))]
+    for row in rows:
+        cells = [str(row[k]) for k in (*varying, "seeds")]
+        cells += [_mean_2se_cell(row[m], ".4f" if m in accuracy_cells else ".4g", row["n"][m], row["seeds"])
+                  for m in shown]
+        md.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(md)
+    (Path(directory) / "summary.md").write_text(text + "\n")
+    with open(Path(directory) / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*varying, "seeds", *(f"{m}_{s}" for m in (*plain, *both) for s in ("mean", "2se"))])
+        for row in rows:
+            writer.writerow([row[k] for k in (*varying, "seeds")] + [v for m in (*plain, *both) for v in row[m]])
+    return {"rows": rows, "text": text, "varying": varying, "selection": select}
+
+
+def _mean_2se_cell(stats: tuple[float, float], form: str, n: int, seeds: int) -> str:
+    mean, two_se = stats
+    if not np.isfinite(mean):
+        return "n/a"
+    cell = f"{mean:{form}} ± {two_se:{form}}" if np.isfinite(two_se) else f"{mean:{form}}"
+    return cell if n == seeds else f"{cell} (n={n})"

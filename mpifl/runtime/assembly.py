@@ -1,0 +1,86 @@
+"""What a run's parts are built from, and every check that needs the data layout (``mpifl validate`` runs the
+same checks): before the first collective of training, so bad input fails with one line on every rank."""
+
+from __future__ import annotations
+
+from mpifl.algorithms.base import AsynchronousProtocol, RunContext
+from mpifl.algorithms.state import ClientState
+from mpifl.comm.availability import Availability
+from mpifl.comm.privacy import check_privacy
+from mpifl.comm.wire import WireFormat
+from mpifl.config import RunConfig
+from mpifl.data import FederatedLayout
+from mpifl.registry import get_algorithm
+from mpifl.runtime.faults import selection_size
+from mpifl.schema import ConfigError
+
+
+def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
+    """What can only be checked once the data layout is known (shared by ``run`` and ``validate``):
+    enough seen clients, and an algorithm whose protocol (message sizes, model) fits the data."""
+    seen = int((~layout.unseen).sum())
+    if cfg.clients_per_round > seen:
+        raise ConfigError(f"clients_per_round: {cfg.clients_per_round} exceeds the {seen} seen clients of the data")
+    selected = selection_size(cfg.clients_per_round, cfg.faults)
+    if selected > seen:
+        raise ConfigError(f"faults.over_selection: selecting {selected} clients per round exceeds the {seen} seen "
+                          "clients of the data")
+    if cfg.client.augment != "none" and len(layout.input_shape) != 3:
+        raise ConfigError(f"client.augment: {cfg.client.augment!r} crops and flips images; the data's samples have "
+                          f"shape {layout.input_shape}")
+    ctx = RunContext(cfg, layout)
+    availability(cfg, layout)  # a trace file is read and checked here
+    protocol = get_algorithm(cfg.algorithm).server.protocol_type(ctx)
+    wire_format(cfg).check(protocol.messages())
+    if isinstance(protocol, AsynchronousProtocol):
+        check_asynchronous(cfg, protocol.concurrency, seen)
+    if cfg.privacy.mode != "off":
+        check_privacy(cfg.privacy, seen, cfg.clients_per_round)
+    return ctx
+
+
+def check_asynchronous(cfg: RunConfig, concurrency: int, seen: int) -> None:
+    """What an asynchronous protocol (FedBuff, FedAsync) cannot run with: its events are ordered by the simulated
+    clock, which must be reproducible, and the synchronous round's notions (a cohort, a deadline) do not apply."""
+    name = cfg.algorithm
+    if cfg.network.compute != "model":
+        raise ConfigError(f"{name}: the order in which clients arrive comes from the simulated clock, which must "
+                          "not depend on this machine's load; set network.compute: model")
+    if concurrency > seen:
+        raise ConfigError(f"{name}.concurrency: {concurrency} clients training at once exceeds the {seen} seen "
+                          "clients of the data")
+    refused = {
+        "faults.deadline_s": cfg.faults.deadline_s is not None,
+        "faults.over_selection": bool(cfg.faults.over_selection),
+        "privacy": cfg.privacy.mode != "off",
+        "secure_aggregation": cfg.secure_aggregation != "none",
+        "network.server_up_mbps": cfg.network.server_up_mbps is not None,
+        "network.server_down_mbps": cfg.network.server_down_mbps is not None,
+        "network.multicast": cfg.network.multicast,
+        "placement: dynamic": cfg.placement == "dynamic",
+    }
+    for key, given in refused.items():
+        if given:
+            raise ConfigError(f"{key}: not available with the asynchronous {name}, whose clients arrive one at a "
+                              "time on their own links (no round cohort, deadline or shared server link)")
+
+
+def client_state(cfg: RunConfig) -> ClientState:
+    """A worker's client-state store, spilling beyond ``state_memory_gb`` to ``state_spill_dir``."""
+    if cfg.state_memory_gb is None:
+        return ClientState()
+    try:
+        return ClientState(cfg.state_memory_gb * 2**30, cfg.state_spill_dir)
+    except OSError as exc:
+        raise ConfigError(f"state_spill_dir: cannot make a spill folder in {cfg.state_spill_dir} ({exc.strerror})"
+                          ) from None
+
+
+def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
+    """Who is online when, on the simulated clock (``network.availability``)."""
+    return Availability(cfg.network.availability, layout.num_clients, cfg.seed)
+
+
+def wire_format(cfg: RunConfig) -> WireFormat:
+    """How this run's messages travel: codecs, differential privacy, secure aggregation."""
+    return WireFormat(cfg.compression, cfg.privacy, cfg.secure_aggregation, cfg.secagg, cfg.seed)

@@ -1,0 +1,66 @@
+"""Evaluating every client: the plans that bring the models to evaluate (new clients' first, then the prelude
+among the seen clients, then the evaluation plan), each ``eval_chunk`` clients at a time so the server's
+per-client evaluation state (e.g. one personal model per client) stays bounded; each client's row of sums,
+gathered on rank 0 and pooled into the evaluation row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, ServerAlgorithm, Stage, StepContext, require
+from mpifl.comm import Message, Step
+from mpifl.data import FederatedLayout
+from mpifl.runtime.recorder import Recorder
+from mpifl.runtime.timing import RankTimes
+from mpifl.runtime.walker import PlanWalker
+
+
+class Evaluation:
+    def __init__(self, layout: FederatedLayout, eval_layout: EvalLayout, chunk: int, protocol: Protocol,
+                 walker: PlanWalker, sides: tuple[ServerAlgorithm | None, ClientAlgorithm | None],
+                 recorder: Recorder, times: RankTimes, between_uses: Callable[[], None]):
+        self.layout, self.eval_layout, self.chunk, self.protocol = layout, eval_layout, chunk, protocol
+        self.walker, self.transport, self.recorder, self.times = walker, walker.transport, recorder, times
+        self.server, self.client = sides
+        self.between_uses = between_uses  # frees what a chunk's clients held (their data beyond the budget)
+        self.msg = Message("eval_metrics", "up", eval_layout.width, "float64", logical=False)
+
+    def run(self, round_: int) -> None:
+        """Every client evaluated after ``round_``; rank 0 records the row. A collective."""
+        seen = np.flatnonzero(~self.layout.unseen)
+        self._walk_chunks(round_, "newcomer", self.protocol.newcomer_plan(), np.flatnonzero(self.layout.unseen))
+        self._walk_chunks(round_, "eval_prelude", self.protocol.eval_prelude(), seen)
+        blocks = [self._evaluate(round_, chunk) for chunk in self._chunks(np.arange(self.layout.num_clients))]
+        if self.client is not None:
+            self.client.end_round()
+        self.between_uses()
+        if self.server is None:
+            return
+        rows = np.concatenate([require(block, "the gathered evaluation") for block in blocks])
+        self.recorder.record_evaluation(round_, rows, self.transport.ledger.train_bytes, self.server.eval_metrics())
+        self.server.end_evaluation()
+
+    def _walk_chunks(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray) -> None:
+        for chunk in self._chunks(clients) if plan else ():
+            self.walker.walk(round_, stage, plan, chunk)
+            self.between_uses()
+
+    def _chunks(self, clients: np.ndarray) -> list[np.ndarray]:
+        size = self.chunk or max(len(clients), 1)
+        return [clients[i : i + size] for i in range(0, len(clients), size)]
+
+    def _evaluate(self, round_: int, clients: np.ndarray) -> np.ndarray | None:
+        """Walk the eval plan among ``clients``, evaluate the local ones, gather their rows (nobody drops out)."""
+        local = self.walker.walk(round_, "eval", self.protocol.eval_plan(), clients).local
+        start = time.perf_counter()
+        rows = np.zeros((len(local), self.msg.numel))
+        if self.client is not None:
+            step = StepContext(round_, "eval", clients)
+            for i, client in enumerate(local):
+                rows[i] = self.client.evaluate(step, int(client), self.eval_layout)
+        self.times.evaluation += time.perf_counter() - start
+        self.between_uses()
+        return self.transport.up(round_, "eval", self.msg, rows, clients)
