@@ -482,7 +482,8 @@ class ClientAlgorithm(_Handles):
         for k, client in enumerate(clients):
             self.round_losses[client] = result.stats[k].mean_loss
         self.trained_together += len(clients)
-        return {c: host_numpy(result.params[k]) for k, c in enumerate(clients)}, result.seconds
+        rows = host_numpy(result.params)  # one copy from a GPU
+        return {c: rows[k] for k, c in enumerate(clients)}, result.seconds
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
