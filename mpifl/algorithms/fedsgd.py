@@ -65,9 +65,9 @@ class FedSGDClient(FedAvgClient):
         starts = [self.start.pop(c) for c in ids]
         grads, losses = self.vectorizer.full_gradients(starts, [self.data[c].x_train for c in ids],
                                                        [self.data[c].y_train for c in ids])
-        decay = self.ctx.cfg.client.weight_decay
+        decay, rows = self.ctx.cfg.client.weight_decay, host_numpy(grads)
         for k, (client, start) in enumerate(zip(ids, starts)):
-            self.deltas[client] = host_numpy(grads[k]).copy()
+            self.deltas[client] = rows[k].copy()
             if decay:  # as gradient_at adds it
                 self.deltas[client] += decay * start
             self.round_losses[client] = losses[k]
