@@ -39,8 +39,8 @@ class SimpleCNN(nn.Module):
     MaxPool2 (no padding), then a fully connected ReLU layer of 128 and the output, weights Glorot-uniform as
     there (biases PyTorch's default). On 3×32×32 and 10 classes: 64·14·14 = 12,544 features after the pooling
     and 1,626,442 parameters. Its two dropout layers (0.25 after the pooling, 0.5 before the output) are left
-    out: mpifl's models draw no randomness in the forward pass, whose only randomness source would be the
-    global generator rather than (seed, round, client), and they change no timing that matters.
+    out: mpifl's models draw no randomness in the forward pass (dropout would draw from torch's global generator,
+    not from the client's (seed, round, client) stream), and they change no timing that matters.
     """
 
     def __init__(self, input_shape: tuple[int, ...], out: int):
