@@ -1,5 +1,5 @@
 """Karula's Table 1(a) problem solved to convergence: what each estimator reaches when optimization is not
-the bottleneck (docs/karula.md, finding 1).
+the bottleneck (docs/papers/karula.md, finding 1).
 
 On one seed of ``configs/karula_ridge.yaml`` (synthetic ridge regression, three parameter groups), each
 estimator is computed exactly or to a tight tolerance, with no rounds, sampling or step-size limits:

@@ -12,7 +12,7 @@ whose true value is 0), read from each client's final evaluated model; test R² 
 test rows, and the mean of per-client R², both from the runtime's own evaluation.
 
     python benchmarks/karula_table1.py                 # defaults: 3 repeats, 300 rounds, 5 folds
-    python benchmarks/karula_table1.py --write         # also replace the table in docs/karula.md
+    python benchmarks/karula_table1.py --write         # also replace the table in docs/papers/karula.md
     python benchmarks/karula_table1.py --results results/evidence/karula   # score a sweep's results files
 
 ``--results DIR`` scores the runs an ``mpifl sweep`` left in DIR instead (configs/evidence/karula.yaml): the
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--cv-baselines", action="store_true", help="also cross-validate pFedMe λ and IFCA k")
-    ap.add_argument("--write", action="store_true", help="replace the table block in docs/karula.md")
+    ap.add_argument("--write", action="store_true", help="replace the table block in docs/papers/karula.md")
     ap.add_argument("--results", type=Path, help="score the results files of a sweep in this directory instead")
     ap.add_argument("--error", choices=("squared", "norm"), default="squared",
                     help="with --results: mean ‖θ̂_i − θ_i‖² or mean ‖θ̂_i − θ_i‖")
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
              f"± 2·SE over repeats; {time.process_time() - start:.0f} s CPU. Command: `{command}`")
     print(block)
     if args.write:
-        write_doc(ROOT / "docs/karula.md", block)
+        write_doc(ROOT / "docs/papers/karula.md", block)
     return 0
 
 

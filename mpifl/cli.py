@@ -127,10 +127,12 @@ def _prepare(args: argparse.Namespace) -> int:
     from mpifl.data import build_federated_dataset
     from mpifl.data.prepared import prepare
     from mpifl.registry import load_config
+    from mpifl.results import check_writable
 
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
+    check_writable(args.out)  # before the data is read, not after
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     prepare(dataset, cfg.data, cfg.seed, args.out)
     layout = dataset.layout

@@ -19,16 +19,24 @@ import yaml
 from mpifl.comm.config import CompressionConfig, NetworkConfig, PrivacyConfig, SecAggConfig
 from mpifl.data.config import DataConfig
 from mpifl.models.config import ModelConfig
-from mpifl.schema import ConfigError, build, limits, to_dict
+from mpifl.schema import INT32_MAX, ConfigError, build, limits, to_dict
 from mpifl.training.config import ClientConfig
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server optimizer applied to the aggregated pseudo-gradient."""
+    """Server optimizer applied to the aggregated pseudo-gradient Δ (the averaged client update), for the
+    algorithms whose server steps a global model from it (``mpifl.algorithms.fedavg.GlobalModel``)."""
 
-    lr: float = field(default=1.0, metadata=limits(gt=0))
-    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    # sgd: θ ← θ + lr·v, v ← momentum·v + Δ (FedAvg, FedAvgM); adam, yogi, adagrad: FedAdam, FedYogi and
+    # FedAdagrad (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2)
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = field(default=1.0, metadata=limits(gt=0))  # η_s: θ ← θ + η_s·v (FedAvg: 1; adaptive: try 0.01-0.1)
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # sgd's μ_s: v ← μ_s·v + Δ (FedAvg: 0)
+    beta1: float = field(default=0.9, metadata=limits(ge=0, lt=1))  # adaptive: m ← β₁·m + (1 − β₁)·Δ
+    beta2: float = field(default=0.99, metadata=limits(ge=0, lt=1))  # adam, yogi: decay of the second moment v
+    # adaptive: τ, the adaptivity: θ ← θ + lr·m / (√v + τ), v starting at τ² (the paper's v₋₁ ≥ τ²)
+    tau: float = field(default=1e-3, metadata=limits(gt=0))
     # how the server averages updates: by sample count (FedAvg), or equally (DP-FedAvg's noise is calibrated to
     # the uniform mean, whose sensitivity to one client is clip / cohort)
     weighting: Literal["samples", "uniform"] = "samples"
@@ -38,38 +46,64 @@ class ServerConfig:
 class FaultsConfig:
     """Faults the simulator emulates; every decision is a function of (seed, round, client) only."""
 
-    dropout: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # a sampled client fails before it sends
-    deadline_s: float | None = field(default=None, metadata=limits(gt=0))  # drop clients expected to finish later
-    over_selection: float = field(default=0.0, metadata=limits(ge=0))  # sample (1+o)·m, keep the m fastest
-    nonfinite: Literal["skip", "abort"] = "skip"  # an update with NaN/Inf: drop that client, or stop the job
-    corrupt: float = field(default=0.0, metadata=limits(ge=0, le=1))  # a participant's uploads arrive as NaN
+    # each sampled client fails before the round with this probability: it receives and sends nothing, and the
+    # algorithm aggregates the clients that took part (/rounds/participants)
+    dropout: float = field(default=0.0, metadata=limits(ge=0, lt=1))
+    # seconds: a client whose expected round time exceeds it is dropped before the round. Expected time: the
+    # network model's latency and bytes over bandwidth (the server's link shared with the round's other clients
+    # when it is set) plus network.seconds_per_sample × the samples the algorithm passes in a round (its own step
+    # count, e.g. FedALS's τ, FedDeper's two gradients per step); null: no deadline
+    deadline_s: float | None = field(default=None, metadata=limits(gt=0))
+    # sample ⌈(1 + o)·m⌉ clients (m = clients_per_round) and keep the m expected to finish first
+    over_selection: float = field(default=0.0, metadata=limits(ge=0))
+    # an update with NaN/Inf: skip rejects it with a warning (/rounds/rejected_updates; the client's state is
+    # rolled back as if it had not been sampled), abort ends the job
+    nonfinite: Literal["skip", "abort"] = "skip"
+    # each participant's training uploads arrive as NaN with this probability (a diverged or faulty client;
+    # exercises nonfinite)
+    corrupt: float = field(default=0.0, metadata=limits(ge=0, le=1))
 
 
 @dataclass(frozen=True)
 class RunConfig:
+    """The run: which algorithm, how long, how often to evaluate and checkpoint, and where each rank computes;
+    each section below configures one part."""
+
+    # a built-in algorithm (docs/reference/algorithms.md), an installed plug-in's entry-point name (group
+    # mpifl.algorithms), or a module:attribute path (docs/tutorials/own-algorithm.md)
     algorithm: str = "fedavg"
-    rounds: int = field(default=10, metadata=limits(ge=1))
+    rounds: int = field(default=10, metadata=limits(ge=1))  # training rounds (FedBuff: server steps)
+    # clients sampled each round, uniformly without replacement among the seen clients
     clients_per_round: int = field(default=5, metadata=limits(ge=1))
+    # the only source of randomness: data split, initial model, sampling, batches, network draws, faults
     seed: int = field(default=0, metadata=limits(ge=0))
-    eval_every: int = field(default=1, metadata=limits(ge=1))
+    eval_every: int = field(default=1, metadata=limits(ge=1))  # evaluate every client every N rounds and after the last
+    # every rank saves its state into the results file (and its shard folder) every N rounds; 0: never
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
-    eval_chunk: int = field(default=0, metadata=limits(ge=0))  # clients per evaluation pass; 0: all at once
-    # torch's intra-op threads on every rank: a fixed count keeps results bitwise the same on any rank count
-    # (another count may change the bits, as it changes how reductions are split)
-    threads_per_rank: int = field(default=1, metadata=limits(ge=1))
+    # evaluate this many clients per pass (bounds the server's per-client evaluation state, e.g. PeFLL's θ_i);
+    # 0: all at once
+    eval_chunk: int = field(default=0, metadata=limits(ge=0))
+    # torch's intra-op threads on every rank (the Slurm scripts set it from --cpus-per-task; torch takes a C int):
+    # a fixed count keeps results bitwise the same on any rank count (another count may change the bits, as it
+    # changes how reductions are split)
+    threads_per_rank: int = field(default=1, metadata=limits(ge=1, le=INT32_MAX))
     # client data a worker keeps between uses (GB); beyond it the least recently used clients are made or read
     # again when next needed, so a worker's memory does not grow with the clients it evaluates
     data_memory_gb: float = field(default=1.0, metadata=limits(ge=0))
     # committed client state a rank keeps in memory (GB; none: all of it); beyond it the least recently used
     # clients' states spill to files in state_spill_dir (default: the system's temporary folder), same results
     state_memory_gb: float | None = field(default=None, metadata=limits(ge=0))
-    state_spill_dir: str | None = None
+    state_spill_dir: str | None = None  # where state_memory_gb spills (a temporary folder in it); null: the system's
+    # where each rank's clients compute: cpu; cuda (a GPU of the rank's node; an error where PyTorch sees none);
+    # auto: cuda where a GPU is visible, else cpu (docs/how-to/gpus.md)
     device: Literal["auto", "cpu", "cuda"] = "cpu"
-    # static: each client lives on one worker for the whole run. dynamic: each round's clients are
-    # re-spread over the workers by their work, state and all. auto: dynamic where allowed
-    # and where reading another client is cheap (generated data, uncompressed IDX, digits).
+    # static: each client lives on one worker for the whole run (balanced by sample count). dynamic: each round's
+    # clients are re-spread over the workers by their work (greedy LPT), a visiting client's state moving along.
+    # auto: dynamic where reading another worker's client costs only its own samples (generated data, digits,
+    # uncompressed IDX, data.prepared files), static for gzipped IDX, CIFAR pickles, SVHN .mat and LEAF JSON
+    # (mpifl prepare them, or ask for dynamic). Results are bitwise the same either way.
     placement: Literal["auto", "static", "dynamic"] = "auto"
-    output: str = "results/run.h5"
+    output: str = "results/run.h5"  # the results file (mpifl run --out overrides it)
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     client: ClientConfig = ClientConfig()
@@ -78,7 +112,9 @@ class RunConfig:
     faults: FaultsConfig = FaultsConfig()
     compression: CompressionConfig = CompressionConfig()
     privacy: PrivacyConfig = PrivacyConfig()
-    # counts the bytes and round trips of secure aggregation of the updates (the sum itself is computed in the clear)
+    # secagg (Bonawitz et al. 2017) or secagg_plus (Bell et al. 2020): each round's key advertisements, encrypted
+    # shares and unmasking messages enter the ledger and the simulated time (3 extra round trips), the update travels
+    # as secagg.field_bits-bit masked field elements; the sum itself is computed in the clear (mpifl/comm/secagg.py)
     secure_aggregation: Literal["none", "secagg", "secagg_plus"] = "none"
     secagg: SecAggConfig = SecAggConfig()
     algorithm_options: Any = None  # the algorithm's own frozen options, built from its section
@@ -182,11 +218,22 @@ def _check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("data: test_fraction + val_fraction must leave training samples (sum < 1)")
     if d.synthetic.ridge_min_samples > d.synthetic.ridge_max_samples:
         raise ConfigError("data.synthetic: ridge_min_samples must be <= ridge_max_samples")
+    if cfg.server.optimizer != "sgd" and cfg.server.momentum:
+        raise ConfigError(f"server.momentum: momentum is sgd's; {cfg.server.optimizer}'s first moment decays with "
+                          "server.beta1")
     if cfg.privacy.mode == "central" and cfg.server.weighting != "uniform":
         raise ConfigError("privacy.mode: central noise is calibrated to the uniform mean of the updates; set "
                           "server.weighting: uniform")
     if cfg.compression.down.error_feedback:
         raise ConfigError("compression.down.error_feedback: error feedback is client state, for uploads only")
+    speed, seconds_per_sample = cfg.network.speed, cfg.network.seconds_per_sample
+    if speed.file is not None and speed.mode != "file":
+        raise ConfigError(f"network.speed.file: read only with mode: file (the mode is {speed.mode})")
+    if speed.mode == "file" and seconds_per_sample:
+        raise ConfigError("network.seconds_per_sample: network.speed.file gives every client's; leave it out")
+    if speed.mode == "lognormal" and not seconds_per_sample:
+        raise ConfigError("network.speed: mode lognormal scales network.seconds_per_sample, which is 0; set it to "
+                          "the median client's seconds per sample")
     availability = cfg.network.availability.mode
     if availability != "always" and cfg.network.compute != "model":
         raise ConfigError(f"network.availability: with mode {availability}, who is sampled depends on the simulated "
@@ -212,7 +259,7 @@ def check_required(raw: dict[str, Any], source: str | Path, keys: tuple[str, ...
             node = node[part]
         return True
 
-    # data.prepared names the data as data.dataset does (clients written elsewhere: docs/data_format.md)
+    # data.prepared names the data as data.dataset does (clients written elsewhere: docs/reference/data-format.md)
     missing = [key for key in keys if not given(key) and not (key == "data.dataset" and given("data.prepared"))]
     if missing:
         raise ConfigError(f"{source}: missing {' and '.join(missing)}; name {'them' if len(missing) > 1 else 'it'} "

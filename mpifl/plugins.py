@@ -81,7 +81,7 @@ def _unknown(kind: Kind, name: str, builtins: Sequence[str]) -> str:
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return (f"{kind.key}: unknown {kind.noun} {name!r}{hint}; built-in: {', '.join(builtins)}; installed plug-ins: "
             f"{', '.join(plugins) or 'none'}; add your own as an entry point in group {kind.group!r} or name it "
-            "as 'module:callable' (README: Extending mpifl)")
+            "as 'module:callable' (docs/tutorials/own-algorithm.md)")
 
 
 def require_callable(kind: Kind, name: str, obj: Any, contract: str) -> Any:

@@ -107,7 +107,11 @@ class _Catalog:
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a raw mapping into a :class:`~mpifl.config.RunConfig` (static checks only, no data access)."""
-    return build_config(raw, _Catalog())
+    cfg = build_config(raw, _Catalog())
+    if cfg.server.optimizer != "sgd" and not get_algorithm(cfg.algorithm).server.server_optimizer:
+        raise ConfigError(f"server.optimizer: {cfg.server.optimizer} steps a global model from the averaged update; "
+                          f"{cfg.algorithm}'s server has none (only sgd, the default, applies)")
+    return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, required: tuple[str, ...] = REQUIRED

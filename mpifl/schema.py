@@ -17,6 +17,10 @@ import typing
 from typing import Any, Literal, Union
 
 _LINE_BREAK = re.compile(r"\s*\n\s*")
+INT64_MAX = 2**63 - 1
+"""Every integer of a config ends up in int64 storage (numpy arrays, HDF5 attributes, seeds mixed into 64-bit
+keys), so none may lie beyond it; a field whose storage is smaller says so with its own ``limits``."""
+INT32_MAX = 2**31 - 1
 _YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
@@ -89,6 +93,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if not -INT64_MAX - 1 <= value <= INT64_MAX:
+            raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer ({-INT64_MAX - 1} to {INT64_MAX})")
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):

@@ -33,6 +33,13 @@ CONFIGS["fedasync"] = _merge(CONFIGS["fedasync"], {"clients_per_round": 3, "netw
                                                    "fedasync": {"staleness": "hinge", "a": 1.0, "b": 1}})
 for _name in ("perfedavg", "fedrep", "knnper"):  # PeFLL's baselines: evaluated on unseen clients too
     CONFIGS[_name] = _merge(CONFIGS[_name], {"clients_per_round": 3, "data": {"unseen_fraction": 0.34}})
+# the adaptive server optimizers (server.optimizer) on each kind of server step: the whole model (FedAvg), a part
+# at its own period (FedALS), beside control variates (SCAFFOLD), asynchronous (FedBuff), one row per cluster
+# (IFCA), the body alone (FedRep)
+SERVER_OPTIMIZERS = {f"{name}_{optimizer}": _merge(CONFIGS[name], {"server": {"optimizer": optimizer, "lr": 0.05}})
+                     for name, optimizer in (("fedavg", "adam"), ("fedals", "yogi"), ("scaffold", "adagrad"),
+                                             ("fedbuff", "yogi"), ("ifca", "adam"), ("fedrep", "adagrad"))}
+RUNS = {**CONFIGS, **SERVER_OPTIMIZERS}
 
 
 def write(tmp_path, cfg, name="cfg.yaml"):
@@ -41,9 +48,9 @@ def write(tmp_path, cfg, name="cfg.yaml"):
     return path
 
 
-@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+@pytest.mark.parametrize("algorithm", sorted(RUNS))
 def test_resume_after_a_failure_is_bitwise_identical(algorithm, tmp_path, monkeypatch):
-    config = write(tmp_path, CONFIGS[algorithm])
+    config = write(tmp_path, RUNS[algorithm])
     full, part = tmp_path / "full.h5", tmp_path / "part.h5"
     assert main(["run", str(config), "--out", str(full), "--quiet"]) == 0
     monkeypatch.setenv("MPIFL_INJECT_FAULT", "0:4")  # dies in round 4; the last checkpoint is round 2

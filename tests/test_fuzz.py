@@ -2,11 +2,13 @@
 one ``mpifl: error:`` line — never another exception, never a traceback."""
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
 import pickle
 import tempfile
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,9 @@ from mpifl.cli import main
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.data.config import DataConfig
+from mpifl.registry import get_algorithm, known_algorithms
 from mpifl.schema import ConfigError
-from tests.conftest import TINY, _merge
+from tests.conftest import REPO, TINY, _merge, run_mpifl
 from tests.data.data_files import write_idx
 
 KEYS = [
@@ -35,7 +38,9 @@ KEYS = [
     "data.bogus", "compression.up.codec", "compression.up.fraction", "compression.down.error_feedback",
     "compression.messages", "privacy.mode", "privacy.noise_multiplier", "privacy.sampling", "secure_aggregation",
     "secagg.field_bits", "network.compute", "network.availability.mode", "network.availability.trace",
-    "network.availability.mean_on_s", "fedbuff.buffer_size", "fedbuff.concurrency",
+    "network.availability.mean_on_s", "fedbuff.buffer_size", "fedbuff.concurrency", "server.optimizer",
+    "server.beta1", "server.tau", "network.speed.mode", "network.speed.sigma", "network.speed.file",
+    "network.seconds_per_sample",
 ]
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 10), st.integers(-(2**40), 2**40),
@@ -43,7 +48,7 @@ VALUES = st.one_of(
     st.sampled_from(["fedavg", "local", "fedprox", "digits", "gaussian_images", "mnist", "iid", "classes",
                      "dirichlet", "shards", "natural", "mlp", "cnn", "lenet", "linear", "logistic", "lognormal",
                      "auto", "static", "dynamic", "topk", "qsgd", "sign", "central", "poisson", "secagg_plus",
-                     "fedbuff", "model", "onoff", "trace"]),
+                     "fedbuff", "model", "onoff", "trace", "adam", "yogi", "adagrad", "file"]),
     st.lists(st.integers(-3, 40), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 
@@ -216,6 +221,68 @@ def _load_damaged_files(tmp_path: Path, kind, cut, flips) -> None:
         data.load_clients(range(data.layout.num_clients))
     except ConfigError as exc:
         assert "\n" not in str(exc)
+
+
+def int_fields(cls: type, prefix: str = "") -> dict[str, bool]:
+    """The dotted path of every integer field (``int``, ``int | None``, ``tuple[int, ...]``) of a config
+    dataclass and its sections, and whether it holds a list of them."""
+    found = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        path = f"{prefix}{name}"
+        args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis] or [tp]
+        if dataclasses.is_dataclass(tp):
+            found.update(int_fields(tp, f"{path}."))
+        elif int in args and bool not in args:
+            found[path] = typing.get_origin(tp) is tuple
+    return found
+
+
+INT_FIELDS = {**int_fields(RunConfig), **{f"{name}.{path}": many for name in known_algorithms()
+                                           for path, many in int_fields(get_algorithm(name).options_type).items()}}
+
+
+def as_given(key: str, value: int) -> int | list[int]:
+    return [value] if INT_FIELDS[key] else value
+
+
+def test_the_issues_command_line_is_one_line_and_exit_2():
+    """``--set rounds=100000000000000000000000`` (issue 29): past any counter mpifl stores."""
+    for command in ("validate", "run"):
+        proc = run_mpifl([command, str(REPO / "configs" / "quickstart.yaml"), "--set",
+                          "rounds=100000000000000000000000"])
+        assert proc.returncode == 2 and proc.stderr == (
+            "mpifl: error: rounds: 100000000000000000000000 does not fit in a 64-bit integer "
+            "(-9223372036854775808 to 9223372036854775807)\n"), proc.stderr
+
+
+@settings(max_examples=len(INT_FIELDS) * 3, deadline=None)
+@given(key=st.sampled_from(sorted(INT_FIELDS)),
+       value=st.one_of(st.integers(min_value=2**63), st.integers(max_value=-2**63 - 1)))
+@example(key="seed", value=2**64)  # past numpy's uint64 keys and torch's seeds
+def test_no_integer_field_takes_a_value_beyond_64_bits(key, value):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "big.yaml"
+        cfg = _merge(TINY, {})
+        set_path(cfg, key, as_given(key, value))
+        path.write_text(yaml.safe_dump(cfg))
+        code, err = call(["validate", str(path)])
+    assert code == 2 and err.startswith(f"mpifl: error: {key}") and "does not fit in a 64-bit integer" in err, err
+    assert err.count("\n") == 1
+
+
+@settings(max_examples=len(INT_FIELDS) * 2, deadline=None)
+@given(key=st.sampled_from(sorted(INT_FIELDS)), value=st.integers(min_value=2**31 - 2, max_value=2**63 - 1))
+@example(key="threads_per_rank", value=2**31)  # torch takes a C int
+@example(key="client.steps", value=2**62)  # × the batch size: past int64 samples per round
+@example(key="client.epochs", value=2**62)
+@example(key="data.num_clients", value=2**62)  # more clients than samples, refused before any per-client array
+def test_huge_but_64_bit_integers_validate_or_fail_with_one_line(key, value):
+    """Every integer field at sizes up to int64's: either a valid config, or one line (never a wrapped count, a
+    traceback or an allocation of the count's size)."""
+    section = key.split(".")[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        _validate_once(Path(tmp), [("algorithm", section if section in known_algorithms() else "fedavg"),
+                                   (key, as_given(key, value))])
 
 
 def test_schema_covers_every_top_level_key():

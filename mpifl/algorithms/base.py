@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import Message, Step
+from mpifl.comm.exactsum import exact_sum
+from mpifl.comm.messages import Message, Step, SumWeights
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
@@ -61,13 +62,26 @@ class RunContext:
     def weights(self, clients: np.ndarray) -> np.ndarray:
         """Aggregation weights of ``clients``: by sample count (known to the server from the data layout), or
         equal (``server.weighting: uniform``); they sum to 1 except under DP's Poisson sampling."""
-        if self.cfg.server.weighting == "uniform":
-            # under Poisson sampling the cohort's size is random: DP-FedAvg divides by its expected size
-            # (McMahan et al. 2018), so that one client's influence is bounded by clip / expected size
-            poisson = self.cfg.privacy.mode != "off" and self.cfg.privacy.sampling == "poisson"
-            return np.full(len(clients), 1.0 / (self.cfg.clients_per_round if poisson else len(clients)))
-        sizes = self.layout.train_sizes[clients].astype(np.float64)
-        return sizes / sizes.sum()
+        return self.sum_weights("weighting", clients) / self.divisor(clients)
+
+    def sum_weights(self, rule: SumWeights, clients: np.ndarray) -> np.ndarray:
+        """What each of ``clients``' rows is multiplied by in a weighted sum (a :class:`Message`'s ``summed``):
+        its training samples, or one (``uniform``; ``weighting``: as ``server.weighting`` says)."""
+        if rule == "weighting":
+            rule = "uniform" if self.cfg.server.weighting == "uniform" else "samples"
+        if rule == "uniform":
+            return np.ones(len(clients))
+        return self.layout.train_sizes[clients].astype(np.float64)
+
+    def divisor(self, clients: np.ndarray) -> float:
+        """What a weighted sum over the accepted ``clients`` is divided by to be their mean: the sum of their
+        weights; under DP's Poisson sampling with uniform weights, the expected cohort size instead (DP-FedAvg,
+        McMahan et al. 2018: the cohort's size is random, and one client's influence must stay bounded by
+        clip / expected size)."""
+        poisson = self.cfg.privacy.mode != "off" and self.cfg.privacy.sampling == "poisson"
+        if poisson and self.cfg.server.weighting == "uniform":
+            return float(self.cfg.clients_per_round)
+        return float(self.sum_weights("weighting", clients).sum())
 
 
 Stage = Literal["setup", "train", "newcomer", "eval_prelude", "eval"]
@@ -238,10 +252,14 @@ class ServerAlgorithm(_Handles):
 
     :meth:`handlers` maps each message to its method: for a down message ``fn(step) -> payload`` (one row if
     broadcast, else one row per client of ``step.clients``), for an up message ``fn(step, rows)`` with the
-    accepted clients' rows in client-id order."""
+    accepted clients' rows in client-id order, or for a summed one ``fn(step, total)`` with their weighted sum
+    (``RunContext.sum_weights``; ``RunContext.divisor`` makes it a mean)."""
 
     protocol_type: type[Protocol] = Protocol
     side = "server"
+    # True: the server steps a global model from an averaged update through ``server.optimizer``
+    # (:class:`~mpifl.algorithms.fedavg.GlobalModel`); False: any other optimizer than sgd is refused
+    server_optimizer: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -251,7 +269,19 @@ class ServerAlgorithm(_Handles):
         return self.handler(msg)(step)
 
     def consume(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        self.handler(msg)(step, rows)
+        """The accepted clients' rows of ``msg``; a summed message's handler gets their exact weighted sum (what
+        the runtime reduces across ranks), worked out here from the rows (one group only)."""
+        if msg.summed is None:
+            self.handler(msg)(step, rows)
+            return
+        if msg.groups > 1:
+            raise ValueError(f"message {msg.name}: its {msg.groups} sums need each client's group, not rows")
+        self.consume_sum(msg, step, exact_sum(rows, self.ctx.sum_weights(msg.summed, step.clients))[None])
+
+    def consume_sum(self, msg: Message, step: StepContext, totals: np.ndarray) -> None:
+        """A summed message: Σ weightᵢ·rowᵢ over the accepted ``step.clients`` (float64, one row per group),
+        handed to its handler as the sum (one group) or the groups' sums."""
+        self.handler(msg)(step, totals[0] if msg.groups == 1 else totals)
 
     def round_metrics(self) -> dict[str, float]:
         """Extra per-round scalars an algorithm wants logged (e.g. solver iterations)."""
@@ -389,6 +419,10 @@ class ClientAlgorithm(_Handles):
 
     def compute(self, step: StepContext, client: int) -> None:
         """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
+
+    def sum_group(self, msg: Message, client: int) -> int:
+        """Which of a summed message's ``groups`` sums ``client``'s row goes into (IFCA: its cluster)."""
+        return 0
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """The :data:`~mpifl.comm.LOCAL` step of several clients; returns each one's seconds. One client

@@ -17,10 +17,11 @@ option II's (reference − θₖ)/(η·steps) − c + cₖ equals under plain SG
 right under momentum and ``lr_decay``.
 
 The evaluated global model is the server's, except that φ is the average of all seen clients' current
-φ in rounds that did not sync it (the paper's "virtual average"): before the evaluation every seen client
-uploads its φ (eval stage), chunk by chunk with ``eval_chunk``, and the server sums them in client-id
-order, so every client is scored on the same model. BatchNorm keeps no running statistics during
-training (``mpifl.models.zoo.norm_layer``); γ and β are parameters of their convolution's group. At
+φ (weighted as ``server.weighting`` weighs a sync) in rounds that did not sync it (the paper's "virtual
+average"): before the evaluation every seen client uploads its φ (eval stage), chunk by chunk with
+``eval_chunk``, and the server sums them in client-id order, so every client is scored on the same model.
+BatchNorm keeps no running statistics during training (``mpifl.models.zoo.norm_layer``); γ and β are
+parameters of their convolution's group. At
 evaluation each seen client also uploads its BatchNorm statistics (its current model on its training
 data: what its running statistics estimate), the server averages them by sample count as the authors
 average running statistics, and every client evaluates the global model in inference mode with them
@@ -29,7 +30,7 @@ average running statistics, and every client evaluates the global model in infer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -49,7 +50,13 @@ from mpifl.algorithms.base import (
     weighted_sum,
 )
 from mpifl.algorithms.fedavg import GlobalModel
-from mpifl.algorithms.scaffold import GradientMean, correction_hook, population_weights, update_control
+from mpifl.algorithms.scaffold import (
+    GradientMean,
+    correction_hook,
+    population_weights,
+    sample_shares,
+    update_control,
+)
 from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models.flat import layer_groups
@@ -61,9 +68,12 @@ from mpifl.training.sgd import planned_samples
 
 @dataclass(frozen=True)
 class FedALSOptions:
-    alpha: int = field(default=10, metadata=limits(ge=1))  # φ period / h period
+    """FedALS: the head is averaged every round of τ local steps, the feature extractor every α rounds."""
+
+    alpha: int = field(default=10, metadata=limits(ge=1))  # α: the extractor φ is averaged every α rounds
     tau: int = field(default=5, metadata=limits(ge=1))  # local steps per round (the head's period)
-    split_layer: int | None = field(default=None, metadata=limits(ge=0))  # L; default: all groups but the last
+    # L: the extractor φ is the first L layer groups, the head h the rest; null: all groups but the last
+    split_layer: int | None = field(default=None, metadata=limits(ge=0))
     scaffold: bool = False  # FedALS + SCAFFOLD (Algorithm 4)
     persistent_momentum: bool = True  # False: a fresh buffer every round, as FedAvg's clients
     # "authors": the authors' code's decaying rate lr_s = client.lr·10/(s/100 + 10) over the local-step
@@ -146,6 +156,7 @@ class FedALSProtocol(Protocol):
 class FedALSServer(ServerAlgorithm):
     protocol_type: type[FedALSProtocol] = FedALSProtocol
     protocol: FedALSProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
@@ -166,7 +177,10 @@ class FedALSServer(ServerAlgorithm):
             if len(part.down) > 1:  # with scaffold: the part's control variate
                 table.update({part.down[1]: partial(self.part_control, part),
                               part.up[1]: partial(self.update_part_control, part)})
-        table.update({m: partial(self.accumulate, m) for m in (p.extractor_eval, p.norm_msg) if m is not None})
+        if p.extractor_eval is not None:
+            table[p.extractor_eval] = partial(self.accumulate, p.extractor_eval, population_weights)
+        if p.norm_msg is not None:
+            table[p.norm_msg] = partial(self.accumulate, p.norm_msg, sample_shares)
         return table
 
     def part_params(self, part: Part, step: StepContext) -> np.ndarray:
@@ -188,11 +202,13 @@ class FedALSServer(ServerAlgorithm):
         self.model.step(mean, part.span)
         self.synced[part.name] = step.round
 
-    def accumulate(self, msg: Message, step: StepContext, rows: np.ndarray) -> None:
-        """Add a chunk's φ (or BatchNorm statistics) to the evaluation's sample-weighted sum over all seen
-        clients: the same ordered float64 sum whatever the chunks."""
+    def accumulate(self, msg: Message, shares: Callable[[RunContext, np.ndarray], np.ndarray], step: StepContext,
+                   rows: np.ndarray) -> None:
+        """Add a chunk's φ (or BatchNorm statistics) to the evaluation's weighted sum over all seen clients: φ
+        weighted as ``server.weighting`` weighs a sync, the statistics by sample count (they pool the clients'
+        samples); the same ordered float64 sum whatever the chunks."""
         total = self.sums.setdefault(msg.name, np.zeros(msg.numel, dtype=np.float64))
-        for w, row in zip(population_weights(self.ctx, step.clients), rows):
+        for w, row in zip(shares(self.ctx, step.clients), rows):
             total += w * row
 
     def norm_statistics(self, step: StepContext) -> np.ndarray:

@@ -39,6 +39,9 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class FedAsyncOptions(AsynchronousOptions):
+    """FedAsync: asynchronous; every arrival mixed into the global model at once, weighted α·s(staleness). Needs
+    network.compute: model; no deadline, over-selection, DP, SecAgg or server link."""
+
     alpha: float = field(default=0.6, metadata=limits(gt=0, le=1))  # α: the weight of a fresh model in the mix
     staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"  # s(τ), how staleness damps α
     a: float = field(default=0.5, metadata=limits(ge=0))  # s(τ)'s decay: the polynomial's exponent, the hinge's slope

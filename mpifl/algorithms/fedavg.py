@@ -1,6 +1,8 @@
 """FedAvg (McMahan et al.): broadcast the global model, train locally, average the deltas by sample count.
 
-Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_s = 1, μ_s = 0 is plain FedAvg.
+Server step: θ ← θ + η_s·v with v ← μ_s·v + Σᵢ (nᵢ/n)·Δᵢ; η_s = 1, μ_s = 0 is plain FedAvg. With
+``server.optimizer: adam | yogi | adagrad`` the averaged delta goes through Reddi et al.'s adaptive server
+optimizers instead (:class:`GlobalModel`).
 """
 
 from __future__ import annotations
@@ -42,26 +44,54 @@ class FedAvgProtocol(Protocol):
 
 
 class GlobalModel:
-    """The global model of FedAvg-style algorithms and the server optimizer on averaged pseudo-gradients:
-    θ ← θ + η_s·v with v ← μ_s·v + mean Δ (``server.lr``, ``server.momentum``)."""
+    """The global model of FedAvg-style algorithms and the server optimizer (``server.*``) on averaged
+    pseudo-gradients Δ. ``sgd``: θ ← θ + η·v with v ← μ·v + Δ. The adaptive ones are Reddi et al.'s Algorithm 2
+    (FedAdam, FedYogi, FedAdagrad): m ← β₁·m + (1 − β₁)·Δ, then
 
-    def __init__(self, ctx: RunContext):
-        self.params = ctx.new_model().numpy().copy()
-        self.velocity = np.zeros(self.params.shape, dtype=np.float64)
-        self.lr, self.momentum = ctx.cfg.server.lr, ctx.cfg.server.momentum
+    * adagrad: v ← v + Δ²
+    * yogi: v ← v − (1 − β₂)·Δ²·sign(v − Δ²)
+    * adam: v ← β₂·v + (1 − β₂)·Δ²
 
-    def step(self, mean_delta: np.ndarray, part: slice = slice(None)) -> None:
-        """Apply the averaged delta; ``part`` updates a slice of the model only (FedALS), element for element
-        as a whole-model update would."""
-        self.velocity[part] = self.momentum * self.velocity[part] + mean_delta
+    and θ ← θ + η·m / (√v + τ), from m = 0 and v = τ² (the paper's v₋₁ ≥ τ²; no bias correction, as in the
+    paper). The state is float64, one entry per parameter, and part of the checkpoint."""
+
+    def __init__(self, ctx: RunContext, params: np.ndarray | None = None):
+        self.params = ctx.new_model().numpy().copy() if params is None else params
+        self.server = ctx.cfg.server  # frozen: rebuilt from the config on resume
+        if self.server.optimizer == "sgd":
+            self.velocity = np.zeros(self.params.shape, dtype=np.float64)
+        else:
+            self.first_moment = np.zeros(self.params.shape, dtype=np.float64)
+            self.second_moment = np.full(self.params.shape, self.server.tau**2, dtype=np.float64)
+
+    def step(self, mean_delta: np.ndarray, part: slice | int = slice(None)) -> None:
+        """Apply the averaged delta; ``part`` updates a slice of the model only (FedALS, FedRep's body) or one
+        row (one of IFCA's cluster models), element for element as a whole-model update would."""
         params = self.params.copy()  # a new array: clients on this rank may still hold views of the old one
-        params[part] = (params[part] + self.lr * self.velocity[part]).astype(np.float32)
+        params[part] = (params[part] + self._update(mean_delta, part)).astype(np.float32)
         self.params = params
+
+    def _update(self, delta: np.ndarray, part: slice | int) -> np.ndarray:
+        """The step to add to ``params[part]``, the optimizer's state there advanced by ``delta``."""
+        if self.server.optimizer == "sgd":
+            self.velocity[part] = self.server.momentum * self.velocity[part] + delta
+            return self.server.lr * self.velocity[part]
+        server, m, v = self.server, self.first_moment, self.second_moment
+        m[part] = server.beta1 * m[part] + (1 - server.beta1) * delta
+        square = delta * delta
+        if server.optimizer == "adagrad":
+            v[part] = v[part] + square
+        elif server.optimizer == "yogi":
+            v[part] = v[part] - (1 - server.beta2) * square * np.sign(v[part] - square)
+        else:
+            v[part] = server.beta2 * v[part] + (1 - server.beta2) * square
+        return server.lr * m[part] / (np.sqrt(v[part]) + server.tau)
 
 
 class FedAvgServer(ServerAlgorithm):
     protocol_type: type[FedAvgProtocol] = FedAvgProtocol
     protocol: FedAvgProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)

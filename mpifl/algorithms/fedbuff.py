@@ -4,8 +4,8 @@ The server keeps ``concurrency`` clients training at once. A client downloads th
 and uploads its delta; the server weights each arriving delta by its staleness, s(τ) = (1 + τ)^(−a) with τ the
 number of server steps since the client downloaded (the paper's a = 0.5), and once ``buffer_size`` (K) updates
 have arrived it steps: θ ← θ + η_s·v, v ← μ_s·v + (1/K)·Σ s(τᵢ)·Δᵢ (η_s = ``server.lr``, μ_s = ``server.momentum``:
-the paper's server SGD is μ_s = 0). A slot that frees is refilled at once with a new client, which downloads
-whatever model is current at that moment.
+the paper's server SGD is μ_s = 0; ``server.optimizer`` may step that mean adaptively instead). A slot that frees
+is refilled at once with a new client, which downloads whatever model is current at that moment.
 
 As in the paper, the buffer averages over K, not over the staleness weights, and weighs clients equally, not by
 sample count. Arrivals whose update never came (a dropped client, a rejected non-finite upload) count towards K
@@ -43,6 +43,9 @@ from mpifl.schema import limits
 
 @dataclass(frozen=True)
 class FedBuffOptions(AsynchronousOptions):
+    """FedBuff: asynchronous, buffered; a server step every buffer_size arrivals, each delta weighted by its
+    staleness. Needs network.compute: model; no deadline, over-selection, DP, SecAgg or server link."""
+
     buffer_size: int = field(default=10, metadata=limits(ge=1))  # K: updates per server step
     staleness_exponent: float = field(default=0.5, metadata=limits(ge=0))  # a in s(τ) = (1 + τ)^(−a)
 

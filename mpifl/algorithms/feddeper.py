@@ -30,6 +30,8 @@ from mpifl.training.sgd import client_generator, sgd_step, training_batches
 
 @dataclass(frozen=True)
 class FedDeperOptions:
+    """FedDeper: each client keeps a personal model (never sent) that regularizes its global-model steps."""
+
     rho: float = field(default=0.03, metadata=limits(ge=0))  # penalty ρ of eq. 5 (same order as η)
     mixing: float = field(default=0.5, metadata=limits(ge=0, le=1))  # λ of eq. 6
 

@@ -18,7 +18,9 @@ from mpifl.training.sgd import GradHook
 
 @dataclass(frozen=True)
 class FedProxOptions:
-    mu: float = field(default=0.01, metadata=limits(ge=0))
+    """FedProx: FedAvg with a proximal term on the local objective."""
+
+    mu: float = field(default=0.01, metadata=limits(ge=0))  # μ of the proximal term (μ/2)·‖w − x‖²
 
 
 class FedProxClient(FedAvgClient):

@@ -1,5 +1,5 @@
 """FedRep (Collins et al. 2021), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench ran it
-(``src/client/fedrep.py``; docs/pefll_baselines.md).
+(``src/client/fedrep.py``; docs/papers/pefll_baselines.md).
 
 The model splits into a shared body (representation) φ and a personal head h: the last ``head_layers`` layer
 groups (:func:`~mpifl.models.flat.layer_groups`; PeFLL's LeNet: the output Linear). A sampled client
@@ -37,6 +37,8 @@ NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head trai
 
 @dataclass(frozen=True)
 class FedRepOptions:
+    """FedRep: a shared body and a personal head per client; only the body travels."""
+
     head_epochs: int = field(default=5, metadata=limits(ge=0))  # per round, body frozen (PeFLL: 5)
     body_epochs: int = field(default=1, metadata=limits(ge=0))  # per round, head frozen (PeFLL: 1)
     new_head_epochs: int = field(default=20, metadata=limits(ge=0))  # an unseen client's head, before evaluation
@@ -73,6 +75,7 @@ class FedRepServer(ServerAlgorithm):
 
     protocol_type: type[FedRepProtocol] = FedRepProtocol
     protocol: FedRepProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)

@@ -1,5 +1,6 @@
 """FedSGD: each sampled client returns one full-batch gradient at the global model; the server steps
-θ ← θ − η_c·Σ (N_i/N_S)·g_i (η_c = client.lr) through the server optimizer (server.lr, momentum).
+θ ← θ − η_c·Σ (N_i/N_S)·g_i (η_c = client.lr) through the server optimizer (``server.*``: sgd with lr and
+momentum, or an adaptive one, whose pseudo-gradient is then −η_c·Σ (N_i/N_S)·g_i).
 
 Mini-batch FedSGD is FedAvg with ``client.steps: 1``; this is the variant Karula's Table 1 compares with
 ("clients return full gradients"), and Karula with t = 0 is its variance-reduced counterpart.

@@ -1,6 +1,7 @@
 """IFCA (Ghosh et al. 2020), model-averaging variant: k cluster models; a sampled client joins the cluster
 whose model has the lowest loss on its training data, trains it locally and returns its delta and its
-cluster index; the server averages deltas per cluster (by sample count) through FedAvg's server step.
+cluster index; the server averages deltas per cluster (by sample count) through FedAvg's server step
+(``server.*``: the optimizer's state is kept per cluster model).
 Clusters start from different random initializations, so they can separate."""
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ from mpifl.algorithms.base import (
     require,
     weighted_sum,
 )
+from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel, build_model
-from mpifl.schema import limits
+from mpifl.schema import INT32_MAX, limits
 
 
 @dataclass(frozen=True)
 class IFCAOptions:
-    clusters: int = field(default=3, metadata=limits(ge=1))
+    """IFCA (model averaging): k cluster models; each sampled client trains the one that fits its data best."""
+
+    # k: cluster models, each from its own initialization (a client's choice travels as int32)
+    clusters: int = field(default=3, metadata=limits(ge=1, le=INT32_MAX))
 
 
 class IFCAProtocol(Protocol):
@@ -60,14 +65,20 @@ class IFCAProtocol(Protocol):
 class IFCAServer(ServerAlgorithm):
     protocol_type: type[IFCAProtocol] = IFCAProtocol
     protocol: IFCAProtocol
+    server_optimizer = True
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
         seeds = np.random.SeedSequence([ctx.cfg.seed, 0x49464341]).generate_state(self.protocol.k)
-        self.params = np.stack([
+        # one row per cluster; the server optimizer keeps its state per row, each stepped with its own members
+        self.model = GlobalModel(ctx, np.stack([
             FlatModel(build_model(ctx.cfg.model, ctx.layout, int(s))).numpy() for s in seeds
-        ]).astype(np.float32)
+        ]).astype(np.float32))
         self.assignment: dict[int, int] = {}  # this round's cluster of each client that reported one
+
+    @property
+    def params(self) -> np.ndarray:
+        return self.model.params
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -83,12 +94,9 @@ class IFCAServer(ServerAlgorithm):
     def apply_deltas(self, step: StepContext, rows: np.ndarray) -> None:
         clients = step.clients  # the clients whose delta was accepted
         assignment = np.array([self.assignment[c] for c in clients.tolist()])
-        params = self.params.copy()  # a new array: clients on this rank may hold views of the old one
         for j in np.unique(assignment):
             members = assignment == j
-            mean = weighted_sum(rows[members], self.ctx.weights(clients[members]))
-            params[j] = (params[j] + self.ctx.cfg.server.lr * mean).astype(np.float32)
-        self.params = params
+            self.model.step(weighted_sum(rows[members], self.ctx.weights(clients[members])), int(j))
 
     def final_state(self) -> dict[str, np.ndarray]:
         return {"cluster_models": self.params}

@@ -58,8 +58,11 @@ from mpifl.training.sgd import client_generator
 
 @dataclass(frozen=True)
 class KarulaOptions:
+    """Karula: personalized models under pairwise dissimilarity constraints, projected SGD on the server."""
+
     t: float = field(default=1.0, metadata=limits(ge=0))  # constraint scale: ‖θ_i − θ_j‖² ≤ t·D_ij
     lr: float = field(default=1.0, metadata=limits(gt=0))  # server step size η on ν ≈ ∇f = (1/n)Σα_i∇f_i
+    # unbiased: ν = g + (n/s)(g_new − g), unbiased for ∇f; literal: the paper's printed update (biased, to compare)
     estimator: Literal["unbiased", "literal"] = "unbiased"
     # fixed: η = lr. theory: η = 3/(8L) (Theorem 4.4), L = max_i α_i·λ_max(∇²f_i) (Assumption 4.1), each
     # client's λ_max measured at set-up by power iteration on gradient differences (exact for ridge)
@@ -67,10 +70,14 @@ class KarulaOptions:
     # the logged estimation error: squared = mean_i ‖θ_i − θ_i^true‖², norm = mean_i ‖θ_i − θ_i^true‖
     estimation_error: Literal["squared", "norm"] = "squared"
     full_batch: bool = True  # False: one mini-batch of client.batch_size per gradient
+    # the projection's solver: dual (L-BFGS-B on the Lagrange dual, O(n²d) + O(n³) per iteration) or dykstra
+    # (alternating projections, the independent check)
     solver: Solver = "dual"
     tol: float = field(default=1e-6, metadata=limits(gt=0))  # projection gap relative to ½‖ϑ − ϑ̄‖²
     max_inner: int = field(default=1000, metadata=limits(ge=1))  # projection iterations per round
     reference_size: int = field(default=100, metadata=limits(ge=1))  # N0
+    # the dissimilarity D_ij between OT embeddings: l21 (sum over reference points of the L2 distance: W1's cost
+    # along the reference coupling) or l1 (the paper's literal entrywise norm)
     metric: Metric = "l21"
     standardize: bool = True  # z-score (x, y) with pooled statistics before OT
     label_scale: float = field(default=1.0, metadata=limits(gt=0))  # one-hot label weight (classification)
@@ -101,7 +108,7 @@ def ground_truth(cfg: RunConfig, numel: int) -> np.ndarray | None:
 
 def estimation_errors(models: np.ndarray, truth: np.ndarray, kind: str = "squared") -> np.ndarray:
     """Per-client estimation error, ‖θ̂_i − θ_i‖² (``squared``) or ‖θ̂_i − θ_i‖ (``norm``): Table 1(a) does
-    not say which it averages (docs/karula.md argues for ``norm``)."""
+    not say which it averages (docs/papers/karula.md argues for ``norm``)."""
     squared = np.sum((models - truth) ** 2, axis=1)
     return squared if kind == "squared" else np.sqrt(squared)
 

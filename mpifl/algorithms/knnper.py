@@ -1,5 +1,5 @@
 """kNN-Per (Marfoq et al. 2022), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench and the authors'
-code run it (docs/pefll_baselines.md).
+code run it (docs/papers/pefll_baselines.md).
 
 Training is FedAvg's, message for message. At evaluation each client, seen or unseen, interpolates the global
 model's prediction with a k-nearest-neighbour predictor over its own training data:
@@ -36,6 +36,9 @@ EVAL_BATCH = 1024
 
 @dataclass(frozen=True)
 class KNNPerOptions:
+    """kNN-Per: FedAvg training; at evaluation the global model mixed with a kNN over the client's own training
+    features, k and λ chosen per client (classification only)."""
+
     scale: float = field(default=100.0, metadata=limits(gt=0))  # the kernel's temperature is dim·scale
     k: tuple[int, ...] = field(default=(5, 10), metadata=limits(ge=1))  # neighbours, searched per client
     weights: tuple[float, ...] = field(default=tuple(i / 10 for i in range(11)),  # λ, searched per client

@@ -27,6 +27,10 @@ from mpifl.training.config import ClientConfig
 
 @dataclass(frozen=True)
 class LocalOptions:
+    """Local training only: no communication."""
+
+    # rounds: each round's sampled seen clients train their own model further (unseen clients keep the initial
+    # one); all: PeFLL's Local, every client, unseen too, trains epochs epochs before round 1
     mode: Literal["rounds", "all"] = "rounds"
     epochs: int = field(default=200, metadata=limits(ge=1))  # mode all: each client's epochs before round 1
 

@@ -52,7 +52,7 @@ class HyperOptions:
     """What PeFLL and pFedHN share: the hypernetwork's shape, the outer clip and label masking."""
 
     embed_dim: int | None = field(default=None, metadata=limits(ge=1))  # l; none: int(1 + n/4), n = all clients
-    hyper_hidden: int = field(default=100, metadata=limits(ge=1))
+    hyper_hidden: int = field(default=100, metadata=limits(ge=1))  # the hypernetwork's hidden width
     hyper_layers: int = field(default=3, metadata=limits(ge=0))  # hidden 100→100 layers after the first
     clip_norm: float | None = field(default=50.0, metadata=limits(gt=0))  # server pseudo-gradient; none: off
     mask_absent: bool = False  # at evaluation, zero the logits of classes absent from the client's train split
@@ -60,20 +60,24 @@ class HyperOptions:
 
 @dataclass(frozen=True)
 class PeFLLOptions(HyperOptions):
-    embedding: Literal["cnn", "linear"] = "cnn"
+    """PeFLL: an embedding net and a hypernetwork on the server make each client's model from a descriptor of its
+    data, so an unseen client gets a model without training."""
+
+    embedding: Literal["cnn", "linear"] = "cnn"  # φ: a CNN over (image, label), or a linear map of the labels only
     embed_labels: bool = True  # false: φ sees images only (clients with unlabelled data)
-    embed_channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))
-    embed_hidden: tuple[int, ...] = field(default=(120, 84), metadata=limits(ge=1))
-    embed_kernel: int = field(default=5, metadata=limits(ge=1))
-    descriptor_batch: int = field(default=32, metadata=limits(ge=1))
+    embed_channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))  # φ's conv blocks (cnn)
+    embed_hidden: tuple[int, ...] = field(default=(120, 84), metadata=limits(ge=1))  # φ's hidden FC widths (cnn)
+    embed_kernel: int = field(default=5, metadata=limits(ge=1))  # φ's convolution kernel size (cnn)
+    descriptor_batch: int = field(default=32, metadata=limits(ge=1))  # samples in the batch a descriptor is made of
     standardize: bool = True  # (v − m)/s, scalars m, s frozen from round 1's first descriptor (lowest id; code)
+    # adam: the authors' code (Adam at lr, clipped at clip_norm); paper: Alg. 2's step η ← (1 − 2βλ)η + mean Δη
     optimizer: Literal["adam", "paper"] = "adam"
     lr: float | None = field(default=None, metadata=limits(gt=0))  # Adam's rate; none: 2e-4 (the code's)
     # Alg. 2's step (optimizer: paper): β (none: 2√c/(k√T) = 1.265e-3 for c=5, k=50, T=5000), and the decays
     # (1 − 2βλ) of η_h and η_v (none: 1e-3). The authors' Adam has no weight decay: they do not apply there.
     beta: float | None = field(default=None, metadata=limits(ge=0))
-    lambda_h: float | None = field(default=None, metadata=limits(ge=0))
-    lambda_v: float | None = field(default=None, metadata=limits(ge=0))
+    lambda_h: float | None = field(default=None, metadata=limits(ge=0))  # optimizer paper: λ of η_h's decay
+    lambda_v: float | None = field(default=None, metadata=limits(ge=0))  # optimizer paper: λ of η_v's decay
 
     def __post_init__(self) -> None:
         if self.embedding == "linear" and not self.embed_labels:

@@ -1,5 +1,5 @@
 """Per-FedAvg (Fallah, Mokhtari, Ozdaglar 2020), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench ran
-it (``src/client/perfedavg.py``; PeFLL's baselines are built on FL-Bench; docs/pefll_baselines.md).
+it (``src/client/perfedavg.py``; PeFLL's baselines are built on FL-Bench; docs/papers/pefll_baselines.md).
 
 The global model w is meta-trained for good one-step personalization. A client's round walks ``perfedavg.epochs``
 passes over its training data (PeFLL: one; none: ``client.steps`` batches or ``client.epochs`` passes) in groups
@@ -43,7 +43,10 @@ PERSONALIZE_PURPOSE = 3  # client_generator purpose of the evaluation-time perso
 
 @dataclass(frozen=True)
 class PerFedAvgOptions:
-    variant: Literal["fo", "hf"] = "fo"
+    """Per-FedAvg: the global model meta-trained for one-step personalization; every client fine-tunes it before
+    evaluation."""
+
+    variant: Literal["fo", "hf"] = "fo"  # fo: first order; hf: Hessian-free (finite-difference Hessian-vector)
     alpha: float | None = field(default=None, metadata=limits(gt=0))  # inner (personalization) step; none: client.lr
     beta: float = field(default=1e-3, metadata=limits(gt=0))  # outer (meta) step (FL-Bench's default)
     delta: float = field(default=1e-3, metadata=limits(gt=0))  # hf: the finite difference's radius

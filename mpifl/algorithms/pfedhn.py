@@ -42,13 +42,18 @@ NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's a
 
 @dataclass(frozen=True)
 class PFedHNOptions(HyperOptions):
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = field(default=1e-2, metadata=limits(gt=0))
+    """pFedHN: a hypernetwork and one learned embedding per client on the server; a client's model is h(e_i)."""
+
+    optimizer: Literal["sgd", "adam"] = "sgd"  # the server's optimizer of h and the embeddings
+    lr: float = field(default=1e-2, metadata=limits(gt=0))  # the hypernetwork's learning rate
     momentum: float = field(default=0.9, metadata=limits(ge=0, lt=1))  # sgd
     weight_decay: float = field(default=1e-3, metadata=limits(ge=0))  # sgd
     embed_lr: float | None = field(default=None, metadata=limits(gt=0))  # the embeddings' lr; none: lr
+    # round trips that adapt an unseen client's fresh embedding (h frozen) before each evaluation
     new_client_rounds: int = field(default=20, metadata=limits(ge=0))
     new_client_lr: float = field(default=1e-2, metadata=limits(gt=0))  # SGD (with ``momentum``) on new embeddings
+    # per_client: a round's clients take turns, one hypernetwork step each (the authors' code, FL-Bench);
+    # averaged: one step per round on the mean pseudo-gradient
     server_steps: Literal["per_client", "averaged"] = "per_client"
 
 

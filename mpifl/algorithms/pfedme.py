@@ -33,9 +33,13 @@ from mpifl.training.sgd import client_generator, training_batches
 
 @dataclass(frozen=True)
 class PFedMeOptions:
-    lam: float = field(default=15.0, metadata=limits(ge=0))
-    personal_lr: float = field(default=0.01, metadata=limits(gt=0))
-    inner_steps: int = field(default=5, metadata=limits(ge=1))
+    """pFedMe: personalized models through Moreau envelopes; server.lr is pFedMe's β."""
+
+    lam: float = field(default=15.0, metadata=limits(ge=0))  # λ: the pull (λ/2)‖θ − w‖² of θ towards the local model
+    personal_lr: float = field(default=0.01, metadata=limits(gt=0))  # the inner steps' size on θ
+    inner_steps: int = field(default=5, metadata=limits(ge=1))  # gradient steps approximating θ per local step
+    # sampled: only the sampled clients update θ_i (FL-Bench's); all: Algorithm 1, every seen client trains each
+    # round (w sent to all of them) and only the sampled ones upload
     personalize: Literal["sampled", "all"] = "sampled"
 
 

@@ -1,7 +1,8 @@
 """SCAFFOLD (Karimireddy et al. 2020), option II, as the FedALS and FedDeper papers use it as a baseline.
 
-Each client keeps a control variate cᵢ; the server keeps c = Σᵢ wᵢcᵢ over all clients (wᵢ = nᵢ/n, i.e.
-1/N for equal shards). Local steps descend g − cᵢ + c. Afterwards option II sets
+Each client keeps a control variate cᵢ; the server keeps c = Σᵢ wᵢcᵢ over all N seen clients (wᵢ = nᵢ/n, or
+1/N under ``server.weighting: uniform``, the paper's c ← c + (1/N)·Σ_{i∈S} Δcᵢ). Local steps descend
+g − cᵢ + c. Afterwards option II sets
 
     cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K·η),
 
@@ -65,7 +66,16 @@ def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu",
 
 
 def population_weights(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
-    """wᵢ = nᵢ / (samples of all seen clients): keeps c = Σᵢ wᵢcᵢ exact under partial participation."""
+    """``clients``' shares of the whole population of seen clients, as ``server.weighting`` weighs them:
+    nᵢ / (samples of all seen clients), or 1/N. Summing a cohort's Δcᵢ with them keeps c = Σᵢ wᵢcᵢ exact
+    under partial participation."""
+    if ctx.cfg.server.weighting == "uniform":
+        return np.full(len(clients), 1.0 / np.count_nonzero(~ctx.layout.unseen))
+    return sample_shares(ctx, clients)
+
+
+def sample_shares(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
+    """nᵢ / (samples of all seen clients), whatever the weighting: what pools per-sample statistics."""
     seen = ~ctx.layout.unseen
     return ctx.layout.train_sizes[clients].astype(np.float64) / ctx.layout.train_sizes[seen].sum()
 

@@ -26,12 +26,12 @@ _AVAILABILITY_TAG = 0x61766169
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def uniform_draws(seed: int, clients: np.ndarray, index: np.ndarray) -> np.ndarray:
+def uniform_draws(seed: int, clients: np.ndarray, index: np.ndarray, tag: int = _AVAILABILITY_TAG) -> np.ndarray:
     """A uniform number in (0, 1) for each (client, index) pair: SplitMix64 of a key mixing the run's seed, the
-    client id and the period index, so any period of any client is drawn in O(1), vectorized, and in any
-    order (a counter-based generator: no state to carry or checkpoint)."""
+    stream's ``tag``, the client id and the period index, so any period of any client is drawn in O(1),
+    vectorized, and in any order (a counter-based generator: no state to carry or checkpoint)."""
     with np.errstate(over="ignore"):
-        key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(_AVAILABILITY_TAG)) & _MASK64
+        key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(tag)) & _MASK64
         z = key ^ (clients.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)) ^ (
             index.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
         for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
@@ -136,19 +136,25 @@ class Availability:
         return t if self._periods is None else self._periods.next_online(t)
 
 
+def csv_rows(path: str, header: list[str], where: str) -> list[list[str]]:
+    """The rows after the ``header`` line of a CSV file (a missing or unreadable file, or another first line, is
+    one :class:`ConfigError` line starting with ``where``)."""
+    try:
+        with open(Path(path), newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc})") from None
+    if not rows or [c.strip() for c in rows[0]] != header:
+        raise ConfigError(f"{where}: the first line must be the header {','.join(header)}")
+    return rows[1:]
+
+
 def read_trace(path: str | None, period_s: float | None, num_clients: int) -> TraceIntervals:
     """A trace file's intervals, checked: bad rows are one :class:`ConfigError` line naming the file and row."""
     if path is None:
         raise ConfigError("network.availability.trace: a trace file is required with mode: trace")
     where = f"network.availability.trace: {path}"
-    try:
-        with open(Path(path), newline="") as f:
-            rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc})") from None
-    if not rows or [c.strip() for c in rows[0]] != ["client", "start_s", "end_s"]:
-        raise ConfigError(f"{where}: the first line must be the header client,start_s,end_s")
-    body = [r for r in rows[1:] if r]
+    body = [r for r in csv_rows(path, ["client", "start_s", "end_s"], where) if r]
     if not body:
         raise ConfigError(f"{where}: no intervals")
     values = np.zeros((len(body), 3))

@@ -8,6 +8,9 @@ from typing import Literal
 import numpy as np
 
 Direction = Literal["down", "up"]
+SumWeights = Literal["weighting", "samples", "uniform"]
+"""What a summed message's rows are weighted by: ``samples`` (each client's training samples), ``uniform`` (one
+each), or ``weighting`` (as ``server.weighting`` says)."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class Message:
     plan reaches every seen client that is up this round, not only the sampled participants (pFedMe's
     Algorithm 1: all clients receive w and train, the sampled ones upload); only down messages and local steps
     can be.
+
+    A ``summed`` up message is one the server needs only as Σᵢ weightᵢ·rowᵢ over the accepted clients (a FedAvg
+    delta): each worker folds its clients' rows into an exact running total as they finish and one reduction
+    brings the total to rank 0 (:mod:`mpifl.comm.exactsum`), so no rank holds every client's row. ``groups``
+    sums side by side (IFCA: one per cluster; each client's row goes into the one its client side names).
     """
 
     name: str
@@ -33,6 +41,8 @@ class Message:
     logical: bool = True
     everyone: bool = False
     update: bool = False
+    summed: SumWeights | None = None
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if self.broadcast and self.direction != "down":
@@ -43,6 +53,10 @@ class Message:
             raise ValueError(f"message {self.name}: an update is a float upload")
         if self.numel < 0:
             raise ValueError(f"message {self.name}: negative size")
+        if self.summed is not None and (self.direction != "up" or np.dtype(self.dtype).kind != "f"):
+            raise ValueError(f"message {self.name}: only float uploads can be summed")
+        if self.groups < 1 or self.groups > 1 and self.summed is None:
+            raise ValueError(f"message {self.name}: groups are sums side by side, at least one")
 
     @property
     def itemsize(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifl.comm.config import NetworkConfig
+from mpifl.comm.speeds import lognormal_factors, read_speeds
 
 _NETWORK_TAG = 0x6E6574
 
@@ -20,7 +21,8 @@ _NETWORK_TAG = 0x6E6574
 @dataclass(frozen=True)
 class NetworkModel:
     """Per-client latency (s), bandwidth (bytes/s) and compute speed (s/sample), fixed or drawn once from a
-    seeded log-normal; the server's link (bytes/s, infinite by default) and how compute is counted."""
+    seeded log-normal (the speed also per client id, or from a file: :mod:`mpifl.comm.speeds`); the server's
+    link (bytes/s, infinite by default) and how compute is counted."""
 
     latency_s: np.ndarray
     up_bytes_per_s: np.ndarray
@@ -38,11 +40,17 @@ class NetworkModel:
             rng = np.random.default_rng(np.random.SeedSequence([seed, _NETWORK_TAG]))
             # Median-preserving draws: the configured value is each quantity's median over clients.
             scale = rng.lognormal(mean=0.0, sigma=cfg.sigma, size=(4, num_clients))
+        seconds_per_sample = cfg.seconds_per_sample * scale[3]
+        if cfg.speed.mode == "lognormal":
+            seconds_per_sample = cfg.seconds_per_sample * lognormal_factors(seed, np.arange(num_clients),
+                                                                            cfg.speed.sigma)
+        elif cfg.speed.mode == "file":
+            seconds_per_sample = read_speeds(cfg.speed.file, num_clients)
         return cls(
             latency_s=cfg.latency_s * scale[0],
             up_bytes_per_s=cfg.up_mbps * 1e6 / 8 / scale[1],
             down_bytes_per_s=cfg.down_mbps * 1e6 / 8 / scale[2],
-            seconds_per_sample=cfg.seconds_per_sample * scale[3],
+            seconds_per_sample=seconds_per_sample,
             server_up_bytes_per_s=_bytes_per_s(cfg.server_up_mbps),
             server_down_bytes_per_s=_bytes_per_s(cfg.server_down_mbps),
             multicast=cfg.multicast,

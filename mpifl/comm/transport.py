@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mpifl.comm.exactsum import ExactSum, Window, round_sum
 from mpifl.comm.ledger import Ledger, PhysicalLog
 from mpifl.comm.messages import Message
 from mpifl.comm.placement import Placement
@@ -122,6 +123,48 @@ class Transport:
         order = self.placement.rank_order(clients) if self.is_server else None
         started = [self._start_gather(msg, block, order) for msg, block in zip(msgs, rows)]
         return [self._finish_gather(round_, msg, order, *flight) for msg, flight in zip(msgs, started)]
+
+    def record_uploads(self, round_: int, stage: str, msg: Message, clients: np.ndarray) -> None:
+        """The ledger's rows of an upload that travels as a sum: every client of ``clients`` sent its row (at its
+        size on the wire), whatever the server then accepted."""
+        if self.is_server:
+            self.ledger.record(round_, stage, msg, clients, self.logical_nbytes(msg))
+
+    def reduce_sum(self, round_: int, msg: Message, totals: list[ExactSum]) -> np.ndarray | None:
+        """Clients → server for a summed message: this rank's exact running ``totals`` (one per group) of its
+        accepted clients' weighted rows, added on the server without a single row moving. The ranks agree on one
+        window of bits (a 16-byte ``Iallreduce``), each exports its totals onto it, and one ``Ireduce`` (MPI.SUM
+        of int64 words, which add associatively) brings the sum to rank 0, rounded there once per entry: the
+        same bits on any rank count. The ledger records each client at its size on the wire apart, as a
+        real deployment uploads each row: :meth:`record_uploads`). Returns the float64 sums on the server
+        (groups × numel), else None."""
+        window = Window()
+        for total in totals:
+            window = window.union(total.window)
+        maxima = window.maxima()
+        if self.size > 1:
+            from mpi4py import MPI
+
+            bounds = Message(f"{msg.name}_window", "up", 2, "int64", logical=False)
+            self._timed(round_, bounds, "allreduce", maxima.nbytes, self.comm.Iallreduce(MPI.IN_PLACE, maxima,
+                                                                                         op=MPI.MAX))
+        agreed = Window.from_maxima(maxima)
+        start = time.perf_counter()
+        exports = [total.export(agreed) for total in totals]
+        wire = exports[0] if len(exports) == 1 else np.concatenate(exports)
+        self.pack_seconds += time.perf_counter() - start
+        summed: np.ndarray | None = wire
+        if self.size > 1:
+            from mpi4py import MPI
+
+            summed = np.empty_like(wire) if self.is_server else None
+            self._timed(round_, msg, "reduce", wire.nbytes, self.comm.Ireduce(wire, summed, op=MPI.SUM, root=0))
+        if summed is None:
+            return None
+        start = time.perf_counter()
+        out = np.stack([round_sum(part, agreed) for part in np.split(summed, len(totals))])
+        self.pack_seconds += time.perf_counter() - start
+        return out
 
     def up_blobs(self, round_: int, stage: str, msg: Message, blobs: list[np.ndarray], clients: np.ndarray
                  ) -> list[np.ndarray] | None:

@@ -129,6 +129,17 @@ class WireFormat:
         std = self.privacy.noise_multiplier * self.privacy.clip
         return rows + noise(self.seed, round_, BROADCAST, msg.name, msg.numel, std, rows.dtype) / len(rows)
 
+    def server_noise_total(self, msg: Message, round_: int, totals: np.ndarray) -> np.ndarray:
+        """Central DP on a summed message: N(0, (z·C)²) added to each group's sum of the accepted clipped updates
+        (then divided as the algorithm divides: the mean's noise is that of the sum over the divisor, DP-FedAvg's
+        calibration, as :meth:`server_noise` gives for rows)."""
+        if not msg.update or self.privacy.mode != "central":
+            return totals
+        std = self.privacy.noise_multiplier * self.privacy.clip
+        draws = [noise(self.seed, round_, BROADCAST, msg.name if g == 0 else f"{msg.name}:{g}", msg.numel, std,
+                       np.float64) for g in range(len(totals))]
+        return totals + np.stack(draws)
+
     # ---------------------------------------------------------- secure aggregation
     def secagg_round(self, cohort: int, survivors: int, update_numel: int) -> list[SecAggMessage]:
         """The secure-aggregation protocol's own messages of one round (per client), besides the masked input."""

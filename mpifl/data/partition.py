@@ -19,6 +19,9 @@ DIRICHLET_MAX_DRAWS = 100  # redraws before giving up on a Dirichlet split with 
 def partition_counts(cfg: DataConfig, totals: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Dispatch ``cfg.partition`` over a pool with ``totals[c]`` samples of class ``c``."""
     n = cfg.num_clients
+    if n > totals.sum():  # before any per-client array is made: num_clients may be any 64-bit count
+        raise ConfigError(f"data.num_clients: {n} clients exceed the {int(totals.sum())} samples of "
+                          f"{cfg.dataset!r}: some would get 0 training samples; use fewer clients")
     if cfg.partition == "iid":
         return iid_counts(totals, n, rng)
     if cfg.partition == "classes":

@@ -1,6 +1,6 @@
 """Federated data already split into clients (``data.prepared``): one HDF5 file or a directory of ``.npz``.
 
-The format is documented in docs/data_format.md. ``mpifl prepare CONFIG --out DATA.h5`` writes it from any
+The format is documented in docs/reference/data-format.md. ``mpifl prepare CONFIG --out DATA.h5`` writes it from any
 config's ``data:`` section (bitwise the loader's clients, plus a fingerprint of the data settings and seed,
 checked when present); users write it from data they partitioned themselves (no fingerprint: the clients,
 splits and unseen flags are the file's, so data settings that would change them are refused). Every rank
@@ -53,6 +53,7 @@ def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | P
     ``cfg`` and ``seed`` (through a temporary name: never half-written)."""
     path = Path(path)
     layout = dataset.layout
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with h5py.File(tmp, "w") as f:
@@ -94,7 +95,7 @@ def open_prepared(cfg: DataConfig, seed: int) -> FederatedDataset:
         return NpzClients(path, cfg, seed)
     if not path.exists():
         raise ConfigError(f"data.prepared: {path} does not exist (an HDF5 file or a directory of .npz files, "
-                          "see docs/data_format.md)")
+                          "see docs/reference/data-format.md)")
     return Hdf5Clients(path, cfg, seed)
 
 
@@ -249,11 +250,11 @@ class Hdf5Clients(_ClientArrays):
             with h5py.File(path, "r") as f:
                 if f.attrs.get("format") != FORMAT:
                     raise self._error(f"attribute format is {f.attrs.get('format')!r}, expected {FORMAT!r} "
-                                      "(see docs/data_format.md)")
+                                      "(see docs/reference/data-format.md)")
                 unknown = sorted(set(f.attrs) - {"format", "fingerprint", *META_KEYS}) + sorted(
                     set(f) - {*ARRAY_KEYS, *(f"offsets_{s}" for s in SPLITS), "unseen"})
                 if unknown:
-                    raise self._error(f"unknown keys {', '.join(unknown)} (see docs/data_format.md)")
+                    raise self._error(f"unknown keys {', '.join(unknown)} (see docs/reference/data-format.md)")
                 self._check_origin(f.attrs.get("fingerprint"), cfg, seed)
                 meta = {key: f.attrs[key] for key in META_KEYS if key in f.attrs}
                 self.offsets, splits = self._splits(f)
@@ -331,7 +332,7 @@ class NpzClients(_ClientArrays):
         self._check_origin(None, cfg, seed)
         self.files = sorted(p for p in path.iterdir() if p.suffix == ".npz" and p.is_file())
         if not self.files:
-            raise self._error("no .npz client files in this directory (see docs/data_format.md)")
+            raise self._error("no .npz client files in this directory (see docs/reference/data-format.md)")
         meta = self._read_meta(path / "meta.json")
         headers = [self._headers(file) for file in self.files]
         first: dict[str, tuple[tuple[int, ...], np.dtype, np.dtype, str]] = {}
@@ -376,7 +377,7 @@ class NpzClients(_ClientArrays):
             raise self._error(f"cannot read {file.name} as .npz ({exc})") from None
         unknown = sorted(set(out) - {*ARRAY_KEYS, "unseen"})
         if unknown:
-            raise self._error(f"{file.name}: unknown keys {', '.join(unknown)} (see docs/data_format.md)")
+            raise self._error(f"{file.name}: unknown keys {', '.join(unknown)} (see docs/reference/data-format.md)")
         for split in SPLITS:
             pair = [f"x_{split}", f"y_{split}"]
             missing = [key for key in pair if key not in out]

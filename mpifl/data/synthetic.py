@@ -18,7 +18,7 @@ from mpifl.data.base import (
 )
 from mpifl.data.config import DataConfig
 from mpifl.data.partition import apportion, partition_counts, split_counts
-from mpifl.schema import ConfigError
+from mpifl.schema import INT64_MAX, ConfigError
 
 
 def _rows_split(x: np.ndarray, y: np.ndarray, sizes: tuple[int, ...]) -> ClientSplit:
@@ -45,6 +45,9 @@ class GaussianImagesDataset(FederatedDataset):
             raise ConfigError(f"data.synthetic.image_shape: expected positive sizes, got {list(self.shape)}")
         per_client = int(round(syn.samples_per_client / (1.0 - cfg.test_fraction - cfg.val_fraction)))
         total = cfg.num_clients * per_client
+        if total > INT64_MAX:
+            raise ConfigError(f"data.num_clients: {cfg.num_clients} clients of {per_client} samples each are more "
+                              "samples than a 64-bit count holds")
         totals = total // syn.num_classes + (np.arange(syn.num_classes) < total % syn.num_classes)
         counts = partition_counts(cfg, totals.astype(np.int64), make_rng(seed, Tag.PARTITION))
         if syn.size_sigma > 0:  # unequal clients (as FEMNIST's), each keeping its class mix

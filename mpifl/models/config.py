@@ -14,15 +14,24 @@ PLUGIN_CONTRACT = "a callable (model config, data layout) -> torch.nn.Module"
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "mlp"  # one of MODELS, or a plug-in (mpifl.plugins): entry point of group mpifl.models, module:callable
-    hidden: tuple[int, ...] = field(default=(64,), metadata=limits(ge=1))  # each layer's width
-    channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))
+    """The client model. BatchNorm keeps no running statistics in training; at evaluation a model normalizes with
+    statistics estimated on training data (the client's own by default; FedALS averages all clients'), never with
+    its test batch. A plug-in's weights are all float32 parameters (no buffers)."""
+
+    # lenet (PeFLL's LeNet, any input size, channels and classes), cnn (conv blocks of channels + one FC of
+    # fc_hidden), convnet (channels, kernel_size, hidden), resnet20 (the FedALS authors' variant), mlp (hidden;
+    # classification or regression), logistic, linear (regression), char_lstm (token inputs: shakespeare); or a
+    # plug-in: an entry point of group mpifl.models, or module:callable
+    name: str = "mlp"
+    hidden: tuple[int, ...] = field(default=(64,), metadata=limits(ge=1))  # mlp, convnet: each hidden layer's width
+    channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))  # cnn, convnet: each conv block's
     kernel_size: int = field(default=5, metadata=limits(ge=1))  # convnet
     batch_norm: bool = False  # resnet20
-    fc_hidden: int = field(default=128, metadata=limits(ge=1))
-    embed_dim: int = field(default=8, metadata=limits(ge=1))
-    lstm_hidden: int = field(default=128, metadata=limits(ge=1))
-    options: dict[str, Any] = field(default_factory=dict)  # a plug-in's own settings, handed to it as they are
+    fc_hidden: int = field(default=128, metadata=limits(ge=1))  # cnn: the width of its fully connected layer
+    embed_dim: int = field(default=8, metadata=limits(ge=1))  # char_lstm: the character embedding's width
+    lstm_hidden: int = field(default=128, metadata=limits(ge=1))  # char_lstm: the LSTM's hidden size
+    # a model plug-in's own settings, handed to it as they are (built-in models take none)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """A plug-in is imported and checked with the config, so a wrong name never reaches training."""

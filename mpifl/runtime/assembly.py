@@ -6,6 +6,7 @@ from __future__ import annotations
 from mpifl.algorithms.base import AsynchronousProtocol, RunContext
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.availability import Availability
+from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import check_privacy
 from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
@@ -30,7 +31,9 @@ def check_run(cfg: RunConfig, layout: FederatedLayout) -> RunContext:
                           f"shape {layout.input_shape}")
     ctx = RunContext(cfg, layout)
     availability(cfg, layout)  # a trace file is read and checked here
+    NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed)  # and a speed file
     protocol = get_algorithm(cfg.algorithm).server.protocol_type(ctx)
+    protocol.samples_per_round()  # local work whose count a 64-bit integer cannot hold is refused here
     wire_format(cfg).check(protocol.messages())
     if isinstance(protocol, AsynchronousProtocol):
         check_asynchronous(cfg, protocol.concurrency, seen)

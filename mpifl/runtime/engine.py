@@ -24,6 +24,7 @@ from mpifl.algorithms.base import (
     ClientAlgorithm,
     EvalLayout,
     EventDrivenServer,
+    RunContext,
     ServerAlgorithm,
     check_handlers,
     require,
@@ -32,6 +33,7 @@ from mpifl.comm import Placement, Step, Transport
 from mpifl.comm.ledger import STAGES
 from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import PrivacyAccountant
+from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm
@@ -92,20 +94,21 @@ class Engine:
             self.client = entry.client(ctx, self.store, client_state(cfg))
         check_handlers(self.server, self.client)
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
-        self._assemble(layout, wire, dataset.cheap_clients)
+        self._assemble(ctx, wire, dataset.cheap_clients)
         if self.resume:
             self._resume()
         self.times.setup = time.perf_counter() - started
 
-    def _assemble(self, layout, wire, cheap_clients: bool) -> None:  # noqa: ANN001 - FederatedLayout, WireFormat
+    def _assemble(self, ctx: RunContext, wire: WireFormat, cheap_clients: bool) -> None:
         """The parts that move, time, record and save the rounds."""
-        cfg, protocol = self.cfg, self.protocol
+        cfg, protocol, layout = self.cfg, self.protocol, ctx.layout
         samples = protocol.samples_per_round()
         faults = FaultModel(cfg.faults, cfg.seed)
         self.simtime = SimulatedTime(NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed), wire,
                                      samples, protocol.turns)
         self.cohorts = CohortSelection(cfg, self.seen, availability(cfg, layout), faults, self.simtime, self.transport)
-        self.walker = PlanWalker(self.transport, self.server, self.client, self.store, faults, self.times, wire)
+        self.walker = PlanWalker(self.transport, self.server, self.client, self.store, faults, self.times, wire,
+                                 ctx.sum_weights)
         asynchronous = isinstance(protocol, AsynchronousProtocol)
         dynamic = cfg.placement == "dynamic" or cfg.placement == "auto" and cheap_clients
         state = self.client.state if self.client is not None else None

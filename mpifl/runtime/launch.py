@@ -80,7 +80,7 @@ def run_job(config_path: str, overrides: list[str], output: str | None, quiet: b
         return failed
     if rank == 0 and not quiet:
         start = f"from round {engine.start_round}, " if resume else ""
-        print(f"mpifl: {cfg.algorithm} on {cfg.data.dataset}, {engine.layout.num_clients} clients, "
+        print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "
               f"{size} rank(s), {start}{cfg.rounds} rounds -> {Path(output or cfg.output)}", flush=True)
     try:
         engine.run(progress=not quiet)

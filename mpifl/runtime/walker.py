@@ -18,11 +18,17 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
+from mpifl.comm.exactsum import ExactSum
+from mpifl.comm.messages import SumWeights
 from mpifl.comm.secagg import UNMASKING_ROUND
 from mpifl.comm.wire import BROADCAST, WireFormat
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
 from mpifl.runtime.timing import RankTimes
+
+FOLD_CHUNK = 32
+"""A local step followed by an upload runs this many clients at a time, each client's rows sent (and a summed
+message's folded) right after: a worker holds at most this many clients' updates, whatever its cohort."""
 
 LEDGER_STAGES: dict[Stage, str] = {"setup": "setup", "train": "train", "newcomer": "eval", "eval_prelude": "eval",
                                    "eval": "eval"}
@@ -65,15 +71,40 @@ class _Progress:
         self.rejected += int((~accepted).sum())
 
 
+@dataclass
+class _Outbox:
+    """One update's outgoing side on this rank, filled client by client."""
+
+    rows: list[np.ndarray | None]  # a raw rows message: its local clients' rows
+    blobs: list[list[np.ndarray]]  # an encoded rows message: each local client's encoding
+    sums: list[list[ExactSum] | None]  # a summed message: this rank's exact total of each group
+    finite: np.ndarray  # local clients × messages: the row came through finite (or was not screened)
+
+    @classmethod
+    def of(cls, group: list[Message], n_local: int) -> _Outbox:
+        return cls(rows=[np.empty((n_local, m.numel), dtype=m.dtype) if m.summed is None else None for m in group],
+                   blobs=[[] for _ in group],
+                   sums=[[ExactSum(m.numel) for _ in range(m.groups)] if m.summed else None for m in group],
+                   finite=np.ones((n_local, len(group)), dtype=bool))
+
+
+def _uploads(plan: Sequence[Step], position: int) -> bool:
+    """Whether the plan's step at ``position`` is an up message."""
+    return position < len(plan) and isinstance(step := plan[position], Message) and step.direction == "up"
+
+
 class PlanWalker:
     """Moves a plan's messages for one rank: the server's side on rank 0, the hosted clients' side on
     workers (both when the job has one rank)."""
 
     def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
-                 store: ClientStore | None, faults: FaultModel, times: RankTimes, wire: WireFormat | None = None):
+                 store: ClientStore | None, faults: FaultModel, times: RankTimes, wire: WireFormat | None = None,
+                 sum_weights: Callable[[SumWeights, np.ndarray], np.ndarray] | None = None):
         self.transport, self.server, self.client, self.store = transport, server, client, store
         self.wire = wire or WireFormat()
         self.faults, self.times = faults, times
+        # what a summed message weighs each client's row by (RunContext.sum_weights; one each by default)
+        self.sum_weights = sum_weights or (lambda rule, clients: np.ones(len(clients)))
 
     def walk(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray,
              audience: np.ndarray | None = None) -> Walk:
@@ -92,15 +123,18 @@ class PlanWalker:
         position = 0
         while position < len(plan) and len(now.clients):
             step = plan[position]
-            position += 1
-            if isinstance(step, Message) and step.direction == "up":  # an update: the up messages in a row
-                group = [step]
-                while position < len(plan) and isinstance(nxt := plan[position], Message) and nxt.direction == "up":
-                    group.append(nxt)
-                    position += 1
-                self._upload(round_, stage, group, context.with_clients(now.clients), now)
+            # a local step right before an update runs with it, a few clients at a time (FOLD_CHUNK)
+            fused = isinstance(step, LocalCompute) and not step.everyone and _uploads(plan, position + 1)
+            if fused or _uploads(plan, position):  # an update: the up messages in a row
+                start = end = position + 1 if fused else position
+                while _uploads(plan, end):
+                    end += 1
+                group = [m for m in plan[start:end] if isinstance(m, Message)]
+                self._upload(round_, stage, group, context.with_clients(now.clients), now, fused)
+                position = end
             else:
                 self._move_down_or_compute(round_, stage, step, context, now)
+                position += 1
         if self.client is not None:
             self.client.state.commit(now.reached)
             self.client.state.discard(np.setdiff1d(reached, now.reached))
@@ -126,34 +160,94 @@ class PlanWalker:
                               for i, c in enumerate(hosted)])
             now.seconds += spent[mine]
 
-    def _upload(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress) -> None:
-        """Move one update (``group``'s messages) of ``step.clients`` to the server, which screens it and, in
-        training, tells every rank its verdict before consuming the accepted rows; only the accepted clients go
-        on. Adds the local clients' send times to their seconds."""
-        server, client, clients, local = self.server, self.client, step.clients, now.local
-        blocks = []
-        for msg in group:
-            rows = np.empty((len(local), msg.numel), dtype=msg.dtype)
-            if client is not None:
-                for i, c in enumerate(local):
-                    start = time.perf_counter()
-                    rows[i] = self.wire.client_upload(msg, round_, int(c), client.send(msg, step, int(c)))
-                    now.seconds[i] += self._charge_compute(start)
-            if rows.dtype.kind == "f":
-                rows[now.corrupt] = np.nan  # faults.corrupt: these clients' uploads arrive broken
-            blocks.append(rows)
-        gathered = self._up(round_, LEDGER_STAGES[stage], group, blocks, clients, local)
-        accepted = self._screen(round_, stage, group, clients, gathered) if server is not None else None
-        if stage == "train":  # every rank learns the verdict: it decides whose state edits survive.
-            # Before the server's steps, so the workers go on while the server computes.
-            accepted = self._share_acceptance(round_, accepted, len(clients))
-        if server is not None and accepted is not None and accepted.any():
-            keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
-            for msg, rows_in in zip(group, gathered):
-                rows_in = self.wire.server_noise(msg, round_, require(rows_in, "the gathered rows")[keep])
-                self._server(server.consume, msg, step.with_clients(clients[accepted]), rows_in)
-        if stage == "train" and accepted is not None:
+    def _upload(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
+                compute: bool) -> None:
+        """Move one update (``group``'s messages) of ``step.clients`` to the server (with ``compute``, after
+        each client's local step). Each worker screens its clients' rows as the server would see them, rank 0
+        learns and shares the verdict, rows messages are gathered and summed ones reduced, and the server's
+        handlers get the accepted clients' rows or sums; only the accepted clients go on."""
+        server, clients = self.server, step.clients
+        outbox = self._produce(round_, stage, group, step, now, compute)
+        gathered = self._gather(round_, LEDGER_STAGES[stage], group, outbox, clients, now.local)
+        accepted = np.ones(len(clients), dtype=bool)
+        if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
+            accepted = self._verdict(round_, group, clients, outbox.finite)
+        if not accepted.any():  # nothing for the server; every rank knows it
             now.keep(accepted)
+            return
+        step = step.with_clients(clients[accepted])
+        keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
+        for msg, rows, sums in zip(group, gathered, outbox.sums):
+            if sums is not None:
+                totals = self.transport.reduce_sum(round_, msg, sums)
+                if server is not None:
+                    totals = self.wire.server_noise_total(msg, round_, require(totals, "the reduced sums"))
+                    self._server(server.consume_sum, msg, step, totals)
+            elif server is not None:
+                rows = self.wire.server_noise(msg, round_, require(rows, "the gathered rows")[keep])
+                self._server(server.consume, msg, step, rows)
+        if stage == "train":
+            now.keep(accepted)
+
+    def _produce(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
+                 compute: bool) -> _Outbox:
+        """This rank's side of an update: each hosted client's rows (after its local step, ``compute``), through
+        the wire format, screened, and a summed message's folded into its exact total right away."""
+        outbox = _Outbox.of(group, len(now.local))
+        client = self.client
+        if client is None:
+            return outbox
+        weights = [self.sum_weights(msg.summed, now.local) if msg.summed else None for msg in group]
+        parts = range(0, len(now.local), FOLD_CHUNK) if compute else range(1)
+        for first in parts:
+            hosted = now.local[first : first + FOLD_CHUNK] if compute else now.local
+            if compute:
+                start = time.perf_counter()
+                now.seconds[first : first + len(hosted)] += client.compute_clients(step.with_clients(hosted), hosted)
+                self._charge_compute(start)
+            for i in range(first, first + len(hosted)):
+                seen = self._client_rows(round_, stage, group, step, now, i, outbox)
+                if outbox.finite[i].all():
+                    self._fold(group, int(now.local[i]), seen, [w[i] if w is not None else 0.0 for w in weights],
+                               outbox)
+        return outbox
+
+    def _client_rows(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
+                     i: int, outbox: _Outbox) -> list[np.ndarray]:
+        """The ``i``-th local client's rows of ``group`` as the server will read them (decoded), kept in
+        ``outbox`` as they travel (a summed message's only until it is folded), and whether each is finite."""
+        client, c = require(self.client, "the client side"), int(now.local[i])
+        seen = []
+        for j, msg in enumerate(group):
+            start = time.perf_counter()
+            row = np.asarray(self.wire.client_upload(msg, round_, c, client.send(msg, step, c)), dtype=msg.dtype)
+            now.seconds[i] += self._charge_compute(start)
+            if now.corrupt[i] and row.dtype.kind == "f":
+                row = np.full(msg.numel, np.nan, dtype=msg.dtype)  # faults.corrupt: this upload arrives broken
+            read = row.reshape(msg.numel)
+            if self.wire.codec(msg) is not None:
+                start = time.perf_counter()
+                blob = self._encode_upload(msg, round_, c, read)
+                if stage == "train" or msg.summed:
+                    read = self.wire.decode(msg, blob)
+                if msg.summed is None:
+                    outbox.blobs[j].append(blob)
+                self.times.serialization += time.perf_counter() - start
+            elif msg.summed is None:
+                require(outbox.rows[j], "the rows block")[i] = read
+            screened = stage == "train" and read.dtype.kind == "f"
+            outbox.finite[i, j] = not screened or bool(np.isfinite(read).all())
+            seen.append(read)
+        return seen
+
+    def _fold(self, group: list[Message], client: int, seen: list[np.ndarray], weights: list[float],
+              outbox: _Outbox) -> None:
+        """Add an accepted client's rows of the summed messages to this rank's exact totals."""
+        start = time.perf_counter()
+        for msg, row, weight, sums in zip(group, seen, weights, outbox.sums):
+            if sums is not None:
+                sums[require(self.client, "the client side").sum_group(msg, client)].add(row, weight)
+        self.times.serialization += time.perf_counter() - start
 
     def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,
               hosted: int) -> np.ndarray:
@@ -179,25 +273,26 @@ class PlanWalker:
         self.times.serialization += time.perf_counter() - start
         return rows
 
-    def _up(self, round_: int, stage: str, group: list[Message], blocks: list[np.ndarray], clients: np.ndarray,
-            local: np.ndarray) -> list[np.ndarray | None]:
-        """Move an update's messages: the raw ones together (``up_many``), each encoded one as every local
-        client's encoding (its error feedback kept in the client's state), decoded on the server."""
-        raw = [i for i, msg in enumerate(group) if self.wire.codec(msg) is None]
+    def _gather(self, round_: int, stage: str, group: list[Message], outbox: _Outbox, clients: np.ndarray,
+                local: np.ndarray) -> list[np.ndarray | None]:
+        """Gather an update's rows messages on the server in client order: the raw ones together (``up_many``),
+        each encoded one as every client's encoding, decoded there. ``None`` for a summed message (and
+        everywhere on a worker)."""
+        raw = [j for j, msg in enumerate(group) if msg.summed is None and self.wire.codec(msg) is None]
         out: list[np.ndarray | None] = [None] * len(group)
-        for i, rows in zip(raw, self.transport.up_many(round_, stage, [group[i] for i in raw],
-                                                       [blocks[i] for i in raw], clients)):
-            out[i] = rows
-        for i, msg in enumerate(group):
-            if i in raw:
+        moved = self.transport.up_many(round_, stage, [group[j] for j in raw],
+                                       [require(outbox.rows[j], "the rows") for j in raw], clients)
+        for j, rows in zip(raw, moved):
+            out[j] = rows
+        for j, msg in enumerate(group):
+            if msg.summed is not None:
+                self.transport.record_uploads(round_, stage, msg, clients)
+            if msg.summed is not None or j in raw:
                 continue
-            start = time.perf_counter()
-            blobs = [self._encode_upload(msg, round_, int(c), row) for c, row in zip(local, blocks[i])]
-            self.times.serialization += time.perf_counter() - start
-            arrived = self.transport.up_blobs(round_, stage, msg, blobs, clients)
+            arrived = self.transport.up_blobs(round_, stage, msg, outbox.blobs[j], clients)
             if arrived is not None:
                 start = time.perf_counter()
-                out[i] = np.array([self.wire.decode(msg, blob) for blob in arrived],
+                out[j] = np.array([self.wire.decode(msg, blob) for blob in arrived],
                                   dtype=msg.dtype).reshape(-1, msg.numel)
                 self.times.serialization += time.perf_counter() - start
         return out
@@ -215,26 +310,24 @@ class PlanWalker:
     def _hosted(self, clients: np.ndarray) -> np.ndarray:
         return self.transport.local_clients(clients) if self.client is not None else clients[:0]
 
-    def _screen(self, round_: int, stage: Stage, group: list[Message], clients: np.ndarray,
-                gathered: list[np.ndarray | None]) -> np.ndarray:
-        """Which clients' updates the server accepts: a training update with NaN/Inf in any of its messages
-        never reaches the algorithm (``faults.nonfinite: skip``) or stops the job (``abort``)."""
-        accepted = np.ones(len(clients), dtype=bool)
-        if stage != "train":
-            return accepted
-        for msg, rows in zip(group, gathered):
-            rows = require(rows, "the gathered rows")
-            if rows.dtype.kind != "f":
-                continue
-            finite = np.isfinite(rows).all(axis=1)  # NaN/Inf anywhere in a row
-            bad = clients[~finite]
-            if len(bad) and self.faults.cfg.nonfinite == "abort":
-                raise FloatingPointError(f"round {round_}: {msg.name} of client(s) {bad.tolist()} is not finite")
-            if len(bad):
-                print(f"mpifl: warning: round {round_}: rejected non-finite {msg.name} of client(s) "
-                      f"{bad.tolist()}", file=sys.stderr, flush=True)
-            accepted &= finite
-        return accepted
+    def _verdict(self, round_: int, group: list[Message], clients: np.ndarray, finite: np.ndarray) -> np.ndarray:
+        """Which clients' updates the server accepts, on every rank: the workers' screening gathered on rank 0
+        (simulator bookkeeping), where a training update with NaN/Inf in any of its messages is rejected
+        (``faults.nonfinite: skip``, with a warning) or stops the job (``abort``); then shared with every rank."""
+        flags_msg = Message("screened", "up", len(group), "uint8", logical=False)
+        flags = self.transport.up(round_, "train", flags_msg, finite.astype(np.uint8), clients)
+        accepted = None
+        if flags is not None:
+            ok = flags.astype(bool)
+            for j, msg in enumerate(group):
+                bad = clients[~ok[:, j]]
+                if len(bad) and self.faults.cfg.nonfinite == "abort":
+                    raise FloatingPointError(f"round {round_}: {msg.name} of client(s) {bad.tolist()} is not finite")
+                if len(bad):
+                    print(f"mpifl: warning: round {round_}: rejected non-finite {msg.name} of client(s) "
+                          f"{bad.tolist()}", file=sys.stderr, flush=True)
+            accepted = np.asarray(ok.all(axis=1))
+        return self._share_acceptance(round_, accepted, len(clients))
 
     def _share_acceptance(self, round_: int, accepted: np.ndarray | None, count: int) -> np.ndarray:
         """Tell every rank which clients go on (simulator bookkeeping, not logical traffic)."""

@@ -13,18 +13,20 @@ from mpifl.schema import limits
 class ClientConfig:
     """Local optimizer of every client (plain SGD with the usual options)."""
 
-    lr: float = field(default=0.05, metadata=limits(gt=0))
-    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))
-    weight_decay: float = field(default=0.0, metadata=limits(ge=0))
-    epochs: int = field(default=1, metadata=limits(ge=1))
-    steps: int | None = field(default=None, metadata=limits(ge=1))
-    batch_size: int = field(default=32, metadata=limits(ge=1))
-    clip_norm: float | None = field(default=None, metadata=limits(gt=0))
-    drop_last: bool = False
+    lr: float = field(default=0.05, metadata=limits(gt=0))  # local SGD's learning rate
+    momentum: float = field(default=0.0, metadata=limits(ge=0, lt=1))  # the buffer restarts every round
+    weight_decay: float = field(default=0.0, metadata=limits(ge=0))  # L2 penalty, as torch's SGD applies it
+    epochs: int = field(default=1, metadata=limits(ge=1))  # passes over the client's data per round (unless steps)
+    steps: int | None = field(default=None, metadata=limits(ge=1))  # batches per round; null: epochs passes
+    batch_size: int = field(default=32, metadata=limits(ge=1))  # samples per local step
+    clip_norm: float | None = field(default=None, metadata=limits(gt=0))  # clip each step's gradient to this L2 norm
+    drop_last: bool = False  # batch_sampling epochs: skip the last, partial batch of a pass
     # epochs: passes over the shuffled data; fresh: each step the first batch_size of a new permutation
     # (the PeFLL/pFedHN reference code's next(iter(loader)): always full batches)
     batch_sampling: Literal["epochs", "fresh"] = "epochs"
-    augment: Literal["none", "crop_flip"] = "none"  # training batches: random crop (pad 4) + horizontal flip
+    # crop_flip: each training batch randomly cropped from a 4-pixel zero-padded copy and flipped horizontally with
+    # probability ½ (the FedALS authors' CIFAR/SVHN transform; images only)
+    augment: Literal["none", "crop_flip"] = "none"
     # train clients through the torch.func kernel (mpifl.training.vectorized), a rank's clients with equally many
     # local steps as one computation: fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff, fedasync, local, ifca,
     # pefll, pfedhn with linear, logistic, mlp, cnn, lenet, convnet, resnet20 or simple_cnn; false: one at a time;

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mpifl.models.flat import FlatModel
+from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
 
 GradHook = Callable[[torch.Tensor, torch.Tensor], None]
@@ -139,7 +140,9 @@ def planned_step_counts(sizes: np.ndarray, cfg: ClientConfig) -> np.ndarray:
     if cfg.steps:
         return np.full(len(sizes), cfg.steps, dtype=np.int64)
     batch = np.minimum(cfg.batch_size, np.maximum(sizes, 1))
-    return cfg.epochs * (sizes // batch if cfg.drop_last else -(-sizes // batch))
+    per_epoch = sizes // batch if cfg.drop_last else -(-sizes // batch)
+    _check_count(cfg.epochs * per_epoch.astype(np.float64), "local steps")
+    return cfg.epochs * per_epoch
 
 
 def planned_samples(sizes: np.ndarray, cfg: ClientConfig, steps: int | np.ndarray | None = None) -> np.ndarray:
@@ -152,9 +155,19 @@ def planned_samples(sizes: np.ndarray, cfg: ClientConfig, steps: int | np.ndarra
     total = planned_step_counts(sizes, cfg) if steps is None else np.broadcast_to(steps, sizes.shape)
     per_pass = per_epoch * batch if cfg.drop_last else sizes
     if cfg.batch_sampling == "fresh":
+        _check_count(total * batch.astype(np.float64), "training samples")
         return (total * batch).astype(np.int64)
     passes, rest = np.divmod(total, np.maximum(per_epoch, 1))
+    _check_count(passes * per_pass.astype(np.float64) + rest * batch.astype(np.float64), "training samples")
     return (passes * per_pass + rest * batch).astype(np.int64)
+
+
+def _check_count(counts: np.ndarray, what: str) -> None:
+    """One line, not a silently wrapped int64, for planned local work (``counts``, computed in float64) beyond
+    what a 64-bit count holds."""
+    if len(counts) and counts.max() >= 2.0**63:
+        raise ConfigError(f"client: a client's {what} per round ({counts.max():.3g}) are more than a 64-bit count "
+                          "holds; lower client.steps, client.epochs or client.batch_size (or the algorithm's epochs)")
 
 
 @torch.no_grad()

@@ -122,22 +122,27 @@ def mlp_grad(theta: np.ndarray, x: np.ndarray, y: np.ndarray, hidden: int, weigh
     return np.concatenate([(dpre.T @ x).ravel(), dpre.sum(0), h.T @ r, [r.sum()]]) + weight_decay * theta
 
 
-@pytest.mark.parametrize(("scaffold", "lr_decay"), [(False, "none"), (True, "none"), (True, "authors")])
-def test_schedule_and_control_variates_against_a_lockstep_simulation(scaffold, lr_decay):
+@pytest.mark.parametrize(("scaffold", "lr_decay", "weighting"), [(False, "none", "samples"), (True, "none", "samples"),
+                                                                   (True, "authors", "samples"),
+                                                                   (True, "none", "uniform")])
+def test_schedule_and_control_variates_against_a_lockstep_simulation(scaffold, lr_decay, weighting):
     """The paper's clean schedule (spec §1.3), simulated independently in numpy: 4 clients in lock step, τ = 3
     momentum-SGD steps per round (buffers never reset), the head h averaged (nₖ/n) after every round, the
     extractor φ after every α = 2 rounds; with SCAFFOLD (Alg. 4) each step descends g − cₖ + c and at a
     part's sync cₖ⁺ is the mean gradient since the part's last sync, c the population mean. Checked: the
     server's model after each round, and the evaluated model of round 3 (φ not synced: the virtual average).
-    With the authors' decay the rate of round r is lr·10/((r − 1)τ/100 + 10); cₖ⁺ does not depend on it."""
+    With the authors' decay the rate of round r is lr·10/((r − 1)τ/100 + 10); cₖ⁺ does not depend on it.
+    Under ``server.weighting: uniform`` every share (the syncs, c, the virtual average) is 1/4 instead."""
     hidden, lr, mu, wd, tau, alpha = 4, 0.05, 0.9, 1e-3, 3, 2
     cfg = _merge(RIDGE, {"algorithm": "fedals", "clients_per_round": 4, "model": {"name": "mlp", "hidden": [hidden]},
                          "client": {"lr": lr, "momentum": mu, "weight_decay": wd},
-                         "fedals": {"alpha": alpha, "tau": tau, "scaffold": scaffold, "lr_decay": lr_decay}})
+                         "fedals": {"alpha": alpha, "tau": tau, "scaffold": scaffold, "lr_decay": lr_decay},
+                         "server": {"weighting": weighting}})
     _, server, client = both_sides(cfg)
     xys, clients = data(cfg), np.arange(4)
     share = np.array([len(xys[k][1]) for k in clients], dtype=np.float64)
-    share /= share.sum()
+    assert len(set(share)) > 1  # unequal clients: the two weightings differ
+    share = np.full(4, 0.25) if weighting == "uniform" else share / share.sum()
     head = server.protocol.parts[1].span
     extractor = server.protocol.extractor.span
     theta = np.tile(server.params.astype(np.float64), (4, 1))

@@ -1,10 +1,13 @@
 """SCAFFOLD: twice FedAvg's bytes, and it trains under momentum (its client and server steps:
 test_references.py)."""
 
+import numpy as np
 from mpi4py import MPI
 
 from mpifl.report import logical_totals
 from mpifl.results import read_results
+from tests.algorithms.conftest import both_sides, walk
+from tests.algorithms.test_references import SAMPLED, TOL, config, data
 from tests.conftest import run_engine
 
 
@@ -30,3 +33,22 @@ def test_scaffold_with_momentum_trains_as_well_as_fedavg_on_the_quickstart(tmp_p
         assert res.table("rounds")["rejected_updates"].sum() == 0
         scores[algorithm] = res.table("eval")["global.seen.acc_pooled"][-3:].mean()
     assert scores["fedavg"] > 0.8 and scores["scaffold"] >= scores["fedavg"] - 0.02, scores
+
+
+def test_uniform_weighting_averages_the_model_over_the_cohort_and_c_over_the_population():
+    """``server.weighting: uniform`` with unequal clients (6 to 12 samples): x ← x + (1/|S|)·Σ_S Δyᵢ and, as in
+    the paper's Algorithm 1, c ← c + (1/N)·Σ_S Δcᵢ with N = 4 clients; so c stays the plain mean of every
+    client's cᵢ (client 1 never trains: its cᵢ stays 0)."""
+    cfg = config("scaffold", server={"weighting": "uniform"})
+    _, server, client = both_sides(cfg)
+    sizes = [len(xy[1]) for xy in data(cfg).values()]
+    assert len(sizes) == 4 and len(set(sizes)) > 1  # sample weights would give other numbers
+    for round_ in (1, 2):  # round 2 from nonzero c
+        x, c = server.params.astype(np.float64), server.control.astype(np.float64)
+        rows = walk(server, client, server.protocol.train_plan(round_), round_, SAMPLED)
+        delta_y, delta_c = rows["delta"].astype(np.float64), rows["control_delta"].astype(np.float64)
+        np.testing.assert_allclose(server.params, x + (delta_y[0] + delta_y[1] + delta_y[2]) / 3, **TOL)
+        np.testing.assert_allclose(server.control, c + (delta_c[0] + delta_c[1] + delta_c[2]) / 4, **TOL)
+    own = [client.own_control(i).astype(np.float64) for i in range(4)]
+    assert not own[1].any()
+    np.testing.assert_allclose(server.control, (own[0] + own[1] + own[2] + own[3]) / 4, **TOL)

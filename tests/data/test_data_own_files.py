@@ -1,4 +1,4 @@
-"""data.prepared with data partitioned elsewhere (docs/data_format.md): one HDF5 file or a directory of .npz,
+"""data.prepared with data partitioned elsewhere (docs/reference/data-format.md): one HDF5 file or a directory of .npz,
 read bitwise as written, the same results from either layout and on any rank count, and one clear line for
 each malformed source."""
 
@@ -177,7 +177,7 @@ BROKEN = {
     "unseen shape": (h5_with(lambda f: (f.__delitem__("unseen"), f.create_dataset("unseen", data=[0, 1]))),
                      "unseen must hold 5 booleans (one per client), got int64 of shape (2,)"),
     "unknown keys": (npz_with(0, lambda a: a.update(x_trian=a["x_train"])),
-                     "client_000.npz: unknown keys x_trian (see docs/data_format.md)"),
+                     "client_000.npz: unknown keys x_trian (see docs/reference/data-format.md)"),
 }
 
 
@@ -204,10 +204,10 @@ def test_unusable_sources_and_settings_give_one_line(tmp_path, capsys):
     write_npz(tmp_path / "meta" / "own", own_clients())
     (tmp_path / "meta" / "own" / "meta.json").write_text(json.dumps({"num_classes": 3, "classes": 3}))
     cases = {
-        tmp_path / "empty": "no .npz client files in this directory (see docs/data_format.md)",
+        tmp_path / "empty": "no .npz client files in this directory (see docs/reference/data-format.md)",
         tmp_path / "junk.h5": "cannot read it as HDF5 (",
         tmp_path / "junk": "cannot read client_001.npz as .npz (File is not a zip file)",
-        tmp_path / "plain.h5": f"attribute format is None, expected {FORMAT!r} (see docs/data_format.md)",
+        tmp_path / "plain.h5": f"attribute format is None, expected {FORMAT!r} (see docs/reference/data-format.md)",
         tmp_path / "meta" / "own": "unknown metadata classes (known: task, num_classes)",
     }
     for i, (source, message) in enumerate(cases.items()):

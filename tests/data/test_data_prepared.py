@@ -73,3 +73,29 @@ def test_prepared_data_balances_rounds_with_the_same_results(write_config, tmp_p
     (model, accuracy, static), (prepared_model, prepared_accuracy, dynamic) = runs["files"], runs["prepared"]
     assert np.array_equal(model, prepared_model) and np.array_equal(accuracy, prepared_accuracy)
     assert dynamic.mean() < static.mean()  # gzipped files stay static; prepared ones rebalance every round
+
+
+def test_the_start_up_line_names_the_prepared_data(write_config, tmp_path, capsys):
+    """Not the default dataset ("fedavg on digits") that the data settings name when a file brings the data."""
+    config = write_config({"rounds": 1, "eval_every": 1, "data": {"unseen_fraction": 0}})
+    data = tmp_path / "data.h5"
+    assert main(["prepare", str(config), "--out", str(data)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(config), "--out", str(tmp_path / "out.h5"), "--set", f"data.prepared={data}"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (f"mpifl: fedavg on prepared data {data}, 10 clients, 1 rank(s), "
+                                                       f"1 rounds -> {tmp_path / 'out.h5'}")
+    assert main(["run", str(config), "--out", str(tmp_path / "plain.h5")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("mpifl: fedavg on digits, 10 clients")
+
+
+def test_prepare_makes_the_folders_of_its_output_or_refuses_in_one_line(write_config, tmp_path, capsys):
+    """A missing folder is made (as for a results file); an output that cannot be written is one line, exit 2,
+    before any data is read."""
+    config = write_config({"data": {"unseen_fraction": 0}})
+    assert main(["prepare", str(config), "--out", str(tmp_path / "new" / "folder" / "data.h5")]) == 0
+    assert (tmp_path / "new" / "folder" / "data.h5").is_file()
+    (tmp_path / "file").touch()
+    capsys.readouterr()
+    assert main(["prepare", str(config), "--out", str(tmp_path / "file" / "data.h5")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mpifl: error: output ") and "Not a directory" in err, err

@@ -15,7 +15,7 @@ import pytest
 from mpifl.registry import known_algorithms, parse_config
 from mpifl.results import read_results
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
-from tests.test_checkpoint import CONFIGS
+from tests.test_checkpoint import RUNS, SERVER_OPTIMIZERS
 
 SCENARIOS = {
     # clients drop out before the round; with 2 of them sampled some rounds end up with nobody
@@ -31,7 +31,7 @@ SCENARIOS = {
 
 
 def scenario_config(algorithm: str, scenario: str) -> dict:
-    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "eval_every": 2})
+    raw = _merge(RUNS[algorithm], {"rounds": 4, "eval_every": 2})
     raw = _merge(raw, SCENARIOS[scenario])
     if scenario == "deadline_over_selection":
         raw["faults"]["deadline_s"] = median_expected_seconds(raw)
@@ -60,11 +60,13 @@ def median_expected_seconds(raw: dict) -> float:
 
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("algorithm", known_algorithms())
+@pytest.mark.parametrize("algorithm", known_algorithms() + sorted(SERVER_OPTIMIZERS))
 def test_fault_on_three_ranks_completes_and_matches_one_process(algorithm, scenario, tmp_path_factory):
+    """Every algorithm, and the adaptive server optimizers (``fedavg_adam``, ...) under each fault."""
     from mpi4py import MPI
 
-    if algorithm == "fedbuff" and scenario == "deadline_over_selection":
+    fedbuff = RUNS[algorithm]["algorithm"] == "fedbuff"
+    if fedbuff and scenario == "deadline_over_selection":
         pytest.skip("FedBuff refuses deadlines and over-selection: its clients arrive one at a time, no cohort")
     world = MPI.COMM_WORLD
     raw = scenario_config(algorithm, scenario)
@@ -78,7 +80,7 @@ def test_fault_on_three_ranks_completes_and_matches_one_process(algorithm, scena
     rounds = read_results(path).table("rounds")
     # the clients whose updates the server used: FedBuff's step applies those that arrived (its participants
     # are the clients it dispatched during the step)
-    used = rounds["updates_applied"] if algorithm == "fedbuff" else rounds["participants"]
+    used = rounds["updates_applied"] if fedbuff else rounds["participants"]
     if scenario == "dropout_empties_rounds":
         assert (used == 0).any() and used.sum() > 0
     elif scenario == "nonfinite_some_skip" and algorithm != "local":  # Local uploads nothing
@@ -90,7 +92,7 @@ def test_fault_on_three_ranks_completes_and_matches_one_process(algorithm, scena
 
 
 @pytest.mark.mpi(min_size=3)
-@pytest.mark.parametrize("algorithm", known_algorithms())
+@pytest.mark.parametrize("algorithm", known_algorithms() + sorted(SERVER_OPTIMIZERS))
 def test_checkpoint_on_three_ranks_resumes_on_two_under_faults(algorithm, tmp_path_factory):
     """A run checkpointed at round 2 on 3 ranks (dropped and rejected clients included) continues on 2
     ranks to round 4 and ends bitwise where an uninterrupted one-process run ends: every client's state
@@ -98,7 +100,7 @@ def test_checkpoint_on_three_ranks_resumes_on_two_under_faults(algorithm, tmp_pa
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "eval_every": 1, "checkpoint_every": 2,
+    raw = _merge(RUNS[algorithm], {"rounds": 4, "eval_every": 1, "checkpoint_every": 2,
                                       "faults": {"dropout": 0.2, "corrupt": 0.3}})
     directory = shared_dir(tmp_path_factory, "resume")
     path = directory / "run.h5"

@@ -5,7 +5,7 @@ import pytest
 
 from mpifl.registry import known_algorithms, parse_config
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
-from tests.test_checkpoint import CONFIGS
+from tests.test_checkpoint import CONFIGS, SERVER_OPTIMIZERS
 from tests.test_vectorized import IMAGES as VECTORIZED_IMAGES
 from tests.test_vectorized import KERNEL_ALGORITHMS
 
@@ -47,6 +47,14 @@ def test_codecs_and_privacy_give_the_same_bits_on_1_to_4_ranks(algorithm, tmp_pa
     # Local uploads no update; FedBuff's asynchronous steps have no round cohort for DP's accounting
     wire = WIRE if algorithm not in ("local", "fedbuff") else {"compression": WIRE["compression"]}
     same_on_1_to_4_ranks(_merge(CONFIGS[algorithm], {"rounds": 1, "eval_every": 1, **wire}), f"wire_{algorithm}",
+                         tmp_path_factory)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("run", sorted(SERVER_OPTIMIZERS))
+def test_adaptive_server_optimizers_give_the_same_bits_on_1_to_4_ranks(run, tmp_path_factory):
+    """FedAdam, FedYogi and FedAdagrad steps (and their moments) from sums that never depend on the ranks."""
+    same_on_1_to_4_ranks(_merge(SERVER_OPTIMIZERS[run], {"rounds": 3, "eval_every": 1}), f"ranks_{run}",
                          tmp_path_factory)
 
 

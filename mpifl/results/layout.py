@@ -1,0 +1,87 @@
+"""The results file's layout: one HDF5 file per run, written by rank 0 only (:mod:`.writing`), read back by
+:mod:`.reading`.
+
+Layout (every table is a group of equal-length 1-D columns):
+
+    /                 attrs: config (YAML), status (running|completed|failed), mpifl/torch/mpi versions,
+                      world_size, mpi_library, wall_time_s, rounds_completed, layout ("append" since
+                      the append-only format; absent in older files)
+    /rounds           one row per training round: round, sim_time_s, wall_time_s, server_time_s,
+                      unix_time_s (when the round ended), train_loss, logical_up_bytes,
+                      logical_down_bytes, + the algorithm's diagnostics (attr diagnostics: their names)
+    /eval             one row per evaluation: round, cum_logical_bytes, and for each model kind
+                      K (global, local, personal, ...) and group G (seen, unseen):
+                      K/G/acc_pooled, K/G/acc_mean, K/G/loss (flattened as "K.G.acc_pooled"),
+                      + the algorithm's evaluation diagnostics (attr diagnostics: their names)
+    /ledger           logical bytes: round, client, message, stage, bytes; attrs message_names,
+                      directions, stages
+    /ledger_totals    logical bytes per (round, stage, message): round, stage, message, bytes
+    /ledger_clients   per (round, stage, direction), what one client moved: clients, bytes_min,
+                      bytes_max, bytes_sum (direction 0 = down, 1 = up)
+    /physical         rank 0's collectives: round, message, op, bytes, seconds
+    /ranks            per rank: rank, clients, mpi_bytes, mpi_seconds, compute_seconds
+    /clients          final per-client metrics: client, unseen, train_size, owner, and per kind K:
+                      K.acc, K.loss, K.n_test
+
+    /committed        the committed rows of each appended table (attr tables: their names)
+
+The file is created once and grows: the tables that grow with the run (rounds, eval, ledger, ledger_totals,
+ledger_clients, physical) are resizable chunked datasets; each write appends only the new rows, flushes,
+then writes their counts to /committed (one small write) and flushes again. Readers read each table up to
+its committed rows, so a run killed at any moment, even mid-write, is read up to its last committed write.
+The checkpoint is written under a temporary name (``checkpoint.new``, marked complete last) and then renamed
+over the old one, so a kill during a checkpoint leaves the previous one (or the complete new one) usable.
+Files written before this format (whole tables, no /committed) are read as they are. h5py's SWMR mode is
+not used: it forbids creating objects once it starts, and a run creates some as it goes (each checkpoint, a
+diagnostic column first reported late, the final tables).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+APPENDED = ("rounds", "eval", "ledger", "ledger_totals", "ledger_clients", "physical")
+"""The tables that grow with the run: appended row by row, read up to their committed ``rows``."""
+
+
+COMMITTED = "committed"  # the committed rows of each appended table, in APPENDED order
+
+
+CHECKPOINT_PENDING = "checkpoint.new"
+
+
+SHARDS = "shards"  # a checkpoint's manifest of per-rank shard files (JSON: rank, file, bytes)
+
+
+def shard_dir(path: str | Path) -> Path:
+    """Where the ranks of the job writing results file ``path`` put their checkpoint shards: beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.ckpt")
+
+
+def committed_rows(f: h5py.File) -> dict[str, int]:
+    """How many rows of each appended table are committed (none listed: a file older than the append-only
+    format, whose tables are whole)."""
+    if COMMITTED not in f:
+        return {}
+    names = plain(f[COMMITTED].attrs["tables"])
+    return dict(zip(names, (int(n) for n in f[COMMITTED][()])))
+
+
+def missing(dtype: np.dtype) -> Any:
+    """What a row that lacks a column holds there: NaN for numbers with one, else zero or empty."""
+    return np.nan if dtype.kind == "f" else b"" if dtype.kind == "S" else 0
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

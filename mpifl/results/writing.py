@@ -1,0 +1,154 @@
+"""Writing the results file: refusing an unwritable path before training, then appending each write's new rows
+and committing them (:mod:`.layout`)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from mpifl.results.layout import APPENDED, CHECKPOINT_PENDING, COMMITTED, SHARDS, committed_rows, missing, shard_dir
+from mpifl.schema import ConfigError
+
+
+def write_table(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
+    for name, values in columns.items():
+        group.create_dataset(name, data=values, compression="gzip" if values.size > 4096 else None)
+
+
+def write_attrs(node: h5py.Group, attrs: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            value = np.array(value, dtype=h5py.string_dtype())
+        node.attrs[key] = value
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse, before anything trains, a results path the first write would fail on: not a directory, and
+    its nearest existing directory (where the missing ones will be created) takes a new file. A file
+    probed there is removed at once, so a refused run leaves nothing behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"output {path}: is a directory, not a results file")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"output {path}: cannot be written: {exc.strerror or exc} ({existing})") from None
+
+
+class AppendOnlyFile:
+    """The results file of a running job, kept open by rank 0: created once, then each :meth:`write` appends
+    only new rows and commits them (see the module docstring). Not thread-safe: one writer thread uses it."""
+
+    def __init__(self, path: str | Path, resume: bool):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # a new file is made under a temporary name and renamed once its first write is committed: a kill while
+        # HDF5 lays out a new file leaves no file rather than a broken one
+        self.creating = None if resume else self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        # no HDF5 file lock: others (report, a test) may read the committed rows while the job runs
+        self.file = h5py.File(self.creating or self.path, "w" if self.creating else "r+", locking=False)
+        self.file.attrs["layout"] = "append"
+        if COMMITTED not in self.file:
+            self.file.create_dataset(COMMITTED, data=np.zeros(len(APPENDED), np.int64))
+            self.file[COMMITTED].attrs["tables"] = np.array(APPENDED, dtype=h5py.string_dtype())
+        self.rows = committed_rows(self.file)
+
+    def write(self, attrs: dict[str, Any], appended: dict[str, tuple[int, dict[str, np.ndarray]]],
+              replaced: dict[str, dict[str, np.ndarray]], table_attrs: dict[str, dict[str, Any]],
+              checkpoint: tuple[int, dict[str, np.ndarray]] | None = None) -> None:
+        """``appended``: table → (the row its new rows start at, the new rows), committed after the data;
+        ``replaced``: small tables written whole; ``checkpoint``: (round, blobs), swapped in complete."""
+        f = self.file
+        for name, (start, columns) in appended.items():
+            self._append(f.require_group(name), start, columns)
+        for name, columns in replaced.items():
+            self._replace(name, columns)
+        for name, extra in table_attrs.items():
+            write_attrs(f.require_group(name), extra)
+        for name, (start, columns) in appended.items():
+            self.rows[name] = start + _length(columns)
+        write_attrs(f, attrs)
+        f.flush()  # the rows are in the file before the count that commits them (one write of one small dataset)
+        f[COMMITTED][...] = [self.rows.get(name, 0) for name in APPENDED]
+        f.flush()
+        if checkpoint is not None:  # after the rows it resumes from are committed
+            self._checkpoint(*checkpoint)
+            f.flush()
+        if self.creating is not None:
+            f.close()
+            os.replace(self.creating, self.path)
+            self.file, self.creating = h5py.File(self.path, "r+", locking=False), None
+
+    @staticmethod
+    def _append(group: h5py.Group, start: int, columns: dict[str, np.ndarray]) -> None:
+        """Rows ``start`` on become ``columns`` (rows past them, uncommitted or from before a resume, go); a
+        column new to the table starts with NaN (missing) in the rows before."""
+        end = start + _length(columns)
+        for key, values in columns.items():
+            if key not in group:
+                chunk = 16384 if values.dtype.itemsize <= 8 and group.name == "/ledger" else 1024
+                group.create_dataset(key, shape=(start,), maxshape=(None,), chunks=(chunk,), dtype=values.dtype,
+                                     fillvalue=missing(values.dtype))
+            column = group[key]
+            column.resize((end,))
+            if len(values):
+                column[start:end] = values
+        for key in set(group) - set(columns):  # a column these rows lack
+            group[key].resize((end,))
+            if end > start:
+                group[key][start:end] = missing(group[key].dtype)
+
+    def _replace(self, name: str, columns: dict[str, np.ndarray]) -> None:
+        """A small table written whole: in place when its columns keep their shapes (the clients table at every
+        evaluation), so the file does not grow by a copy each time."""
+        group = self.file.get(name)
+        if group is not None and set(group) == set(columns) and all(
+                group[k].shape == v.shape and group[k].dtype == v.dtype for k, v in columns.items()):
+            for key, values in columns.items():
+                group[key][...] = values
+            return
+        if group is not None:
+            del self.file[name]
+        write_table(self.file.create_group(name), columns)
+
+    def _checkpoint(self, round_: int, blobs: dict[str, np.ndarray]) -> None:
+        f = self.file
+        if CHECKPOINT_PENDING in f:
+            del f[CHECKPOINT_PENDING]
+        group = f.create_group(CHECKPOINT_PENDING)
+        for name, blob in blobs.items():
+            group.create_dataset(name, data=blob)
+        group.attrs["round"] = round_
+        group.attrs["complete"] = True
+        f.flush()
+        if "checkpoint" in f:
+            del f["checkpoint"]
+        f.move(CHECKPOINT_PENDING, "checkpoint")
+        if SHARDS in blobs:  # committed: earlier checkpoints' shards (and unfinished ones) can go, not later ones
+            f.flush()
+            keep = {entry["file"] for entry in json.loads(blobs[SHARDS].tobytes())}
+            for file in shard_dir(self.path).glob("*"):
+                written = re.fullmatch(r"\.?round(\d+)-rank\d+\.h5(\.tmp)?", file.name)
+                if written and int(written.group(1)) <= round_ and file.name not in keep:
+                    file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.creating is not None:  # closed before its first write (a failure): nothing to keep
+            self.creating.unlink()
+
+
+def _length(columns: dict[str, np.ndarray]) -> int:
+    return len(next(iter(columns.values()))) if columns else 0

@@ -1,0 +1,85 @@
+"""Exact sums over a real communicator (``mpirun -n 3 python -m pytest --with-mpi tests/mpi/test_exactsum_mpi.py``):
+however the rows are spread over the ranks and ordered on each, one MPI.SUM of the int64 buffers gives the
+correctly rounded exact total, bit for bit."""
+
+import numpy as np
+import pytest
+
+from mpifl.comm import exactsum
+from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
+from tests.comm.test_exactsum import adversarial_rows, reference, same_bits
+
+ROWS, SIZE, CHUNK = 24, 300, 64
+
+
+def spreads(ranks: int) -> dict[str, list[list[int]]]:
+    """Rows per rank, in the order each rank folds them."""
+    rng = np.random.default_rng(2)
+    owner = rng.integers(0, ranks, ROWS)
+    return {
+        "round robin": [list(range(r, ROWS, ranks)) for r in range(ranks)],
+        "blocks, reversed": [list(reversed(block)) for block in np.array_split(np.arange(ROWS), ranks)],
+        "all on the last rank": [[] for _ in range(ranks - 1)] + [list(range(ROWS))],
+        "random, shuffled": [list(rng.permutation(np.flatnonzero(owner == r))) for r in range(ranks)],
+    }
+
+
+@pytest.fixture
+def data(monkeypatch):
+    monkeypatch.setattr(exactsum, "CHUNK", CHUNK)  # several chunks per row, and a wire split at whole chunks
+    rng = np.random.default_rng(9)
+    rows = adversarial_rows(rng, ROWS, SIZE)
+    rows[ROWS // 2 :] *= 1e-150  # ranks holding only these see a far lower window than the others
+    return rows, rng.uniform(-3, 3, ROWS)
+
+
+def local_total(comm, rows, weights, mine) -> tuple[ExactSum, Window]:
+    from mpi4py import MPI
+
+    total = ExactSum(SIZE)
+    for i in mine:
+        total.add(rows[i], weights[i])
+    maxima = total.window.maxima()
+    comm.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
+    return total, Window.from_maxima(maxima)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_any_spread_over_ranks_reduces_to_the_same_bits(data):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rows, weights = data
+    results = {}
+    for name, spread in spreads(comm.Get_size()).items():
+        total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()])
+        wire = total.export(agreed)
+        summed = np.empty_like(wire) if comm.Get_rank() == 0 else None
+        comm.Ireduce(wire, summed, op=MPI.SUM, root=0).Wait()
+        if comm.Get_rank() == 0:
+            results[name] = round_sum(summed, agreed)
+    if comm.Get_rank() == 0:
+        expected = reference(rows, weights)
+        for name, result in results.items():
+            assert same_bits(result, expected), name
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data):
+    """Each rank reduces and rounds a block of whole chunks; rank 0 gathers the float64 blocks."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rows, weights = data
+    spread = spreads(comm.Get_size())["random, shuffled"]
+    total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()])
+    wire, per = total.export(agreed), words(agreed)
+    chunks = np.array_split(np.arange(-(-SIZE // CHUNK)), comm.Get_size())
+    entries = [min(SIZE, CHUNK * (c[-1] + 1)) - CHUNK * c[0] if len(c) else 0 for c in chunks]
+    block = np.empty(entries[comm.Get_rank()] * per, dtype=np.int64)
+    comm.Reduce_scatter(wire, block, recvcounts=[e * per for e in entries], op=MPI.SUM)
+    mine = round_sum(block, agreed)
+    gathered = np.empty(SIZE) if comm.Get_rank() == 0 else None
+    comm.Gatherv(mine, (gathered, entries) if comm.Get_rank() == 0 else None, root=0)
+    if comm.Get_rank() == 0:
+        assert same_bits(gathered, reference(rows, weights))
