@@ -197,7 +197,7 @@ def test_every_kernel_algorithm_trains_a_cnn_within_rounding_of_the_loop(algorit
     """Clients of unequal sizes (log-normal) and 4 local steps: groups with unequal last batches."""
     runs = run_both(_merge(CONFIGS[algorithm], IMAGES), tmp_path)
     assert runs["loop"]["ranks/clients_trained_vectorized"][()].sum() == 0
-    assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() >= 2 * 3  # 2 rounds of 3 to 6 clients
+    assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() > 0
     pairs = [(runs["kernel"][name][()], runs["loop"][name][()]) for name in
              [f"model/{k}" for k in runs["loop"]["model"]]  # the global model, cluster models, ...; Local keeps none
              + [f"eval/{k}" for k in runs["loop"]["eval"]] + ["rounds/train_loss"]]  # kNN-Per's evaluation included

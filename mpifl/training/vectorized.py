@@ -48,8 +48,9 @@ def kernel_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_
     client; that default awaits a measurement on a GPU (benchmarks/bench_w2.py --device cuda). On the CPU
     ``auto`` keeps what was measured faster and was the default before, so CPU results stay as they were: the
     kernel for dense models when the caller's step is FedAvg's without a gradient hook (``cpu_default``;
-    0.4–0.6× the loop's time, bench_vectorize.py), the loop for convolutional models (1.2–1.9× slower
-    vectorized: B1 and W2 in RESULTS.md) and for the other algorithms."""
+    0.5–0.9× the loop's time, bench_vectorize.py), the loop for convolutional models (the kernel took 1.2–1.3×
+    the loop's time for B1 unpadded, 1.5–2.4× padded, 2.0–2.9× for W2: RESULTS.md) and for the other
+    algorithms."""
     if model_name not in VECTORIZABLE_MODELS or cfg.vectorize is False:
         return False
     if cfg.vectorize is True or device.type != "cpu":
