@@ -32,6 +32,19 @@ def test_b1_cnn_shape():
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
+def test_simple_cnn_matches_pfl_research_shapes():
+    """pfl-research's simple_cnn on CIFAR-10: 896 + 18,496 (convs) + 1,605,760 (12,544 → 128) + 1,290 parameters;
+    Glorot-uniform weights, bound sqrt(6 / (fan_in + fan_out))."""
+    model = build_model(ModelConfig(name="simple_cnn"), layout((3, 32, 32)), seed=0)
+    assert [p.numel() for p in model.parameters()] == [864, 32, 18_432, 64, 1_605_632, 128, 1_280, 10]
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    fc = model.head[0].weight
+    bound = (6 / (12_544 + 128)) ** 0.5
+    assert fc.abs().max() <= bound and fc.abs().max() > 0.99 * bound
+    with pytest.raises(ConfigError, match="too small for simple_cnn"):
+        build_model(ModelConfig(name="simple_cnn"), layout((3, 5, 5)), seed=0)
+
+
 def test_init_depends_only_on_seed():
     cfg = ModelConfig(name="mlp", hidden=(8,))
     a = FlatModel(build_model(cfg, layout((4,)), seed=3)).numpy()

@@ -1,5 +1,6 @@
-"""Vectorized local SGD (torch.func): a client's update does not depend on the group it is trained in, and
-for narrow layers it is bitwise that of the one-at-a-time loop."""
+"""Vectorized local SGD (torch.func): a client's update does not depend on the group it is trained in, is within
+rounding of the one-at-a-time loop for every vectorizable model and algorithm, and bitwise that of the loop for
+narrow dense layers."""
 
 from __future__ import annotations
 
@@ -7,43 +8,121 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 from mpifl.data import build_federated_dataset
 from mpifl.models import FlatModel, build_model, loss_function
+from mpifl.models.config import ModelConfig
 from mpifl.registry import parse_config
+from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, local_sgd
-from mpifl.training.vectorized import VectorizedSGD
-from tests.conftest import run_mpifl
+from mpifl.training.vectorized import VECTORIZABLE_MODELS, ClientRun, VectorizedSGD, kernel_wanted
+from tests.conftest import _merge, assert_same, deterministic, run_engine, run_mpifl
+from tests.test_checkpoint import CONFIGS
+from tests.test_models import layout
+
+# every vectorizable convolutional model, on images small enough for a quick test
+CNNS = {
+    "cnn": ({"name": "cnn", "channels": [4, 8], "fc_hidden": 16}, (1, 16, 16)),
+    "lenet": ({"name": "lenet"}, (3, 16, 16)),
+    "convnet": ({"name": "convnet", "channels": [4, 8], "kernel_size": 3, "hidden": [16, 8]}, (2, 14, 14)),
+    "resnet20": ({"name": "resnet20"}, (3, 8, 8)),
+    "resnet20 batch_norm": ({"name": "resnet20", "batch_norm": True}, (3, 8, 8)),
+    "simple_cnn": ({"name": "simple_cnn"}, (3, 10, 10)),
+}
+SIZES = (20, 24, 19, 22, 24, 17, 23)  # 3 batches of 8 each, the last one 1 to 8 samples: one group, ragged steps
+
+
+def clients(shape: tuple[int, ...], sizes=SIZES) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, *shape, generator=gen) for n in sizes]
+    ys = [torch.randint(0, 10, (n,), generator=gen) for n in sizes]
+    return xs, ys
+
+
+def train(trainer: VectorizedSGD, start: np.ndarray, xs, ys, group, cfg: ClientConfig):  # noqa: ANN001, ANN201
+    runs = [ClientRun(start, xs[c], ys[c], client_generator(3, 1, c)) for c in group]
+    return trainer.train(runs, cfg)
+
+
+@pytest.mark.parametrize("name", CNNS)
+def test_a_cnn_clients_update_is_the_same_in_any_group_and_within_rounding_of_the_loop(name):
+    """Groups of 7 (two calls of 4, the second padded), 3, 1 and 2 (in reverse order): each client's update is
+    bitwise the same, though a grouped convolution's rounding on this CPU changes with the number of clients
+    (without the fixed calls of ``vectorize_chunk`` rows, a group of one or two rounds differently)."""
+    torch.set_num_threads(1)
+    model_cfg, shape = CNNS[name]
+    flat = FlatModel(build_model(ModelConfig(**model_cfg), layout(shape), seed=0))
+    start = flat.numpy().copy()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xs, ys = clients(shape)
+    cfg = ClientConfig(lr=0.05, epochs=1, batch_size=8, momentum=0.9, weight_decay=1e-3, clip_norm=5.0,
+                       augment="crop_flip", vectorize=True, vectorize_chunk=4)
+    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    assert trainer.chunk == 4
+    updates: dict[int, list[torch.Tensor]] = {}
+    for group in (range(7), range(2, 5), [4], [5, 1]):
+        result = train(trainer, start, xs, ys, list(group), cfg)
+        for k, c in enumerate(group):
+            updates.setdefault(c, []).append(result.params[k].clone())
+            if len(updates[c]) == 1:  # the loop, once per client
+                flat.load(start)
+                alone = local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
+                assert result.stats[k].steps == alone.steps == 3
+                assert result.stats[k].mean_loss == pytest.approx(alone.mean_loss, rel=1e-5)
+                torch.testing.assert_close(result.params[k], flat.params, rtol=1e-4, atol=1e-6)
+                assert not torch.equal(result.params[k], torch.from_numpy(start))
+    for c, versions in updates.items():
+        assert all(torch.equal(versions[0], v) for v in versions[1:]), f"client {c}"
 
 
 @pytest.mark.parametrize("hidden", [None, [32, 16]])
 @pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5},
                                      {"augment": "crop_flip"}])  # each client's crops from its own generator
-def test_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
+def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
+    """Also with unequal sample counts and so unequal last batches (35 to 40 samples: 5 batches of 8 per pass,
+    the last 3 to 8), which the kernel computes in separate calls. (A batch of one sample rounds differently:
+    the loop's matrix-vector product is not the kernel's batched product.)"""
     torch.set_num_threads(1)
-    model_cfg = {"name": "logistic"} if hidden is None else {"name": "mlp", "hidden": hidden}
-    shape = [1, 5, 4] if options.get("augment") else [20]
-    cfg = parse_config({"data": {"dataset": "gaussian_images", "num_clients": 7, "synthetic": {
-        "image_shape": shape, "samples_per_client": 37}}, "model": model_cfg})
-    data = build_federated_dataset(cfg.data, 0)
-    splits = data.load_clients(range(7))
-    client_cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)
-    flat = FlatModel(build_model(cfg.model, data.layout, 0))
+    model_cfg = ModelConfig(name="logistic") if hidden is None else ModelConfig(name="mlp", hidden=tuple(hidden))
+    shape = (1, 5, 4) if options.get("augment") else (20,)
+    sizes = (37, 37, 35, 37, 40, 37, 36)
+    flat = FlatModel(build_model(model_cfg, layout(shape), seed=0))
     start = flat.numpy().copy()
-    loss_fn = loss_function(data.layout)
-    xs = [torch.from_numpy(splits[c].x_train) for c in range(7)]
-    ys = [torch.from_numpy(splits[c].y_train) for c in range(7)]
-    assert len({len(x) for x in xs}) == 1 and len(xs[0]) % 8  # one group, with a short last batch
-    trainer = VectorizedSGD(flat, loss_fn)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xs, ys = clients(shape, sizes)
+    cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)
+    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    assert trainer.chunk is None  # a dense model's rows are computed alone on the CPU: no padding needed
     for group in (range(7), range(2, 5)):
-        params, stats = trainer.train(start, [xs[c] for c in group], [ys[c] for c in group],
-                                      [client_generator(3, 1, c) for c in group], client_cfg)
+        result = train(trainer, start, xs, ys, list(group), cfg)
         for k, c in enumerate(group):
             flat.load(start)
-            alone = local_sgd(flat, xs[c], ys[c], loss_fn, client_cfg, client_generator(3, 1, c))
-            assert torch.equal(params[k], flat.params), f"client {c} in a group of {len(group)}"
-            assert (stats[k].steps, stats[k].mean_loss) == (alone.steps, alone.mean_loss)
+            alone = local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
+            assert torch.equal(result.params[k], flat.params), f"client {c} in a group of {len(group)}"
+            assert (result.stats[k].steps, result.stats[k].mean_loss) == (alone.steps, alone.mean_loss)
+
+
+def test_clients_with_unequal_step_counts_train_in_separate_groups():
+    """8, 16 and 12 samples in batches of 8: 1, 2 and 2 steps; each client's steps and update are its own (as
+    trained alone in the kernel, and within rounding of the loop)."""
+    torch.set_num_threads(1)
+    flat = FlatModel(build_model(ModelConfig(name="mlp", hidden=(8,)), layout((6,)), seed=0))
+    start = flat.numpy().copy()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xs, ys = clients((6,), (8, 16, 12))
+    cfg = ClientConfig(lr=0.1, batch_size=8)
+    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    result = train(trainer, start, xs, ys, [0, 1, 2], cfg)
+    assert [s.steps for s in result.stats] == [1, 2, 2]
+    assert result.seconds.shape == (3,) and result.seconds[1] == result.seconds[2]
+    for c in range(3):
+        assert torch.equal(result.params[c], train(trainer, start, xs, ys, [c], cfg).params[0])
+        flat.load(start)
+        local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
+        torch.testing.assert_close(result.params[c], flat.params, rtol=1e-5, atol=1e-7)
+        assert not torch.equal(result.params[c], torch.from_numpy(start))
 
 
 def test_a_clients_update_does_not_depend_on_its_group_even_on_two_threads():
@@ -58,20 +137,82 @@ def test_a_clients_update_does_not_depend_on_its_group_even_on_two_threads():
         splits = data.load_clients(range(5))
         flat = FlatModel(build_model(cfg.model, data.layout, 0))
         start = flat.numpy().copy()
-        trainer = VectorizedSGD(flat, loss_function(data.layout))
         client_cfg = ClientConfig(lr=0.1, epochs=1, batch_size=32, momentum=0.9)
+        trainer = VectorizedSGD(flat, loss_function(data.layout), client_cfg)
+        xs = [torch.from_numpy(splits[c].x_train) for c in range(5)]
+        ys = [torch.from_numpy(splits[c].y_train) for c in range(5)]
         updates: dict[int, list[torch.Tensor]] = {}
         for group in (range(5), range(1, 4), range(2, 3)):
-            params, _ = trainer.train(start, [torch.from_numpy(splits[c].x_train) for c in group],
-                                      [torch.from_numpy(splits[c].y_train) for c in group],
-                                      [client_generator(3, 1, c) for c in group], client_cfg)
+            result = train(trainer, start, xs, ys, list(group), client_cfg)
             for k, c in enumerate(group):
-                updates.setdefault(c, []).append(params[k].clone())
+                updates.setdefault(c, []).append(result.params[k].clone())
         assert torch.get_num_threads() == 2  # the kernel's one thread is given back
         for c, versions in updates.items():
             assert all(torch.equal(versions[0], v) for v in versions[1:]), f"client {c}"
     finally:
         torch.set_num_threads(1)
+
+
+def test_auto_is_the_kernel_on_a_gpu_and_on_the_cpu_only_where_it_was_measured_faster():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    auto, on, off = ClientConfig(), ClientConfig(vectorize=True), ClientConfig(vectorize=False)
+    assert auto.vectorize == "auto"
+    for model in VECTORIZABLE_MODELS:
+        dense = model in ("linear", "logistic", "mlp")
+        assert kernel_wanted(auto, model, cpu, cpu_default=True) == dense
+        assert not kernel_wanted(auto, model, cpu, cpu_default=False)
+        assert kernel_wanted(auto, model, gpu, cpu_default=False)
+        assert kernel_wanted(on, model, cpu, cpu_default=False)
+        assert not kernel_wanted(off, model, gpu, cpu_default=True)
+    assert not kernel_wanted(on, "char_lstm", cpu, cpu_default=True)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "Auto"])
+def test_vectorize_takes_true_false_or_auto(value):
+    with pytest.raises(ConfigError, match="client.vectorize"):
+        parse_config({"client": {"vectorize": value}})
+
+
+# FedAvg's local step and its variants: the gradient hooks, SCAFFOLD's control variates after training, FedSGD's
+# full-batch gradients, kNN-Per's evaluation and FedBuff's clients starting from different model versions; and the
+# other algorithms whose clients run plain local SGD from a start of their own: FedAsync (the model it downloaded),
+# Local (its own model), IFCA (its cluster's), PeFLL and pFedHN (the generated one)
+DENSE_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedsgd", "knnper", "fedbuff", "fedasync", "local", "ifca")
+KERNEL_ALGORITHMS = (*DENSE_ALGORITHMS, "pefll", "pfedhn")
+IMAGES = {"data": {"dataset": "gaussian_images", "num_clients": 6, "partition": "iid",
+                   "synthetic": {"image_shape": [1, 16, 16], "samples_per_client": 30, "size_sigma": 0.3}},
+          "model": CNNS["cnn"][0], "rounds": 2, "eval_every": 2, "client": {"vectorize_chunk": 4}}
+
+
+def run_both(raw: dict, tmp_path) -> dict[str, h5py.File]:  # noqa: ANN001
+    out = {}
+    for mode in (False, True):
+        path = run_engine(_merge(raw, {"client": {"vectorize": mode}}), MPI.COMM_SELF, tmp_path / f"{mode}.h5")
+        out["kernel" if mode else "loop"] = h5py.File(path)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS)
+def test_every_kernel_algorithm_trains_a_cnn_within_rounding_of_the_loop(algorithm, tmp_path):
+    """Clients of unequal sizes (log-normal) and 4 local steps: groups with unequal last batches."""
+    runs = run_both(_merge(CONFIGS[algorithm], IMAGES), tmp_path)
+    assert runs["loop"]["ranks/clients_trained_vectorized"][()].sum() == 0
+    assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() > 0
+    pairs = [(runs["kernel"][name][()], runs["loop"][name][()]) for name in
+             [f"model/{k}" for k in runs["loop"]["model"]]  # the global model, cluster models, ...; Local keeps none
+             + [f"eval/{k}" for k in runs["loop"]["eval"]] + ["rounds/train_loss"]]  # kNN-Per's evaluation included
+    for kernel, loop in pairs:
+        np.testing.assert_allclose(kernel, loop, rtol=1e-4, atol=1e-6)
+    assert not all(np.array_equal(k, lo) for k, lo in pairs), "the same bits: did only one of the paths run?"
+
+
+@pytest.mark.parametrize("algorithm", DENSE_ALGORITHMS)
+def test_every_kernel_algorithm_with_a_narrow_dense_model_is_bitwise_the_loop(algorithm, tmp_path):
+    """SHARDS' MLP 16: here FedProx, SCAFFOLD, FedSGD, FedAsync, Local and IFCA give the same bits in the kernel as
+    in the loop (their CPU default under ``auto``)."""
+    runs = run_both(CONFIGS[algorithm], tmp_path)
+    assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() > 0
+    assert_same(deterministic(runs["kernel"].filename), deterministic(runs["loop"].filename))
 
 
 def test_fedavg_job_vectorized_or_not_and_on_any_rank_count_gives_one_model(write_config, tmp_path):
@@ -80,7 +221,7 @@ def test_fedavg_job_vectorized_or_not_and_on_any_rank_count_gives_one_model(writ
                                     "synthetic": {"image_shape": [30], "samples_per_client": 24}},
                            "client": {"momentum": 0.5, "batch_size": 8}})
     models, together = {}, {}
-    for mode, ranks in (("false", 0), ("true", 0), ("true", 3)):
+    for mode, ranks in (("false", 0), ("auto", 0), ("true", 3)):
         out = tmp_path / f"{mode}{ranks}.h5"
         proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", "--set", f"client.vectorize={mode}"],
                          ranks=ranks)
@@ -88,8 +229,8 @@ def test_fedavg_job_vectorized_or_not_and_on_any_rank_count_gives_one_model(writ
         with h5py.File(out) as f:
             models[mode, ranks] = f["model/global_model"][()]
             together[mode, ranks] = f["ranks/clients_trained_vectorized"][()].sum()
-    assert together == {("false", 0): 0, ("true", 0): 12, ("true", 3): 12}
-    assert np.array_equal(models["false", 0], models["true", 0])
+    assert together == {("false", 0): 0, ("auto", 0): 12, ("true", 3): 12}
+    assert np.array_equal(models["false", 0], models["auto", 0])
     assert np.array_equal(models["false", 0], models["true", 3])
 
 

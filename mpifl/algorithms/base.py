@@ -33,6 +33,7 @@ from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
 from mpifl.training.sgd import EVAL_FIELDS, GradHook, client_generator, evaluate, local_sgd, planned_samples
 from mpifl.training.tensors import TensorSplit
+from mpifl.training.vectorized import ClientRun, VectorizedSGD, kernel_wanted
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,7 @@ class ClientAlgorithm(_Handles):
         self.data = data  # the clients this rank hosts, by id (a ClientStore; any mapping in tests)
         self.state = ClientState() if state is None else state
         self.round_losses: dict[int, float] = {}
+        self.trained_together = 0  # clients trained through the vectorized kernel (:meth:`train_together`)
 
     def end_round(self) -> None:
         """Forget this round's in-flight values (also those of clients whose updates were rejected)."""
@@ -437,7 +439,7 @@ class ClientAlgorithm(_Handles):
 
     def rank_stats(self) -> dict[str, float]:
         """Counters this rank reports once, at the end (results table /ranks)."""
-        return {}
+        return {"clients_trained_vectorized": self.trained_together}
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used
@@ -494,6 +496,31 @@ class ClientAlgorithm(_Handles):
                           gen, grad_hook, lr=lr, steps=steps, momentum=momentum)
         self.round_losses[client] = stats.mean_loss
         return stats.steps
+
+    def vectorizer_if(self, cpu_default: bool) -> VectorizedSGD | None:
+        """The kernel for :meth:`train_together` if ``client.vectorize`` wants it for this model and device
+        (``cpu_default``: the kernel under ``auto`` on the CPU; see ``kernel_wanted``), else None."""
+        cfg = self.ctx.cfg
+        if not kernel_wanted(cfg.client, cfg.model.name, self.device, cpu_default):
+            return None
+        return VectorizedSGD(self.workspace, self.loss_fn, cfg.client)
+
+    def train_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
+                       hooks: Mapping[int, GradHook | None] | None = None, config: ClientConfig | None = None,
+                       purpose: int = 0) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """Local SGD of several clients from ``starts`` through the kernel, each as :meth:`train_workspace` trains
+        it alone (its generator keyed by ``purpose``, its gradient hook, its mean loss in :attr:`round_losses`);
+        their final parameters in host memory (views on the CPU), and each one's seconds."""
+        seed, clients = self.ctx.cfg.seed, list(starts)
+        runs = [ClientRun(starts[c], self.data[c].x_train, self.data[c].y_train,
+                          client_generator(seed, step.round, c, purpose), None if hooks is None else hooks[c])
+                for c in clients]
+        result = vectorizer.train(runs, config or self.ctx.cfg.client)
+        for k, client in enumerate(clients):
+            self.round_losses[client] = result.stats[k].mean_loss
+        self.trained_together += len(clients)
+        rows = host_numpy(result.params)  # one copy from a GPU
+        return {c: rows[k] for k, c in enumerate(clients)}, result.seconds
 
 
 def weighted_sum(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -120,6 +120,7 @@ class FedAsyncClient(ClientAlgorithm):
         self.start: dict[int, np.ndarray] = {}
         self.trained: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
+        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -136,6 +137,14 @@ class FedAsyncClient(ClientAlgorithm):
         self.workspace.load(self.start.pop(client))
         self.train_workspace(step, client)
         self.trained[client] = self.workspace.numpy().copy()
+
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
+        """With the kernel, clients dispatched together train together (those with equally many local steps)."""
+        if self.vectorizer is None:
+            return super().compute_clients(step, clients)
+        trained, seconds = self.train_together(self.vectorizer, step, {int(c): self.start.pop(int(c)) for c in clients})
+        self.trained.update((client, params.copy()) for client, params in trained.items())
+        return seconds
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.global_params, "the evaluated model"))

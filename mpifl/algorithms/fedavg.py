@@ -8,7 +8,6 @@ optimizers instead (:class:`GlobalModel`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -25,9 +24,8 @@ from mpifl.algorithms.base import (
 )
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.device import host_numpy
-from mpifl.training.sgd import GradHook, client_generator
-from mpifl.training.vectorized import VECTORIZABLE_MODELS, VectorizedSGD
+from mpifl.training.sgd import GradHook
+from mpifl.training.vectorized import VectorizedSGD
 
 
 class FedAvgProtocol(Protocol):
@@ -151,56 +149,40 @@ class DeltaClient(ClientAlgorithm):
 class FedAvgClient(DeltaClient):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
+        self.vectorizer = self.make_vectorizer()
+
+    def make_vectorizer(self) -> VectorizedSGD | None:
+        """The kernel that trains this rank's clients together (``client.vectorize``), or None: for FedAvg's local
+        step (local SGD from the received start, a variant's gradient hook, then :meth:`after_training`), which a
+        variant that overrides :meth:`compute` no longer has. Under ``auto`` on the CPU, only the unhooked step
+        (FedAvg, kNN-Per, FedBuff) trains in the kernel, as before (see ``kernel_wanted``)."""
         cls = type(self)
-        plain_sgd = cls.compute is FedAvgClient.compute and cls.grad_hook is FedAvgClient.grad_hook
-        self.vectorizer = None
-        if plain_sgd and ctx.cfg.client.vectorize and ctx.cfg.model.name in VECTORIZABLE_MODELS:
-            self.vectorizer = VectorizedSGD(self.workspace, self.loss_fn)
-        self.trained_together = 0
+        if cls.compute is not FedAvgClient.compute:
+            return None
+        return self.vectorizer_if(cpu_default=cls.grad_hook is FedAvgClient.grad_hook)
 
     def compute(self, step: StepContext, client: int) -> None:
         start = self.start.pop(client)
         self.workspace.load(start)
         self.train_workspace(step, client, self.grad_hook(client, start))
         self.deltas[client] = self.workspace.numpy() - start
+        self.after_training(client)
+
+    def after_training(self, client: int) -> None:
+        """What a variant does once ``client`` has trained and its delta is set (SCAFFOLD: its control variate)."""
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With ``client.vectorize``, plain FedAvg trains every client through the vectorized kernel, those
-        with equally many samples and the same start together (each then reports an equal share of its
-        group's seconds): one kernel for every client, whichever clients share its rank."""
+        """With the kernel, every client trains through it, those with equally many local steps together (each
+        reporting an equal share of its group's seconds), whichever clients share its rank."""
         if self.vectorizer is None:
             return super().compute_clients(step, clients)
-        seconds = np.empty(len(clients))
-        groups: list[tuple[int, np.ndarray, list[int]]] = []  # (samples, start, positions in clients)
-        for k, client in enumerate(clients):
-            size, start = len(self.data[int(client)].x_train), self.start[int(client)]
-            group = next((g for g in groups if g[0] == size and (g[1] is start or np.array_equal(g[1], start))), None)
-            if group is None:
-                groups.append((size, start, [k]))
-            else:
-                group[2].append(k)
-        for _, _, members in groups:
-            began = time.perf_counter()
-            self._train_together(self.vectorizer, step, clients[members])
-            seconds[members] = (time.perf_counter() - began) / len(members)
+        starts = {int(c): self.start.pop(int(c)) for c in clients}
+        hooks = {c: self.grad_hook(c, start) for c, start in starts.items()}
+        trained, seconds = self.train_together(self.vectorizer, step, starts, hooks)
+        for client, start in starts.items():
+            self.deltas[client] = trained[client] - start
+            self.after_training(client)
         return seconds
-
-    def _train_together(self, vectorizer: VectorizedSGD, step: StepContext, group: np.ndarray) -> None:
-        """Train ``group`` (equally many samples, one start) as one computation."""
-        start = self.start[int(group[0])]
-        splits = [self.data[int(c)] for c in group]
-        seed = self.ctx.cfg.seed
-        params, stats = vectorizer.train(start, [s.x_train for s in splits], [s.y_train for s in splits],
-                                         [client_generator(seed, step.round, int(c)) for c in group],
-                                         self.ctx.cfg.client)
-        for k, client in enumerate(group):
-            self.start.pop(int(client))
-            self.deltas[int(client)] = host_numpy(params[k]) - start
-            self.round_losses[int(client)] = stats[k].mean_loss
-        self.trained_together += len(group)
-
-    def rank_stats(self) -> dict[str, float]:
-        return {"clients_trained_vectorized": self.trained_together}
 
     def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
         """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""

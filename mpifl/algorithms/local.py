@@ -72,12 +72,26 @@ class LocalClient(ClientAlgorithm):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
+        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def compute(self, step: StepContext, client: int) -> None:
         self.workspace.load(self.model(client))
-        config = self.protocol.upfront_config() if step.stage == "setup" else None
-        self.train_workspace(step, client, config=config)
+        self.train_workspace(step, client, config=self.config(step))
         self.state.edit(client)["model"] = self.workspace.numpy().copy()
+
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
+        """With the kernel, each client trains its own model, those with equally many local steps together."""
+        if self.vectorizer is None:
+            return super().compute_clients(step, clients)
+        starts = {int(c): self.model(int(c)) for c in clients}
+        trained, seconds = self.train_together(self.vectorizer, step, starts, config=self.config(step))
+        for client, params in trained.items():
+            self.state.edit(client)["model"] = params.copy()
+        return seconds
+
+    def config(self, step: StepContext) -> ClientConfig | None:
+        """``local.epochs`` passes in the set-up (mode ``all``), else ``client.*`` (None)."""
+        return self.protocol.upfront_config() if step.stage == "setup" else None
 
     def model(self, client: int) -> np.ndarray:
         return self.state.get(client, "model", self.initial)

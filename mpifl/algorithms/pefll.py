@@ -332,6 +332,7 @@ class HyperClient(ClientAlgorithm):
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.eval_models: dict[int, np.ndarray] = {}
+        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def receive_start(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.start[client] = row
@@ -353,6 +354,17 @@ class HyperClient(ClientAlgorithm):
     def compute(self, step: StepContext, client: int) -> None:
         stats = self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client))
         self.round_losses[client] = stats.mean_loss
+
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
+        """With the kernel, a round's clients train their generated models together (those with equally many
+        local steps)."""
+        if self.vectorizer is None or step.stage != "train":
+            return super().compute_clients(step, clients)
+        starts = {int(c): self.start.pop(int(c)) for c in clients}
+        trained, seconds = self.train_together(self.vectorizer, step, starts)
+        for client, start in starts.items():
+            self.deltas[client] = trained[client] - start
+        return seconds
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.eval_models.pop(client))

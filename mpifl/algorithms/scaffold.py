@@ -150,8 +150,7 @@ class ScaffoldClient(FedAvgClient):
         return correction_hook(self.global_control.pop(client) - self.own_control(client), self.device,
                                self.gradients[client])
 
-    def compute(self, step: StepContext, client: int) -> None:
-        super().compute(step, client)
+    def after_training(self, client: int) -> None:
         own = self.own_control(client)
         new = self.gradients.pop(client).mean()
         self.control_deltas[client] = new - own

@@ -10,7 +10,7 @@ from mpifl.data import FederatedLayout
 from mpifl.models.config import MODELS, ModelConfig
 from mpifl.models.flat import FlatModel
 from mpifl.models.memory import check_fits, first_line, gb, physical_memory
-from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20
+from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20, SimpleCNN
 from mpifl.schema import ConfigError
 
 __all__ = ["FlatModel", "build_model", "loss_function"]
@@ -60,10 +60,15 @@ def _builtin(cfg: ModelConfig, layout: FederatedLayout) -> nn.Module:
             f"model.name: {cfg.name!r} does not fit a {layout.task} dataset"
             + (" (use 'linear' or 'mlp')" if regression else " ('linear' is for regression; use 'logistic')")
         )
-    if cfg.name in ("lenet", "cnn", "convnet", "resnet20") and len(shape) != 3:
+    if cfg.name in ("lenet", "cnn", "convnet", "resnet20", "simple_cnn") and len(shape) != 3:
         raise ConfigError(f"model.name: {cfg.name!r} needs image inputs (C, H, W), got shape {shape}")
     if cfg.name == "resnet20":
         return ResNet20(shape, out, cfg.batch_norm)
+    if cfg.name == "simple_cnn":
+        try:
+            return SimpleCNN(shape, out)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
     if cfg.name in ("lenet", "cnn", "convnet"):
         channels, hidden, kernel = {
             "lenet": ((16, 32), (120, 84), 5),

@@ -8,7 +8,7 @@ from typing import Any
 from mpifl import plugins
 from mpifl.schema import ConfigError, limits
 
-MODELS = ("lenet", "mlp", "cnn", "convnet", "resnet20", "linear", "logistic", "char_lstm")
+MODELS = ("lenet", "mlp", "cnn", "convnet", "resnet20", "simple_cnn", "linear", "logistic", "char_lstm")
 PLUGIN_CONTRACT = "a callable (model config, data layout) -> torch.nn.Module"
 
 
@@ -19,9 +19,10 @@ class ModelConfig:
     its test batch. A plug-in's weights are all float32 parameters (no buffers)."""
 
     # lenet (PeFLL's LeNet, any input size, channels and classes), cnn (conv blocks of channels + one FC of
-    # fc_hidden), convnet (channels, kernel_size, hidden), resnet20 (the FedALS authors' variant), mlp (hidden;
-    # classification or regression), logistic, linear (regression), char_lstm (token inputs: shakespeare); or a
-    # plug-in: an entry point of group mpifl.models, or module:callable
+    # fc_hidden), convnet (channels, kernel_size, hidden), resnet20 (the FedALS authors' variant), simple_cnn
+    # (pfl-research's CIFAR-10 benchmark model: two 3x3 convolutions, one 128-unit hidden layer, no dropout), mlp
+    # (hidden; classification or regression), logistic, linear (regression), char_lstm (token inputs:
+    # shakespeare); or a plug-in: an entry point of group mpifl.models, or module:callable
     name: str = "mlp"
     hidden: tuple[int, ...] = field(default=(64,), metadata=limits(ge=1))  # mlp, convnet: each hidden layer's width
     channels: tuple[int, ...] = field(default=(16, 32), metadata=limits(ge=1))  # cnn, convnet: each conv block's

@@ -34,6 +34,32 @@ class ConvNet(nn.Module):
         return self.head(self.features(x))
 
 
+class SimpleCNN(nn.Module):
+    """pfl-research's ``simple_cnn``, the model of its CIFAR-10 benchmark: conv3×3(32)-ReLU-conv3×3(64)-ReLU-
+    MaxPool2 (no padding), then a fully connected ReLU layer of 128 and the output, weights Glorot-uniform as
+    there (biases PyTorch's default). On 3×32×32 and 10 classes: 64·14·14 = 12,544 features after the pooling
+    and 1,626,442 parameters. Its two dropout layers (0.25 after the pooling, 0.5 before the output) are left
+    out: mpifl's models draw no randomness in the forward pass (dropout would draw from torch's global generator,
+    not from the client's (seed, round, client) stream), and they change no timing that matters.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], out: int):
+        super().__init__()
+        in_ch, height, width = input_shape
+        height, width = (height - 4) // 2, (width - 4) // 2
+        if height < 1 or width < 1:
+            raise ValueError(f"input {input_shape} is too small for simple_cnn (at least 6×6)")
+        self.features = nn.Sequential(nn.Conv2d(in_ch, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                                      nn.MaxPool2d(2), nn.Flatten())
+        self.head = mlp_layers(64 * height * width, (128,), out)
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.xavier_uniform_(m.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 def mlp_layers(inputs: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for width in hidden:

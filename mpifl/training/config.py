@@ -27,10 +27,15 @@ class ClientConfig:
     # crop_flip: each training batch randomly cropped from a 4-pixel zero-padded copy and flipped horizontally with
     # probability ½ (the FedALS authors' CIFAR/SVHN transform; images only)
     augment: Literal["none", "crop_flip"] = "none"
-    # FedAvg with linear, logistic or mlp models: train every client through the torch.func kernel, a rank's
-    # equally sized clients as one computation. A setting of the results: the kernel and the one-at-a-time
-    # loop agree bitwise for narrow layers but may round differently for wide ones.
-    vectorize: bool = True
+    # train clients through the torch.func kernel (mpifl.training.vectorized), a rank's clients with equally many
+    # local steps as one computation: fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff, fedasync, local, ifca,
+    # pefll, pfedhn with linear, logistic, mlp, cnn, lenet, convnet, resnet20 or simple_cnn; false: one at a time;
+    # auto: the kernel on a GPU, and on the CPU where it is faster and was the default (dense models with FedAvg's
+    # plain step: fedavg, knnper, fedbuff). A setting of the results: the kernel and the loop may round differently
+    vectorize: bool | Literal["auto"] = "auto"
+    # clients per kernel call where the kernel's rounding may depend on that count (convolutions; any model on a
+    # GPU): every call is padded to exactly this many, so a client's update does not depend on the rank count
+    vectorize_chunk: int = field(default=16, metadata=limits(ge=1))
 
     def for_epochs(self, epochs: int) -> ClientConfig:
         """These settings with ``epochs`` passes in place of the configured steps or epochs (an algorithm whose

@@ -6,6 +6,8 @@ import pytest
 from mpifl.registry import known_algorithms, parse_config
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS, SERVER_OPTIMIZERS
+from tests.test_vectorized import IMAGES as VECTORIZED_IMAGES
+from tests.test_vectorized import KERNEL_ALGORITHMS
 
 WIRE = {"compression": {"up": {"codec": "qsgd", "bits": 6, "error_feedback": True}, "down": {"codec": "bf16"}},
         "privacy": {"mode": "local", "clip": 1.0, "noise_multiplier": 0.05}}
@@ -54,3 +56,13 @@ def test_adaptive_server_optimizers_give_the_same_bits_on_1_to_4_ranks(run, tmp_
     """FedAdam, FedYogi and FedAdagrad steps (and their moments) from sums that never depend on the ranks."""
     same_on_1_to_4_ranks(_merge(SERVER_OPTIMIZERS[run], {"rounds": 3, "eval_every": 1}), f"ranks_{run}",
                          tmp_path_factory)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS)
+def test_vectorized_cnn_clients_give_the_same_bits_on_1_to_4_ranks(algorithm, tmp_path_factory):
+    """CNN clients in the torch.func kernel (calls of 4 rows): 6 clients of unequal sizes are one group of 6 on
+    one worker and groups of 2 on three, so each rank count pads and splits the calls differently."""
+    raw = _merge(_merge(CONFIGS[algorithm], VECTORIZED_IMAGES), {"rounds": 2, "eval_every": 1,
+                                                                  "client": {"vectorize": True}})
+    same_on_1_to_4_ranks(raw, f"vectorized_{algorithm}", tmp_path_factory)
