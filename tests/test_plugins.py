@@ -5,7 +5,6 @@ line when a name is unknown or a plug-in is broken."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -169,15 +168,9 @@ def test_a_broken_plugin_stops_3_ranks_with_one_line(site, tmp_path):
 
 def test_the_tutorials_show_the_example_as_it_is():
     """The tutorials (writing an algorithm, bringing your own data) show the package these tests install, file
-    for file. The algorithm page is written for declared message handlers (``@handles``); until they are merged,
-    the example's algorithm module is the one file it cannot show yet."""
+    for file."""
     pages = "".join((REPO / "docs" / "tutorials" / name).read_text() for name in ("own-algorithm.md", "own-data.md"))
     files = [EXAMPLE / "pyproject.toml", EXAMPLE / "damped_blobs.yaml", *(EXAMPLE / "mpifl_example").glob("[!_]*.py")]
     assert len(files) == 5
-    algorithm = EXAMPLE / "mpifl_example" / "algorithm.py"
     for path in files:
-        if path != algorithm:
-            assert f"\n{path.read_text()}```" in pages, path
-    if not hasattr(importlib.import_module("mpifl.algorithms.base"), "handles"):
-        pytest.skip("docs/tutorials/own-algorithm.md shows algorithm.py with @handles, which is not merged yet")
-    assert f"\n{algorithm.read_text()}```" in pages, algorithm
+        assert f"\n{path.read_text()}```" in pages, path
