@@ -17,10 +17,20 @@ from mpifl.schema import ConfigError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpifl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    _job_commands(sub)
+    _results_commands(sub)
+    return p
+
+
+def _overrides(parser: argparse.ArgumentParser, help: str | None = None) -> None:  # noqa: A002 - argparse's name
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _job_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that run or check jobs: run, prepare, validate, sweep."""
     run = sub.add_parser("run", help="run a federated-learning job (under mpirun/srun, or alone)")
     run.add_argument("config", help="YAML config file")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set client.lr=0.1 (repeatable)")
+    _overrides(run, "override a config value, e.g. --set client.lr=0.1 (repeatable)")
     run.add_argument("--out", help="results file (default: the config's output)")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--resume", metavar="RESULTS.h5",
@@ -30,12 +40,24 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="write the config's federated dataset into one HDF5 file that runs read "
                                           "client by client (data.prepared: FILE)")
     prep.add_argument("config")
-    prep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _overrides(prep)
     prep.add_argument("--out", required=True, help="the HDF5 file to write")
     val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
     val.add_argument("config")
-    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _overrides(val)
     val.add_argument("--no-data", action="store_true", help="check the config only, not the data files")
+    sweep = sub.add_parser("sweep", help="run a grid of configs × seeds (locally, or as a SLURM array)")
+    sweep.add_argument("sweep_file")
+    sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
+    sweep.add_argument("--dry-run", action="store_true", help="print the commands only")
+    _overrides(sweep, "override a config value in every run, after the sweep's own (repeatable; e.g. --set "
+                      "rounds=2 for a smoke test)")
+    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="run these seeds instead of the file's")
+    sweep.add_argument("--output-dir", help="write the results here instead of the file's output_dir")
+
+
+def _results_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that read results files: report, plot, export."""
     rep = sub.add_parser("report", help="summarize a results file, or aggregate a directory of runs over seeds")
     rep.add_argument("results", help="results file, or a directory of them (writes summary.md and summary.csv)")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
@@ -60,16 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--mlflow", metavar="DIR|URI", help="log MLflow runs into this local file store (or tracking "
                                                          "URI; needs pip install 'mpifl[mlflow]')")
     exp.add_argument("--experiment", help="MLflow experiment name (default: the results' directory name)")
-    sweep = sub.add_parser("sweep", help="run a grid of configs × seeds (locally, or as a SLURM array)")
-    sweep.add_argument("sweep_file")
-    sweep.add_argument("--slurm", action="store_true", help="write a SLURM job array instead of running")
-    sweep.add_argument("--dry-run", action="store_true", help="print the commands only")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value in every run, after the sweep's own (repeatable; "
-                            "e.g. --set rounds=2 for a smoke test)")
-    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="run these seeds instead of the file's")
-    sweep.add_argument("--output-dir", help="write the results here instead of the file's output_dir")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

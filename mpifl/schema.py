@@ -55,18 +55,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        expected = " or ".join(_type_name(a) for a in args if a is not type(None))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {expected}, got {value!r}")
+        return _convert_union(value, args, path)
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
@@ -86,29 +75,59 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return build(tp, value, path)
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        if not -INT64_MAX - 1 <= value <= INT64_MAX:
-            raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer ({-INT64_MAX - 1} to {INT64_MAX})")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string; every user means a number
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported schema type {tp!r} at {path}")
+    if tp not in _SCALARS:
+        raise TypeError(f"unsupported schema type {tp!r} at {path}")
+    return _SCALARS[tp](value, path)
+
+
+def _convert_union(value: Any, args: tuple[Any, ...], path: str) -> Any:
+    """The first of ``args`` that takes ``value`` (``None`` for an optional field)."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(value, arg, path)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    expected = " or ".join(_type_name(a) for a in args if a is not type(None))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {expected}, got {value!r}")
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    return value
+
+
+def _int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer ({-INT64_MAX - 1} to {INT64_MAX})")
+    return value
+
+
+def _float(value: Any, path: str) -> float:
+    if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string; every user means a number
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    return value
+
+
+_SCALARS: dict[Any, typing.Callable[[Any, str], Any]] = {bool: _bool, int: _int, float: _float, str: _str}
+"""How each scalar type of a config field is checked and converted."""
 
 
 def _check_limits(value: Any, meta: typing.Mapping[str, Any], path: str) -> None:
