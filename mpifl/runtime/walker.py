@@ -26,7 +26,7 @@ from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
 from mpifl.runtime.timing import RankTimes
 
-FOLD_CHUNK = 32
+FOLD_CHUNK = 16
 """A local step followed by an upload runs this many clients at a time, each client's rows sent (and a summed
 message's folded) right after: a worker holds at most this many clients' updates, whatever its cohort."""
 
