@@ -56,6 +56,8 @@ def main() -> None:
                         settings += args.overrides
                         res = mpifl_job(REPO / "configs" / "b1.yaml", ranks, Path(tmp) / "v.h5", settings)
                         median[mode].append(float(np.median(res.table("rounds")["wall_time_s"][1:])))
+                        print(f"P={ranks} {model} vectorize={mode}: {median[mode][-1]:.3f} s/round (median)",
+                              flush=True)
                         if mode == "true":
                             vectorized = int(res.table("ranks")["clients_trained_vectorized"].sum())
                             trained = int(res.table("rounds")["participants"].sum())

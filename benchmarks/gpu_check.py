@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -53,7 +54,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -61,7 +62,7 @@ sys.path.insert(0, str(REPO))
 STAGES = ("tests", "syncs", "algorithms", "models", "bench.w2", "bench.b1", "bench.server")
 GROUPS = {"bench": ("bench.w2", "bench.b1", "bench.server")}
 BUDGETS = {"install": 420, "versions": 60, "tests": 360, "syncs": 120, "algorithms": 480, "models": 300,
-           "bench.w2": 240, "bench.b1": 150, "bench.server": 300}
+           "bench.w2": 300, "bench.b1": 150, "bench.server": 360}
 """Seconds per stage: each alone fits one 10-minute command on the GPU machine."""
 REQUIRED = ("numpy", "torch", "mpi4py.MPI", "h5py", "yaml", "ot", "scipy", "sklearn", "matplotlib", "threadpoolctl",
             "pytest")
@@ -79,7 +80,7 @@ class CheckError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, as every mpifl command
+    def error(self, message: str) -> NoReturn:  # one line, as every mpifl command
         raise CheckError(message)
 
 
@@ -164,21 +165,16 @@ def _write_atomically(path: Path, content: bytes) -> None:
 
 def _archive(folder: Path) -> bytes:
     """A gzipped tar of ``folder`` (each file's last RAW_FILE_BYTES: the end of a long log says how it ended)."""
-    with tempfile.TemporaryFile() as buffer:
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-                with open(path, "rb") as file:
-                    size = file.seek(0, os.SEEK_END)
-                    file.seek(max(0, size - RAW_FILE_BYTES))
-                    content = file.read()
-                info = tarfile.TarInfo(str(path.relative_to(folder)))
-                info.size, info.mtime = len(content), int(path.stat().st_mtime)
-                with tempfile.SpooledTemporaryFile() as data:
-                    data.write(content)
-                    data.seek(0)
-                    tar.addfile(info, data)
-        buffer.seek(0)
-        return buffer.read()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            with open(path, "rb") as file:
+                file.seek(max(0, file.seek(0, os.SEEK_END) - RAW_FILE_BYTES))
+                content = file.read()
+            info = tarfile.TarInfo(path.relative_to(folder).as_posix())
+            info.size, info.mtime = len(content), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
 
 
 def _cell(text: str) -> str:
@@ -297,8 +293,8 @@ def stage_install(check: Check) -> bool:
     wheelhouse: Path | None = check.args.wheelhouse
     deadline = check.deadline("install")
     missing = missing_modules(check.python)
-    pytest_mpi_wheels = sorted(wheelhouse.glob("pytest_mpi-*.whl")) if wheelhouse else []
-    want_pytest_mpi = bool(pytest_mpi_wheels) and "pytest_mpi" in missing_modules_of(check.python, ["pytest_mpi"])
+    want_pytest_mpi = (wheelhouse is not None and any(wheelhouse.glob("pytest_mpi-*.whl"))
+                       and not has_module(check.python, "pytest_mpi"))
     if wheelhouse and missing:
         env = {"MPIFL_INSTALL": "current", "MPIFL_WHEELHOUSE": str(wheelhouse), "PYTHON": check.python}
         step = check.step("install", "mpifl's requirements from the wheelhouse", [str(REPO / "scripts" / "setup.sh")],
@@ -313,21 +309,21 @@ def stage_install(check: Check) -> bool:
             check.python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse), "pytest-mpi"],
             check.raw("install", "pytest_mpi.log"), deadline)
         check.done()
+    step.body.append(f"Interpreter: `{check.python}`; checked imports: {', '.join(REQUIRED)}.")
     if missing:
         step.status = "failed"
-        step.failures.append(f"{check.python} cannot import " + "; ".join(f"{m} ({why})" for m, why in missing.items())
-                             + (": nothing else runs" if not wheelhouse else ""))
-        if not wheelhouse:
-            step.failures[-1] += " (give --wheelhouse DIR: docs/how-to/install-offline.md)"
-    step.body.append(f"Interpreter: `{check.python}`; checked imports: {', '.join(REQUIRED)}.")
+        step.failures.append(f"{check.python} cannot import {', '.join(missing)}: nothing else runs"
+                             + ("" if wheelhouse else " (give --wheelhouse DIR: docs/how-to/install-offline.md)"))
+        step.body += ["", "| module | why it does not import |", "|---|---|",
+                      *(f"| {module} | {_cell(why)} |" for module, why in missing.items())]
     check.done()
     return not missing
 
 
-def missing_modules_of(python: str, names: list[str]) -> set[str]:
-    code = "import importlib.util as u, sys; print(' '.join(n for n in sys.argv[1:] if u.find_spec(n) is None))"
-    proc = subprocess.run([python, "-c", code, *names], capture_output=True, text=True)
-    return set(proc.stdout.split())
+def has_module(python: str, name: str) -> bool:
+    """Whether ``python`` finds the top-level module ``name`` (without importing it)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+    return subprocess.run([python, "-c", code, name]).returncode == 0
 
 
 PROBE = r"""
@@ -451,7 +447,7 @@ def stage_tests(check: Check) -> None:
         if not rows:
             step.failures.append("pytest selected no test (-m cuda)")
     check.done()
-    if "pytest_mpi" in missing_modules_of(check.python, ["pytest_mpi"]) or not check.mpirun:
+    if not has_module(check.python, "pytest_mpi") or not check.mpirun:
         skipped = check.report.add(Step("tests", "tests/mpi/test_device_mpi.py on 3 ranks", status="not run",
                                         exit_code="—"))
         skipped.body.append("Not run: pytest-mpi is not installed (put its wheel in the wheelhouse)"
@@ -822,24 +818,32 @@ STAGE_RUNNERS: dict[str, Callable[[Check], None]] = {
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0])
+    parser = Parser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0],
+                    epilog="What each stage runs and reports: docs/how-to/gpus.md, 'Checking a GPU machine'.")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cuda (default), or cpu for the dry run")
-    parser.add_argument("--wheelhouse", type=Path, help="install missing requirements from here (offline)")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "gpu_check",
+    parser.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                        help="install missing requirements from here, offline")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "gpu_check", metavar="DIR",
                         help="where report.md, gpu_check.json and raw.tar.gz go (default results/gpu_check)")
-    parser.add_argument("--work", type=Path, help="where the runs' files go (default: a new temporary folder)")
-    parser.add_argument("--only", default=",".join(STAGES), help=f"stages, comma-separated: {', '.join(STAGES)}, "
-                                                                 "bench (its three parts); default: all")
-    parser.add_argument("--quick", action="store_true", help=f"fewer cases ({QUICK}) and benchmark settings")
-    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4),
+    parser.add_argument("--work", type=Path, metavar="DIR",
+                        help="where the runs' files go (default: a new temporary folder)")
+    parser.add_argument("--only", default=",".join(STAGES), metavar="STAGES",
+                        help=f"stages, comma-separated: {', '.join(STAGES)}, bench (its three parts); default: all")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"algorithms {QUICK['algorithms']}, models {QUICK['models']}, one rank count and the "
+                             "smallest sizes in each benchmark")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
                         help="runs at once in the algorithms and models stages (default: a quarter of the CPUs)")
-    parser.add_argument("--time-limit", type=float, default=0, help="seconds for the whole check (0: no limit)")
+    parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
+                        help="for the whole check (0: no limit)")
     parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
                         help="a stage's time budget (defaults: " + ", ".join(f"{k} {v}" for k, v in BUDGETS.items())
                         + ")")
-    parser.add_argument("--algorithms", help="only these algorithms, comma-separated (default: every one)")
-    parser.add_argument("--models", help="only these model kinds, comma-separated (default: every one)")
+    parser.add_argument("--algorithms", metavar="NAMES",
+                        help="only these algorithms, comma-separated (default: every one)")
+    parser.add_argument("--models", metavar="NAMES",
+                        help="only these model kinds, comma-separated (default: every one)")
     args = parser.parse_args(argv)
     stages = [s for word in args.only.split(",") if word for s in GROUPS.get(word, (word,))]
     unknown = [s for s in stages if s not in STAGES]

@@ -14,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.gpu_check import KILLED, Check, Report, bitwise, difference, gpu_test_files, parse, within_tolerance
+from benchmarks.gpu_check import (
+    BUDGETS,
+    KILLED,
+    Check,
+    Report,
+    bitwise,
+    difference,
+    gpu_test_files,
+    parse,
+    within_tolerance,
+)
 from tests.conftest import REPO, mpi_env
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -52,6 +62,13 @@ def test_bitwise_names_the_arrays_that_differ():
 def test_the_gpu_tests_are_the_files_that_mark_them():
     files = {path.relative_to(REPO).as_posix() for path in gpu_test_files()}
     assert {"tests/test_device.py", "tests/test_syncs.py", "tests/algorithms/test_pefll_baselines.py"} <= files
+
+
+def test_the_docs_table_of_stages_has_the_budgets():
+    text = (REPO / "docs" / "how-to" / "gpus.md").read_text().split("## Checking a GPU machine")[1]
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and line.rstrip().endswith(" |")]
+    documented = {cells[1].strip(" `"): float(cells[-2]) for cells in rows if cells[-2].strip().isdigit()}
+    assert documented == BUDGETS
 
 
 def test_a_command_past_its_deadline_is_stopped_with_its_process_group(tmp_path):
@@ -95,6 +112,25 @@ def test_a_stage_without_time_left_is_reported_not_run(tmp_path):
     assert [(s["stage"], s["status"]) for s in steps] == [("install", "ok"), ("versions", "ok"), ("syncs", "not run")]
     report = (tmp_path / "report.md").read_text()
     assert "- Failures: 1" in report and "**syncs**" in report and "time budget" in report
+
+
+def test_an_interpreter_without_torch_stops_at_the_install_with_setups_line(tmp_path):
+    """The GPU image's python3 lacking torch: setup.sh (MPIFL_INSTALL=current) refuses in one line, the report
+    shows it and what does not import, and nothing else runs."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    (wheelhouse / "pot-0.9.7-py3-none-any.whl").touch()
+    bare = tmp_path / "bare" / "bin" / "python"
+    proc = subprocess.run([str(SCRIPT), "--wheelhouse", str(wheelhouse), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, env={**mpi_env(), "PYTHON": str(bare)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    steps = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["steps"]
+    assert [(s["stage"], s["status"], s["exit_code"]) for s in steps] == [("install", "failed", 2)]
+    assert steps[0]["command"].startswith(f"MPIFL_INSTALL=current MPIFL_WHEELHOUSE={wheelhouse} PYTHON=")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "mpifl setup: MPIFL_INSTALL=current: " in report and "cannot import torch" in report
+    assert "| torch | ModuleNotFoundError: No module named 'torch' |" in report
 
 
 def test_the_dry_run_runs_every_stage_end_to_end(tmp_path):
