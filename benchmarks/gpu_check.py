@@ -27,8 +27,9 @@ a running one is stopped:
 failures show before GPU time is spent. ``--quick`` (for its test) runs fewer cases. Written to ``--out``:
 report.md (the device, the failures, then one section per stage: each command, its exit code, its duration and
 its table), gpu_check.json (the numbers behind the tables) and raw.tar.gz (every command's output and the
-configs it ran); all rewritten after every step, so a run killed on the way leaves what it had. Exit code 0
-when nothing failed, 1 when something did, 2 for bad options.
+configs it ran); all rewritten after every step, so a run killed on the way leaves what it had (SIGTERM and
+SIGINT stop the commands it started and mark the report stopped). Exit code 0 when nothing failed, 1 when
+something did, 2 for bad options.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import traceback
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -108,6 +110,7 @@ class Report:
         self.steps: list[Step] = []
         self.facts: dict[str, str] = {}  # the header's lines: the device, versions
         self.complete = False
+        self.stopped = ""  # the signal that stopped the check, if one did
         self.lock = threading.RLock()
         self.archived = 0.0
 
@@ -133,6 +136,7 @@ class Report:
     def render(self) -> str:
         elapsed = time.time() - self.started
         state = (f"complete, {elapsed:.0f} s" if self.complete else
+                 f"**stopped by {self.stopped}** after {elapsed:.0f} s" if self.stopped else
                  f"**incomplete**: written {elapsed:.0f} s after the start; a run stopped here left this")
         failures = self.failures()
         lines = [f"# GPU check — {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.started))}, device {self.device}",
@@ -191,6 +195,21 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
     return ["```", *text[-lines:], "```"]
 
 
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """Stop a command started in a session of its own: SIGTERM to its process group (mpirun passes it on to its
+    ranks), SIGKILL if it has not ended after ``grace`` seconds, and SIGKILL to whatever of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 class Check:
     """One run of the check: the options, the clock, the report, and how commands run."""
 
@@ -201,6 +220,7 @@ class Check:
         self.started = time.monotonic()
         self.end = self.started + args.time_limit if args.time_limit else math.inf
         self.env = dict(os.environ)
+        self.running: set[subprocess.Popen] = set()  # the commands running now
         self.mpirun = shutil.which("mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
     def say(self, message: str) -> None:
@@ -229,19 +249,15 @@ class Check:
         with open(log, "wb") as out:
             proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                     env={**self.env, **(env or {})}, start_new_session=True)
+            self.running.add(proc)
             try:
                 return proc.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
-                for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-                    with contextlib.suppress(ProcessLookupError):  # gone already
-                        os.killpg(proc.pid, sig)
-                    try:
-                        proc.wait(timeout=grace)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
+                stop(proc, grace=10)
                 out.write(f"\n[gpu_check: stopped at its stage's deadline, exit code {KILLED}]\n".encode())
                 return KILLED
+            finally:
+                self.running.discard(proc)
 
     def step(self, stage: str, title: str, cmd: Command, log: Path, deadline: float,
              env: dict[str, str] | None = None, shown: str | None = None) -> Step:
@@ -669,7 +685,10 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case]) -> None:
             check.say(f"{stage}: {case.name} {kind} P{ranks}{tag}: " + ("not run" if code is None else
                                                                          f"exit code {code}"))
             if case.finished:
-                step.failures += [f"{case.name}: {failure}" for failure in compare(case)]
+                try:
+                    step.failures += [f"{case.name}: {failure}" for failure in compare(case)]
+                except Exception as exc:  # noqa: BLE001 - a results file the check cannot read is a finding
+                    step.failures.append(f"{case.name}: its results could not be compared: {exc!r}")
             step.seconds = time.monotonic() - began
             step.body[1:] = ["", *case_table(cases, check.device)]
             check.report.save()
@@ -903,6 +922,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     (work / "raw").mkdir(parents=True, exist_ok=True)
     report = Report(out, work / "raw", shlex.join(["scripts/gpu_check.sh", *(argv or sys.argv[1:])]), args.device)
     check = Check(args, report, work)
+
+    def stopped(signum: int, _: Any) -> None:
+        """Killed from outside (the machine's time is up): stop every command, and leave the report saying so."""
+        for proc in list(check.running):
+            stop(proc, grace=2)
+        report.stopped = signal.Signals(signum).name
+        report.save(archive=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
     check.say(f"gpu_check: device {args.device}, stages {', '.join(args.stages)}; report {out / 'report.md'}, "
               f"runs in {work}")
     if stage_install(check) and stage_versions(check):
@@ -913,7 +943,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         check.env = _job_env()
         for stage in args.stages:
-            STAGE_RUNNERS[stage](check)
+            try:
+                STAGE_RUNNERS[stage](check)
+            except Exception as exc:  # noqa: BLE001 - the check's own bug: reported, and the next stage runs
+                step = report.add(Step(stage, "the check itself", status="failed", exit_code="—"))
+                step.failures.append(f"gpu_check raised {exc!r}")
+                step.body += ["```", *traceback.format_exc().splitlines()[-TAIL_LINES:], "```"]
+                check.done()
     report.complete = True
     report.save(archive=True)
     failures = report.failures()

@@ -5,6 +5,7 @@ budgets, and its option errors."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tarfile
@@ -85,11 +86,39 @@ def test_a_command_past_its_deadline_is_stopped_with_its_process_group(tmp_path)
     assert not [pid for pid in map(int, pids.read_text().split()) if running(pid)]
 
 
+def test_a_check_killed_from_outside_stops_its_runs_and_says_so(tmp_path):
+    """SIGTERM (the machine's time is up) while a run goes on: the check stops every command it started and
+    leaves a report that says it was stopped, with exit code 128 + 15."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.Popen([str(SCRIPT), "--device", "cpu", "--only", "algorithms", "--algorithms", "pefll", "--jobs",
+                             "1", "--out", str(out), "--work", str(work)], env=mpi_env(), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list((work / "raw" / "algorithms" / "logs").glob("*.log")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "**stopped by SIGTERM**" in (out / "report.md").read_text()
+    assert not json.loads((out / "gpu_check.json").read_text())["complete"]
+    time.sleep(0.5)
+    assert not [pid for pid in Path("/proc").iterdir() if pid.name.isdigit() and running(int(pid.name))
+                and str(work).encode() in _cmdline(pid)]
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, killed and not yet reaped by its new parent, does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # gone
         return False
 
 
