@@ -1,7 +1,7 @@
 """Vectorized local training: one-at-a-time loop vs torch.func.
 
     python benchmarks/bench_vectorize.py [--rounds 10] [--ranks 1 3] [--workloads tabular b1] [--chunk N]
-                                         [--repeats 1] [--write]
+                                         [--device cpu|cuda] [--repeats 1] [--set KEY=VALUE ...] [--write]
 
 FedAvg, each model with ``client.vectorize`` false and true, run back to back. ``tabular``: class-conditional
 Gaussians (60 features, 10 classes, 1,000 clients of 64 training samples, 50 clients per round, 2 epochs of
@@ -9,7 +9,8 @@ batch 16) with a logistic model, an MLP 64 and an MLP 256-256. ``b1``: configs/b
 16-32 with 128 hidden units on 1×28×28 images, 20 clients per round), whose kernel calls are padded to
 ``client.vectorize_chunk`` clients (``--chunk``; 20 or 10 with 1 or 3 ranks pads nothing). Reported: median
 seconds per round over rounds 2..R (median over ``--repeats`` alternating pairs), the median of the pairs'
-ratios, and the load average while they ran (the machine is shared).
+ratios, and the load average while they ran (the machine is shared). ``--device cuda``: the same on a GPU
+(scripts/gpu_check.sh); ``--set``: further config overrides, as mpifl run --set, after the workload's own.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--chunk", type=int, help="client.vectorize_chunk (default: the config's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=1, help="alternating loop/kernel pairs; medians over them")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="further config overrides, as mpifl run --set")
     parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     rows = []
@@ -47,10 +51,13 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for mode in ("false", "true"):
                         settings = [*MODELS[model], f"client.vectorize={mode}", f"rounds={args.rounds}",
-                                    f"eval_every={args.rounds}"]
+                                    f"eval_every={args.rounds}", f"device={args.device}"]
                         settings += [f"client.vectorize_chunk={args.chunk}"] if args.chunk else []
+                        settings += args.overrides
                         res = mpifl_job(REPO / "configs" / "b1.yaml", ranks, Path(tmp) / "v.h5", settings)
                         median[mode].append(float(np.median(res.table("rounds")["wall_time_s"][1:])))
+                        print(f"P={ranks} {model} vectorize={mode}: {median[mode][-1]:.3f} s/round (median)",
+                              flush=True)
                         if mode == "true":
                             vectorized = int(res.table("ranks")["clients_trained_vectorized"].sum())
                             trained = int(res.table("rounds")["participants"].sum())
@@ -59,11 +66,14 @@ def main() -> None:
                 rows.append(f"| {ranks} | {model} | {loop:.3f} | {kernel:.3f} ({ratio:.2f}×) | "
                             f"{vectorized / trained:.0%} | {load:.1f} → {os.getloadavg()[0]:.1f} |")
     record([
-        heading(f"Vectorized local training (torch.func), FedAvg, {' and '.join(args.workloads)}"),
+        heading(f"Vectorized local training (torch.func), FedAvg, {' and '.join(args.workloads)}, "
+                f"device {args.device}"),
         "",
         f"`python benchmarks/bench_vectorize.py --rounds {args.rounds} --ranks {' '.join(map(str, args.ranks))} "
         f"--workloads {' '.join(args.workloads)} --repeats {args.repeats}"
-        + (f" --chunk {args.chunk}" if args.chunk else "") + "`",
+        + (f" --chunk {args.chunk}" if args.chunk else "")
+        + (f" --device {args.device}" if args.device != "cpu" else "")
+        + "".join(f" --set {o}" for o in args.overrides) + "`",
         "",
         "| P | model | loop s/round | vectorized s/round | share of clients vectorized | load average (1 min) |",
         "|---|---|---|---|---|---|",

@@ -7,11 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +28,18 @@ TINY = {
     "model": {"name": "cnn", "channels": [4], "fc_hidden": 16},
     "client": {"lr": 0.1, "epochs": 1, "batch_size": 16},
 }
+
+
+CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+"""The marks of a test (or a ``pytest.param``) that needs a CUDA GPU: skipped without one, and selected by
+``pytest -m cuda``, which is how scripts/gpu_check.sh runs exactly the GPU tests."""
+
+
+def needs_cuda(test: Callable) -> Callable:
+    """``@needs_cuda``: :data:`CUDA_ONLY` on a test function."""
+    for mark in CUDA_ONLY:
+        test = mark(test)
+    return test
 
 
 def rank_dependent(column: str) -> bool:

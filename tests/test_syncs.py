@@ -19,10 +19,10 @@ from mpifl.training import sgd
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, evaluate, local_sgd
 from mpifl.training.syncdebug import CASES, HostSyncError, check, example, host_reads, refusing_host_syncs, step_configs
-from tests.conftest import _merge, run_engine
+from tests.conftest import CUDA_ONLY, _merge, run_engine
 from tests.test_checkpoint import CONFIGS
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
 
 
 def test_the_counter_sees_every_kind_of_read():

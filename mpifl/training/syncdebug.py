@@ -105,6 +105,7 @@ CASES: dict[str, tuple[dict[str, Any], tuple[int, ...], str]] = {
     "lenet": ({"name": "lenet"}, (3, 32, 32), "float32"),
     "convnet": ({"name": "convnet", "channels": [8, 16], "hidden": [32], "kernel_size": 3}, (1, 16, 16), "float32"),
     "resnet20": ({"name": "resnet20", "batch_norm": True}, (3, 16, 16), "float32"),
+    "simple_cnn": ({"name": "simple_cnn"}, (3, 16, 16), "float32"),
     "char_lstm": ({"name": "char_lstm", "embed_dim": 8, "lstm_hidden": 32}, (20,), "int64"),
 }
 CLASSES, SAMPLES = 5, 20

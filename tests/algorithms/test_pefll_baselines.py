@@ -21,7 +21,7 @@ from mpifl.registry import get_algorithm, load_config
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, both_sides, walk
 from tests.algorithms.test_references import SAMPLED, TOL, config, data, grad, weights
-from tests.conftest import REPO, _merge
+from tests.conftest import CUDA_ONLY, REPO, _merge
 
 # ------------------------------------------------------------------------------------------- Per-FedAvg
 
@@ -278,8 +278,7 @@ def test_every_pefll_config_runs_each_baseline_with_its_bytes(path: Path):
     assert (opts["knnper"].scale, opts["knnper"].k, len(opts["knnper"].weights)) == (100, (5, 10), 11)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_ONLY)])
 def test_knn_probabilities_add_neighbours_in_a_fixed_order(device):
     """One neighbour per row and addition: on the CPU bitwise what one ``scatter_add_`` over all neighbours gives
     (its order), and on a GPU the same bits run after run (no two atomic adds meet in one cell); the weights

