@@ -396,7 +396,7 @@ def _round_block(wire: np.ndarray, grid: _Grid) -> np.ndarray:
         np.ldexp(level, np.int32(grid.unit(k)), out=values[k], dtype=np.float64)
     total = values[-1].copy()
     error, rest = np.zeros(len(total)), np.zeros(len(total))
-    exact = np.ones(len(total))  # 1 while every addition so far was exact  # 1 while every addition so far was exact
+    exact = np.ones(len(total))  # 1 while every addition so far was exact
     for value in values[-2::-1]:
         taken = value * exact
         rest += value - taken

@@ -19,11 +19,28 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.comm.exactsum import ExactSum, Window, round_sum
+from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
 from mpifl.comm.ledger import Ledger, PhysicalLog
 from mpifl.comm.messages import Message
 from mpifl.comm.placement import Placement
 
+KEEP_BYTES_PER_ENTRY = 32
+"""A worker keeps its accepted clients' rows of a summed message beside its exact totals while they take at most
+this many bytes per entry (8 float32 rows). When every worker's kept rows are fewer bytes than the totals' wire
+words (24 per entry for a typical float32 update), the rows travel instead and rank 0 folds them itself: the same
+bits, as the sum is exact, and a deployment's own traffic where a worker hosts a client or two of the round."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One accepted client's contribution to a summed message: ``weight``·``row`` into group ``group``."""
+
+    row: np.ndarray
+    weight: float
+    group: int
+
+
+_UNKEPT = 1 << 40  # the kept-terms count of a rank that stopped keeping: more than any words would pay for
 _MIN_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 5e-4
 
@@ -130,25 +147,30 @@ class Transport:
         if self.is_server:
             self.ledger.record(round_, stage, msg, clients, self.logical_nbytes(msg))
 
-    def reduce_sum(self, round_: int, msg: Message, totals: list[ExactSum]) -> np.ndarray | None:
+    def reduce_sum(self, round_: int, msg: Message, totals: list[ExactSum], kept: list[Term] | None
+                   ) -> np.ndarray | None:
         """Clients → server for a summed message: this rank's exact running ``totals`` (one per group) of its
         accepted clients' weighted rows, added on the server without a single row moving. The ranks agree on one
-        window of bits (a 16-byte ``Iallreduce``), each exports its totals onto it, and one ``Ireduce`` (MPI.SUM
-        of int64 words, which add associatively) brings the sum to rank 0, rounded there once per entry: the
-        same bits on any rank count. The ledger records each client at its size on the wire apart, as a
-        real deployment uploads each row: :meth:`record_uploads`). Returns the float64 sums on the server
-        (groups × numel), else None."""
+        window of bits and learn the most terms any rank ``kept`` (one ``Iallreduce`` of three int64), each
+        exports its totals onto the window, and one ``Ireduce`` (MPI.SUM of int64 words, which add
+        associatively) brings the sum to rank 0, rounded there once per entry: the same bits on any rank count.
+        Where every rank's kept rows are cheaper than the words, they are gathered and folded on rank 0 instead
+        (:data:`KEEP_BYTES_PER_ENTRY`); ``kept`` is None on a rank that kept too many to say. The ledger
+        records each client at its size on the wire apart, as a real deployment uploads each row
+        (:meth:`record_uploads`). Returns the float64 sums on the server (groups × numel), else None."""
         window = Window()
         for total in totals:
             window = window.union(total.window)
-        maxima = window.maxima()
+        agreement = np.append(window.maxima(), len(kept) if kept is not None else _UNKEPT)
         if self.size > 1:
             from mpi4py import MPI
 
-            bounds = Message(f"{msg.name}_window", "up", 2, "int64", logical=False)
-            self._timed(round_, bounds, "allreduce", maxima.nbytes, self.comm.Iallreduce(MPI.IN_PLACE, maxima,
-                                                                                         op=MPI.MAX))
-        agreed = Window.from_maxima(maxima)
+            bounds = Message(f"{msg.name}_window", "up", 3, "int64", logical=False)
+            self._timed(round_, bounds, "allreduce", agreement.nbytes,
+                        self.comm.Iallreduce(MPI.IN_PLACE, agreement, op=MPI.MAX))
+        agreed = Window.from_maxima(agreement[:2])
+        if self.size > 1 and int(agreement[2]) * np.dtype(msg.dtype).itemsize < words(agreed) * 8:
+            return self._gather_terms(round_, msg, kept or [], len(totals), agreed)
         start = time.perf_counter()
         exports = [total.export(agreed) for total in totals]
         wire = exports[0] if len(exports) == 1 else np.concatenate(exports)
@@ -161,8 +183,36 @@ class Transport:
             self._timed(round_, msg, "reduce", wire.nbytes, self.comm.Ireduce(wire, summed, op=MPI.SUM, root=0))
         if summed is None:
             return None
+        return self._rounded(np.split(summed, len(totals)), agreed)
+
+    def _gather_terms(self, round_: int, msg: Message, kept: list[Term], groups: int, agreed: Window
+                      ) -> np.ndarray | None:
+        """The cheap way of :meth:`reduce_sum`: each rank's kept terms (weight and group of each, then its rows in
+        ``msg``'s dtype) gathered on rank 0, which folds them into exact totals of its own."""
         start = time.perf_counter()
-        out = np.stack([round_sum(part, agreed) for part in np.split(summed, len(totals))])
+        header = np.array([[t.weight for t in kept], [t.group for t in kept]], dtype=np.float64)
+        rows = np.array([t.row for t in kept], dtype=msg.dtype).reshape(len(kept), msg.numel)
+        blob = np.concatenate([header.reshape(-1).view(np.uint8), rows.reshape(-1).view(np.uint8)])
+        self.pack_seconds += time.perf_counter() - start
+        arrived = self.gather_bytes(round_, msg.name, blob)
+        if not self.is_server:
+            return None
+        start = time.perf_counter()
+        totals = [ExactSum(msg.numel) for _ in range(groups)]
+        per_term = 16 + msg.numel * np.dtype(msg.dtype).itemsize
+        for part in arrived:
+            count = len(part) // per_term
+            weights, group_of = part[: 16 * count].view(np.float64).reshape(2, count)
+            for row, weight, group in zip(part[16 * count :].view(msg.dtype).reshape(count, msg.numel), weights,
+                                          group_of):
+                totals[int(group)].add(row, float(weight))
+        self.pack_seconds += time.perf_counter() - start
+        return self._rounded([total.export(agreed) for total in totals], agreed)
+
+    def _rounded(self, wires: list[np.ndarray], agreed: Window) -> np.ndarray:
+        """Each group's summed wire words as float64 sums, one row per group."""
+        start = time.perf_counter()
+        out = np.stack([round_sum(wire, agreed) for wire in wires])
         self.pack_seconds += time.perf_counter() - start
         return out
 

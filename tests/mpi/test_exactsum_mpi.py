@@ -83,3 +83,36 @@ def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data):
     comm.Gatherv(mine, (gathered, entries) if comm.Get_rank() == 0 else None, root=0)
     if comm.Get_rank() == 0:
         assert same_bits(gathered, reference(rows, weights))
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("few", [True, False])
+def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(data, few):
+    """Two float64 rows per worker (16 B per entry) are cheaper than the totals' wire words: they are gathered
+    and folded on rank 0. A worker that kept none (too many to keep) makes every rank reduce. Either way each
+    group's sum is the correctly rounded exact sum, bit for bit."""
+    from mpi4py import MPI
+
+    from mpifl.comm.messages import Message
+    from mpifl.comm.placement import Placement
+    from mpifl.comm.transport import Term, Transport
+
+    comm = MPI.COMM_WORLD
+    rows, weights = data
+    workers = comm.Get_size() - 1
+    mine = [i for i in range(2 * workers) if i % workers == comm.Get_rank() - 1]
+    msg = Message("delta", "up", SIZE, "float64", summed="samples", groups=2)
+    transport = Transport(comm, Placement(np.arange(2 * workers) % workers + 1, comm.Get_size()))
+    totals = [ExactSum(SIZE), ExactSum(SIZE)]
+    for i in mine:
+        totals[i % 2].add(rows[i], weights[i])
+    kept = [Term(rows[i], weights[i], i % 2) for i in mine] if few or comm.Get_rank() != 1 else None
+    sums = transport.reduce_sum(1, msg, totals, kept)
+    if comm.Get_rank() == 0:
+        ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
+        assert ops == ({"gatherv"} if few else {"reduce"})
+        for group in (0, 1):
+            chosen = list(range(group, 2 * workers, 2))
+            assert same_bits(sums[group], reference(rows[chosen], weights[chosen])), group
+    else:
+        assert sums is None
