@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import REPO, heading, mpifl_job, record
+from common import REPO, heading, job_options, mpifl_job, record
 
 TABULAR = ["data.num_clients=1000", "data.partition=iid", "data.synthetic.image_shape=[60]",
            "clients_per_round=50", "client.epochs=2", "client.batch_size=16"]
@@ -36,11 +36,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--chunk", type=int, help="client.vectorize_chunk (default: the config's)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=1, help="alternating loop/kernel pairs; medians over them")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="further config overrides, as mpifl run --set")
-    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    job_options(parser)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

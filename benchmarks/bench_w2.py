@@ -22,19 +22,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import REPO, heading, mpifl_job, record
+from common import REPO, heading, job_options, mpifl_job, record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--vectorize", nargs="+", choices=["false", "true", "auto"], default=["false", "true"])
     parser.add_argument("--repeats", type=int, default=1, help="passes over the settings; medians over them")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="further config overrides, as mpifl run --set")
-    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    job_options(parser)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

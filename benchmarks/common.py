@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -46,3 +47,11 @@ def record(lines: list[str], write: bool) -> None:
     if write:
         with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
             f.write("\n" + "\n".join(lines) + "\n")
+
+
+def job_options(parser: argparse.ArgumentParser, set_help: str = "further config overrides, as mpifl run --set"
+                ) -> None:
+    """The options every job benchmark takes: its device, config overrides, and whether to record the table."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")

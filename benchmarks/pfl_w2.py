@@ -30,7 +30,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
-from common import REPO, heading, record
+from common import REPO, heading, job_options, record
 
 from mpifl.data import build_federated_dataset
 from mpifl.models import build_model
@@ -43,11 +43,8 @@ MISSING = ("pfl_w2: pfl-research is not installed (pip install pfl==0.6.0, in a 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (mpifl's threads_per_rank)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config overrides of configs/w2.yaml, as mpifl run --set")
-    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    job_options(parser, "config overrides of configs/w2.yaml, as mpifl run --set")
     args = parser.parse_args()
     try:
         pfl_version = version("pfl")
