@@ -10,12 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import yaml
 
 from mpifl.cli import main
-from mpifl.results import ledger_summaries, read_results
+from mpifl.results import AppendOnlyFile, ledger_summaries, read_results
 from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.test_checkpoint import kill_job
 
@@ -109,6 +110,7 @@ def test_sigkill_of_a_three_rank_job_then_resume_is_bitwise_identical(tmp_path, 
 
 WRITER = """
 import sys
+import h5py
 import numpy as np
 from mpifl.results import AppendOnlyFile
 f, rows = AppendOnlyFile(sys.argv[1], resume=False), 0
@@ -143,6 +145,30 @@ def test_the_writer_killed_at_random_moments_leaves_committed_rows(tmp_path):
             blob = res.table("checkpoint")["server"]
             r = int(res.table_attrs["checkpoint"]["round"])
             assert r % 3 == 0 and last - 3 <= r <= last and blob.tolist() == [r % 256] * (1000 + r)
+
+
+def test_a_file_whose_tail_never_reached_the_disk_reads_and_resumes(tmp_path):
+    """A kill while HDF5 flushes can leave the superblock's end of file past the bytes written (found by the test
+    above: "truncated file: eof = 199501, ..., stored_eof = 200651"). Made here by cutting a file's trailing
+    zeros (space HDF5 allocated): the committed rows read (the tail as zeros, the file untouched), and a resume
+    extends the file to its recorded end and goes on."""
+    out = tmp_path / "cut.h5"
+    writer = AppendOnlyFile(out, resume=False)
+    writer.write({"config": "{}", "status": "running"}, {"rounds": (0, {"round": np.array([1])})}, {}, {}, None)
+    writer.file.create_dataset("allocated", data=np.zeros(1 << 16, np.uint8))  # the file's last bytes: zeros
+    writer.file.close()
+    whole = out.read_bytes()
+    cut = len(whole.rstrip(b"\0")) + 1
+    assert len(whole) - cut > 60_000
+    out.write_bytes(whole[:cut])
+    with pytest.raises(OSError, match="truncated file"):
+        h5py.File(out, "r")
+    assert read_results(out).table("rounds")["round"].tolist() == [1] and out.stat().st_size == cut
+    resumed = AppendOnlyFile(out, resume=True)
+    assert resumed.rows["rounds"] == 1 and out.stat().st_size == len(whole)
+    resumed.write({"config": "{}", "status": "running"}, {"rounds": (1, {"round": np.array([2])})}, {}, {}, None)
+    resumed.file.close()
+    assert read_results(out).table("rounds")["round"].tolist() == [1, 2]
 
 
 def test_files_from_before_the_append_only_format_still_read(tmp_path, capsys):

@@ -38,6 +38,9 @@ diagnostic column first reported late, the final tables).
 
 from __future__ import annotations
 
+import io
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,28 @@ def plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+_TRUNCATED = re.compile(r"truncated file: eof = (\d+),.*stored_eof = (\d+)")
+
+
+def open_results_file(path: str | Path, mode: str, **kwargs: Any) -> h5py.File:
+    """``h5py.File(path, mode)``, also for a file whose job was killed while HDF5 flushed it: the superblock may
+    then record an end of file past the bytes that reached the disk (space allocated, not yet written; no
+    committed row lies there), which HDF5 refuses as truncated. The missing tail is read as zeros, as HDF5
+    would have left it: in memory for reading (a running job may still be writing it), on disk for ``r+``
+    (a resume: its job is gone)."""
+    try:
+        return h5py.File(path, mode, **kwargs)
+    except OSError as exc:
+        found = _TRUNCATED.search(str(exc))
+        if found is None or int(found[1]) != os.path.getsize(path) or mode not in ("r", "r+"):
+            raise
+        end = int(found[2])
+    if mode == "r":
+        data = Path(path).read_bytes()
+        return h5py.File(io.BytesIO(data + bytes(max(0, end - len(data)))), "r", **kwargs)
+    with open(path, "r+b") as tail:
+        if os.fstat(tail.fileno()).st_size < end:
+            tail.truncate(end)
+    return h5py.File(path, mode, **kwargs)

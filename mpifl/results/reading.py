@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 
 from mpifl.extras import optional_import
-from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, plain
+from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, open_results_file, plain
 from mpifl.results.summaries import ledger_summaries
 from mpifl.schema import ConfigError
 
@@ -66,7 +66,7 @@ def read_results(path: str | Path, checkpoint: bool = False, ledger: bool = True
 
 
 def _read_results(path: str | Path, checkpoint: bool, ledger: bool) -> Results:
-    with h5py.File(path, "r") as f:
+    with open_results_file(path, "r") as f:
         attrs = {k: plain(v) for k, v in f.attrs.items()}
         skip = {CHECKPOINT_PENDING, "checkpoint"} | (set() if ledger else {"ledger"})
         groups = {name: g for name, g in f.items() if name not in skip and isinstance(g, h5py.Group)}
@@ -104,7 +104,7 @@ def _checkpoint_group(f: h5py.File) -> h5py.Group | None:
 def rows_up_to(path: str | Path, table: str, round_: int) -> int:
     """How many committed rows of ``table`` have ``round`` ≤ ``round_`` (its rows are in round order): a
     binary search reading a few values, not the column."""
-    with h5py.File(path, "r") as f:
+    with open_results_file(path, "r") as f:
         if table not in f or "round" not in f[table]:
             return 0
         column = f[table]["round"]
@@ -121,7 +121,7 @@ def rows_up_to(path: str | Path, table: str, round_: int) -> int:
 def read_column_chunks(path: str | Path, table: str, columns: tuple[str, ...], chunk: int = 1 << 20
                        ) -> Iterator[dict[str, np.ndarray]]:
     """The committed rows of ``columns`` of ``table``, ``chunk`` rows at a time (bounded memory)."""
-    with h5py.File(path, "r") as f:
+    with open_results_file(path, "r") as f:
         if table not in f:
             return
         group = f[table]

@@ -14,7 +14,16 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpifl.results.layout import APPENDED, CHECKPOINT_PENDING, COMMITTED, SHARDS, committed_rows, missing, shard_dir
+from mpifl.results.layout import (
+    APPENDED,
+    CHECKPOINT_PENDING,
+    COMMITTED,
+    SHARDS,
+    committed_rows,
+    missing,
+    open_results_file,
+    shard_dir,
+)
 from mpifl.schema import ConfigError
 
 
@@ -58,7 +67,8 @@ class AppendOnlyFile:
         # HDF5 lays out a new file leaves no file rather than a broken one
         self.creating = None if resume else self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         # no HDF5 file lock: others (report, a test) may read the committed rows while the job runs
-        self.file = h5py.File(self.creating or self.path, "w" if self.creating else "r+", locking=False)
+        self.file = (h5py.File(self.creating, "w", locking=False) if self.creating
+                     else open_results_file(self.path, "r+", locking=False))
         self.file.attrs["layout"] = "append"
         if COMMITTED not in self.file:
             self.file.create_dataset(COMMITTED, data=np.zeros(len(APPENDED), np.int64))
