@@ -61,7 +61,7 @@ class Transport:
     placement: Placement
     ledger: Ledger = field(default_factory=Ledger)
     physical: PhysicalLog = field(default_factory=PhysicalLog)
-    pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers
+    pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers; exact sums' words
     # what one client's raw (unencoded) message costs a real deployment: its own bytes, unless the wire format
     # says otherwise (secure aggregation sends an update as masked field elements; the simulator moves the rows)
     logical_nbytes: Callable[[Message], int] = field(default=lambda msg: msg.nbytes)
