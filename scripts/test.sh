@@ -27,4 +27,4 @@ timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider 
   tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py tests/mpi/test_rank_counts_mpi.py
 echo "== single-process suite"
 # "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs).
-python -m pytest -q -p no:cacheprovider --durations=15 -m "not slow"
+python -m pytest -q -p no:cacheprovider --durations=40 -m "not slow"
