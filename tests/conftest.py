@@ -7,7 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
@@ -46,6 +47,28 @@ def rank_dependent(column: str) -> bool:
     """Results columns that legitimately differ with the rank count or the machine: timings, where
     clients lived, and how evenly a round's work was spread."""
     return column in ("owner", "load_imbalance") or column.endswith(("time_s", "seconds"))
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_mpi_session_dirs() -> Iterator[None]:
+    """After each test, remove the session folders (``ompi.<pid>`` in the temporary folder) of mpiruns that are
+    gone: a SIGKILLed mpirun leaves its PMIx files there, and a later mpirun that happens to get the same pid
+    then fails to start ("The PMIx server's listener thread failed to start"; seen once in a clean-clone run)."""
+    yield
+    for folder in Path(tempfile.gettempdir()).glob("ompi.*"):
+        pid = folder.name.removeprefix("ompi.")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def mpi_env() -> dict[str, str]:
