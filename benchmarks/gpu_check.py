@@ -195,9 +195,36 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
     return ["```", *text[-lines:], "```"]
 
 
+PPID, SESSION = 1, 3  # fields of /proc/PID/stat after the command's name
+
+
+def processes(field: int, value: int) -> list[int]:
+    """The processes whose /proc/PID/stat ``field`` is ``value`` (Linux): the children of a process (PPID), or a
+    session's members (SESSION), Open MPI's ranks included, which live in process groups of their own."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[field]) == value:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of ``session``: a command started in a session of its own, and all it started
+    (ranks that outlive a killed mpirun too)."""
+    for pid in processes(SESSION, session):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def stop(proc: subprocess.Popen, grace: float) -> None:
     """Stop a command started in a session of its own: SIGTERM to its process group (mpirun passes it on to its
-    ranks), SIGKILL if it has not ended after ``grace`` seconds, and SIGKILL to whatever of the group is left."""
+    ranks), SIGKILL if it has not ended after ``grace`` seconds, and SIGKILL to whatever of its session is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.killpg(proc.pid, sig)
@@ -206,8 +233,7 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    kill_session(proc.pid)
 
 
 class Check:
@@ -244,8 +270,8 @@ class Check:
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(words)])
 
     def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None) -> int:
-        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` its whole process group
-        (mpirun and its ranks) gets SIGTERM, then SIGKILL: exit code KILLED."""
+        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets SIGTERM (mpirun
+        passes it on to its ranks), then its whole session SIGKILL: exit code KILLED."""
         with open(log, "wb") as out:
             proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                     env={**self.env, **(env or {})}, start_new_session=True)
@@ -927,6 +953,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         """Killed from outside (the machine's time is up): stop every command, and leave the report saying so."""
         for proc in list(check.running):
             stop(proc, grace=2)
+        for child in processes(PPID, os.getpid()):  # one started as the signal came, not yet counted as running
+            kill_session(child)
         report.stopped = signal.Signals(signum).name
         report.save(archive=True)
         os._exit(128 + signum)
