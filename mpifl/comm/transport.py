@@ -41,6 +41,25 @@ class Term:
 
 
 _UNKEPT = 1 << 40  # the kept-terms count of a rank that stopped keeping: more than any words would pay for
+
+
+@dataclass
+class PartialSum:
+    """This rank's part of a summed message: an exact total of its accepted clients' weighted rows per group and,
+    while they are few (:data:`KEEP_BYTES_PER_ENTRY`), copies of those terms, which may travel instead."""
+
+    totals: list[ExactSum]
+    kept: list[Term] | None  # None once too many to keep
+    itemsize: int  # of the message's dtype, the size a kept row travels at
+
+    def add(self, row: np.ndarray, weight: float, group: int) -> None:
+        """Fold one accepted client's ``weight``·``row`` into ``group``'s total (and keep it while few)."""
+        self.totals[group].add(row, weight)
+        if self.kept is not None:
+            self.kept.append(Term(row.copy(), weight, group))
+            if len(self.kept) * self.itemsize > KEEP_BYTES_PER_ENTRY:
+                self.kept = None
+
 _MIN_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 5e-4
 
@@ -147,21 +166,27 @@ class Transport:
         if self.is_server:
             self.ledger.record(round_, stage, msg, clients, self.logical_nbytes(msg))
 
-    def reduce_sum(self, round_: int, msg: Message, totals: list[ExactSum], kept: list[Term] | None
-                   ) -> np.ndarray | None:
-        """Clients → server for a summed message: this rank's exact running ``totals`` (one per group) of its
-        accepted clients' weighted rows, added on the server without a single row moving. The ranks agree on one
-        window of bits and learn the most terms any rank ``kept`` (one ``Iallreduce`` of three int64), each
+    def partial_sum(self, msg: Message) -> PartialSum:
+        """An empty part of summed message ``msg`` for this rank to fold its clients into (terms are kept only
+        where they could travel: with more than one rank)."""
+        return PartialSum([ExactSum(msg.numel) for _ in range(msg.groups)], [] if self.size > 1 else None,
+                          np.dtype(msg.dtype).itemsize)
+
+    def reduce_sum(self, round_: int, msg: Message, part: PartialSum) -> np.ndarray | None:
+        """Clients → server for a summed message: this rank's ``part`` (an exact running total per group of its
+        accepted clients' weighted rows), added on the server without a single row moving. The ranks agree on
+        one window of bits and learn the most terms any rank kept (one ``Iallreduce`` of three int64), each
         exports its totals onto the window, and one ``Ireduce`` (MPI.SUM of int64 words, which add
         associatively) brings the sum to rank 0, rounded there once per entry: the same bits on any rank count.
         Where every rank's kept rows are cheaper than the words, they are gathered and folded on rank 0 instead
-        (:data:`KEEP_BYTES_PER_ENTRY`); ``kept`` is None on a rank that kept too many to say. The ledger
-        records each client at its size on the wire apart, as a real deployment uploads each row
-        (:meth:`record_uploads`). Returns the float64 sums on the server (groups × numel), else None."""
+        (:data:`KEEP_BYTES_PER_ENTRY`). The ledger records each client at its size on the wire apart, as a real
+        deployment uploads each row (:meth:`record_uploads`). Returns the float64 sums on the server
+        (groups × numel), else None."""
+        totals = part.totals
         window = Window()
         for total in totals:
             window = window.union(total.window)
-        agreement = np.append(window.maxima(), len(kept) if kept is not None else _UNKEPT)
+        agreement = np.append(window.maxima(), len(part.kept) if part.kept is not None else _UNKEPT)
         if self.size > 1:
             from mpi4py import MPI
 
@@ -170,7 +195,7 @@ class Transport:
                         self.comm.Iallreduce(MPI.IN_PLACE, agreement, op=MPI.MAX))
         agreed = Window.from_maxima(agreement[:2])
         if self.size > 1 and int(agreement[2]) * np.dtype(msg.dtype).itemsize < words(agreed) * 8:
-            return self._gather_terms(round_, msg, kept or [], len(totals), agreed)
+            return self._gather_terms(round_, msg, part.kept or [], len(totals), agreed)
         start = time.perf_counter()
         exports = [total.export(agreed) for total in totals]
         wire = exports[0] if len(exports) == 1 else np.concatenate(exports)

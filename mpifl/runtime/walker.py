@@ -18,10 +18,9 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
-from mpifl.comm.exactsum import ExactSum
 from mpifl.comm.messages import SumWeights
 from mpifl.comm.secagg import UNMASKING_ROUND
-from mpifl.comm.transport import KEEP_BYTES_PER_ENTRY, Term
+from mpifl.comm.transport import PartialSum
 from mpifl.comm.wire import BROADCAST, WireFormat
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
@@ -78,27 +77,15 @@ class _Outbox:
 
     rows: list[np.ndarray | None]  # a raw rows message: its local clients' rows
     blobs: list[list[np.ndarray]]  # an encoded rows message: each local client's encoding
-    sums: list[list[ExactSum] | None]  # a summed message: this rank's exact total of each group
-    kept: list[list[Term] | None]  # a summed message: its folded terms too, while few (KEEP_BYTES_PER_ENTRY)
+    sums: list[PartialSum | None]  # a summed message: this rank's part of it
     finite: np.ndarray  # local clients × messages: the row came through finite (or was not screened)
 
     @classmethod
-    def of(cls, group: list[Message], n_local: int, keep: bool) -> _Outbox:
-        """``keep``: the folded terms are kept too (where they may travel instead of the totals)."""
+    def of(cls, group: list[Message], n_local: int, transport: Transport) -> _Outbox:
         return cls(rows=[np.empty((n_local, m.numel), dtype=m.dtype) if m.summed is None else None for m in group],
                    blobs=[[] for _ in group],
-                   sums=[[ExactSum(m.numel) for _ in range(m.groups)] if m.summed else None for m in group],
-                   kept=[[] if m.summed and keep else None for m in group],
+                   sums=[transport.partial_sum(m) if m.summed else None for m in group],
                    finite=np.ones((n_local, len(group)), dtype=bool))
-
-    def keep(self, j: int, msg: Message, row: np.ndarray, weight: float, into: int) -> None:
-        """Keep a copy of a folded term of the ``j``-th message, or stop keeping once its terms are more than a
-        few (the memory a worker may spend on them)."""
-        kept = self.kept[j]
-        if kept is not None:
-            kept.append(Term(row.copy(), weight, into))
-            if len(kept) * np.dtype(msg.dtype).itemsize > KEEP_BYTES_PER_ENTRY:
-                self.kept[j] = None
 
 
 def _uploads(plan: Sequence[Step], position: int) -> bool:
@@ -190,9 +177,9 @@ class PlanWalker:
             return
         step = step.with_clients(clients[accepted])
         keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
-        for msg, rows, sums, kept in zip(group, gathered, outbox.sums, outbox.kept):
+        for msg, rows, sums in zip(group, gathered, outbox.sums):
             if sums is not None:
-                totals = self.transport.reduce_sum(round_, msg, sums, kept)
+                totals = self.transport.reduce_sum(round_, msg, sums)
                 if server is not None:
                     totals = self.wire.server_noise_total(msg, round_, require(totals, "the reduced sums"))
                     self._server(server.consume_sum, msg, step, totals)
@@ -206,7 +193,7 @@ class PlanWalker:
                  compute: bool) -> _Outbox:
         """This rank's side of an update: each hosted client's rows (after its local step, ``compute``), through
         the wire format, screened, and a summed message's folded into its exact total right away."""
-        outbox = _Outbox.of(group, len(now.local), keep=self.transport.size > 1)
+        outbox = _Outbox.of(group, len(now.local), self.transport)
         client = self.client
         if client is None:
             return outbox
@@ -257,11 +244,9 @@ class PlanWalker:
               outbox: _Outbox) -> None:
         """Add an accepted client's rows of the summed messages to this rank's exact totals."""
         start = time.perf_counter()
-        for j, (msg, row, weight, sums) in enumerate(zip(group, seen, weights, outbox.sums)):
+        for msg, row, weight, sums in zip(group, seen, weights, outbox.sums):
             if sums is not None:
-                into = require(self.client, "the client side").sum_group(msg, client)
-                sums[into].add(row, weight)
-                outbox.keep(j, msg, row, weight, into)
+                sums.add(row, weight, require(self.client, "the client side").sum_group(msg, client))
         self.times.serialization += time.perf_counter() - start
 
     def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,

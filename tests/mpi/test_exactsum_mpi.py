@@ -95,7 +95,7 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
 
     from mpifl.comm.messages import Message
     from mpifl.comm.placement import Placement
-    from mpifl.comm.transport import Term, Transport
+    from mpifl.comm.transport import PartialSum, Transport
 
     comm = MPI.COMM_WORLD
     rows, weights = data
@@ -103,11 +103,12 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     mine = [i for i in range(2 * workers) if i % workers == comm.Get_rank() - 1]
     msg = Message("delta", "up", SIZE, "float64", summed="samples", groups=2)
     transport = Transport(comm, Placement(np.arange(2 * workers) % workers + 1, comm.Get_size()))
-    totals = [ExactSum(SIZE), ExactSum(SIZE)]
+    part = transport.partial_sum(msg)
+    if not few and comm.Get_rank() == 1:
+        part = PartialSum(part.totals, None, part.itemsize)
     for i in mine:
-        totals[i % 2].add(rows[i], weights[i])
-    kept = [Term(rows[i], weights[i], i % 2) for i in mine] if few or comm.Get_rank() != 1 else None
-    sums = transport.reduce_sum(1, msg, totals, kept)
+        part.add(rows[i], weights[i], i % 2)
+    sums = transport.reduce_sum(1, msg, part)
     if comm.Get_rank() == 0:
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
         assert ops == ({"gatherv"} if few else {"reduce"})
