@@ -60,7 +60,7 @@ def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float)
     while time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.002)
     running = job.poll() is None
-    kill_job(job, str(out))
+    kill_job(job)
     return running
 
 
@@ -134,7 +134,7 @@ def test_the_writer_killed_at_random_moments_leaves_committed_rows(tmp_path):
             assert job.poll() is None
             time.sleep(0.001)
         time.sleep(rng.uniform(0, 0.3))
-        kill_job(job, str(out))
+        kill_job(job)
         res = read_results(out, checkpoint=True)
         last = len(res.table("rounds")["round"])
         assert res.table("rounds")["round"].tolist() == list(range(1, last + 1))

@@ -1,8 +1,6 @@
 """Checkpoint and exact resume: an interrupted run, resumed, ends bitwise equal to one never interrupted."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +9,7 @@ import h5py
 import pytest
 import yaml
 
+from benchmarks.gpu_check import kill_session
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
@@ -96,7 +95,7 @@ def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, t
                 if "checkpoint" in f:
                     break
         time.sleep(0.05)
-    kill_job(job, str(part))
+    kill_job(job)
     with h5py.File(part) as f:
         assert f.attrs["status"] == "running"
         checkpoint = int(f["checkpoint"].attrs["round"])
@@ -108,16 +107,10 @@ def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, t
     assert_same(deterministic(full), deterministic(part))
 
 
-def kill_job(job: subprocess.Popen, marker: str) -> None:
-    """SIGKILL a whole mpirun job at once: the launcher's process group and every rank (Open MPI's ranks
-    may live outside the launcher's group; the ones whose command line mentions ``marker``)."""
-    os.killpg(job.pid, signal.SIGKILL)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in open(f"/proc/{pid}/cmdline", "rb").read().decode():
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            continue
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL a whole job started in a session of its own at once: the launcher and every rank (Open MPI's
+    ranks live in process groups of their own, but in the launcher's session)."""
+    kill_session(job.pid)
     job.wait()
 
 
