@@ -110,7 +110,6 @@ def test_sigkill_of_a_three_rank_job_then_resume_is_bitwise_identical(tmp_path, 
 
 WRITER = """
 import sys
-import h5py
 import numpy as np
 from mpifl.results import AppendOnlyFile
 f, rows = AppendOnlyFile(sys.argv[1], resume=False), 0
