@@ -112,6 +112,13 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     if comm.Get_rank() == 0:
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
         assert ops == ({"gatherv"} if few else {"reduce"})
+        moved = {(name, op): nbytes for _, name, op, nbytes, _ in transport.physical.rows}
+        assert moved[("delta_window", "allreduce")] == 3 * 8  # lowest and highest level, most terms kept
+        if few:  # each term: its weight and group (two float64), then its row
+            assert moved[("delta_sizes", "gather")] == 8
+            assert moved[("delta", "gatherv")] == 2 * workers * (16 + SIZE * 8)
+        else:  # each group's total: whole int64 words per entry
+            assert moved[("delta", "reduce")] % (2 * SIZE * 8) == 0
         for group in (0, 1):
             chosen = list(range(group, 2 * workers, 2))
             assert same_bits(sums[group], reference(rows[chosen], weights[chosen])), group
