@@ -195,12 +195,14 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
     return ["```", *text[-lines:], "```"]
 
 
-PPID, SESSION = 1, 3  # fields of /proc/PID/stat after the command's name
+STATE, PPID, SESSION = 0, 1, 3  # fields of /proc/PID/stat after the command's name
+SESSION_END_S = 10.0  # how long kill_session waits for SIGKILLed processes to end (a loaded machine is slow)
 
 
 def processes(field: int, value: int) -> list[int]:
-    """The processes whose /proc/PID/stat ``field`` is ``value`` (Linux): the children of a process (PPID), or a
-    session's members (SESSION), Open MPI's ranks included, which live in process groups of their own."""
+    """The live processes (zombies, already ended, left out) whose /proc/PID/stat ``field`` is ``value`` (Linux):
+    the children of a process (PPID), or a session's members (SESSION), Open MPI's ranks included, which live in
+    process groups of their own."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -209,17 +211,21 @@ def processes(field: int, value: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # ended meanwhile
             continue
-        if int(fields[field]) == value:
+        if int(fields[field]) == value and fields[STATE] != "Z":
             found.append(int(entry.name))
     return found
 
 
 def kill_session(session: int) -> None:
-    """SIGKILL every process of ``session``: a command started in a session of its own, and all it started
-    (ranks that outlive a killed mpirun too)."""
-    for pid in processes(SESSION, session):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """SIGKILL every process of ``session`` (a command started in a session of its own, and all it started: ranks
+    that outlive a killed mpirun too) until none is left, or SESSION_END_S have passed: one started meanwhile is
+    killed too, and on return "stopped" means ended, not only signalled."""
+    deadline = time.monotonic() + SESSION_END_S
+    while (members := processes(SESSION, session)) and time.monotonic() < deadline:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
@@ -247,6 +253,10 @@ class Check:
         self.end = self.started + args.time_limit if args.time_limit else math.inf
         self.env = dict(os.environ)
         self.running: set[subprocess.Popen] = set()  # the commands running now
+        # Held while a command starts; once ``stopping`` is set (SIGTERM), no thread of the algorithms stage's pool
+        # starts another. Re-entrant: the signal handler may interrupt the main thread while it holds it.
+        self.starting = threading.RLock()
+        self.stopping = False
         self.mpirun = shutil.which("mpirun", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
     def say(self, message: str) -> None:
@@ -273,9 +283,12 @@ class Check:
         """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets SIGTERM (mpirun
         passes it on to its ranks), then its whole session SIGKILL: exit code KILLED."""
         with open(log, "wb") as out:
-            proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**self.env, **(env or {})}, start_new_session=True)
-            self.running.add(proc)
+            with self.starting:
+                if self.stopping:
+                    return KILLED
+                proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                        env={**self.env, **(env or {})}, start_new_session=True)
+                self.running.add(proc)
             try:
                 return proc.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
@@ -951,6 +964,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def stopped(signum: int, _: Any) -> None:
         """Killed from outside (the machine's time is up): stop every command, and leave the report saying so."""
+        with check.starting:  # a pool thread starting a command finishes starting it, and then starts no other
+            check.stopping = True
         for proc in list(check.running):
             stop(proc, grace=2)
         for child in processes(PPID, os.getpid()):  # one started as the signal came, not yet counted as running
