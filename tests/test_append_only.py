@@ -100,9 +100,9 @@ def uninterrupted(full_run) -> dict[str, np.ndarray]:
 
 
 def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, full_run, uninterrupted):
-    """Each kill comes within a quarter of the uninterrupted job's own loop time (measured on this machine, now),
-    so the first three kills land in a running job on a quiet machine as on a loaded one: a fixed delay outlasted
-    the whole 40-round job on a quiet machine (it takes 1.8 s there, 29 s under CI's load)."""
+    """Each kill comes within a quarter of the uninterrupted job's own wall time (its file's wall_time_s, measured
+    on this machine, now), so the first three kills land in a running job on a quiet machine as on a loaded one: a
+    fixed delay outlasted the whole 40-round job on a quiet machine (it takes 1.8 s there, 29 s under CI's load)."""
     latest = read_results(full_run).attrs["wall_time_s"] / 4
     part, hits = kill_and_resume(tmp_path, kills=6, ranks=0, latest=latest, seed=1)
     assert hits >= 3, "too few kills hit a running job: the job is too short for the delays"
