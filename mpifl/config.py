@@ -81,8 +81,11 @@ class RunConfig:
     # the only source of randomness: data split, initial model, sampling, batches, network draws, faults
     seed: int = field(default=0, metadata=limits(ge=0))
     eval_every: int = field(default=1, metadata=limits(ge=1))  # evaluate every client every N rounds and after the last
-    # every rank saves its state into the results file (and its shard folder) every N rounds; 0: never
+    # every rank saves its state into the shard folder beside the results file every N rounds; 0: never
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
+    # checkpoints kept in the shard folder beside the results file (the newest first; an older one is resumed from
+    # when a newer one's files are lost); older ones are deleted as each new one is committed
+    checkpoint_keep: int = field(default=2, metadata=limits(ge=1))
     # evaluate this many clients per pass (bounds the server's per-client evaluation state, e.g. PeFLL's θ_i);
     # 0: all at once
     eval_chunk: int = field(default=0, metadata=limits(ge=0))
@@ -278,3 +281,21 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     if options:
         out[cfg.algorithm] = options
     return out
+
+
+def config_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str = "") -> list[str]:
+    """Where two configs (as :func:`config_to_dict` gives them) differ, key by key: ``"client.lr: 0.05 in the
+    file, 0.1 given"``, in key order."""
+    out = []
+    for key in sorted(set(saved) | set(given)):
+        a, b, name = saved.get(key), given.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{name}.")
+        elif a != b:
+            out.append(f"{name}: {_shown(a)} in the file, {_shown(b)} given")
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is None else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix(
+        "...").strip()

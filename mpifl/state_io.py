@@ -31,7 +31,7 @@ from torch import nn
 
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
-from mpifl.results import SHARDS, shard_dir
+from mpifl.results import KEPT, SHARDS, shard_dir
 from mpifl.schema import ConfigError
 
 SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "handler_table"})
@@ -177,20 +177,36 @@ def load_state_blob(blob: np.ndarray, obj: Any) -> None:
         read_object(f, obj)
 
 
-def write_client_shard(path: Path, state: ClientState) -> int:
-    """A rank's committed client states into its own shard file, one client at a time (so a rank never holds a
-    second copy of its clients' state): an HDF5 tree with one group per client id, one array per name, written
-    under a temporary name, synced and renamed, so a shard that exists is complete. Returns its size."""
+def _write_synced(path: Path, fill: Any) -> int:
+    """An HDF5 file written by ``fill(file)`` under a temporary name, synced and renamed, so a file that exists
+    is complete. Returns its size."""
     tmp = path.with_name(f".{path.name}.tmp")
     with h5py.File(tmp, "w") as f:
-        states = f.create_group("states")
-        states.attrs["kind"] = "dict"
-        for client in state.clients():
-            write_state(states, _key(client), state.export_states([client])[client])
+        fill(f)
     with open(tmp, "rb") as written:
         os.fsync(written.fileno())
     tmp.replace(path)
     return path.stat().st_size
+
+
+def write_client_shard(path: Path, state: ClientState) -> int:
+    """A rank's committed client states into its own shard file, one client at a time (so a rank never holds a
+    second copy of its clients' state): an HDF5 tree with one group per client id, one array per name. Returns
+    its size."""
+    def fill(f: h5py.File) -> None:
+        states = f.create_group("states")
+        states.attrs["kind"] = "dict"
+        for client in state.clients():
+            write_state(states, _key(client), state.export_states([client])[client])
+
+    return _write_synced(path, fill)
+
+
+def write_server_shard(path: Path, server: Any) -> int:
+    """The server algorithm's state into its own file beside the results file (not inside it: HDF5 never gives
+    back the space of a deleted group, so a results file holding checkpoints would grow with each). Returns its
+    size."""
+    return _write_synced(path, lambda f: write_object(f, server))
 
 
 def shard_states(f: h5py.File, only: set[int] | None = None) -> dict[int, dict[str, np.ndarray]]:
@@ -206,11 +222,19 @@ def shard_states(f: h5py.File, only: set[int] | None = None) -> dict[int, dict[s
     return states
 
 
-def checkpoint_shards(path: str | Path, blobs: dict[str, np.ndarray]) -> dict[str, Path]:
-    """The shard file of every rank that saved client states in a checkpoint of the results file ``path``
-    ({"worker_R": file}); one missing is a one-line error, since the file alone cannot resume."""
-    manifest = json.loads(blobs[SHARDS].tobytes()) if SHARDS in blobs else []
-    files = {f"worker_{entry['rank']}": shard_dir(path) / entry["file"] for entry in manifest}
+def manifests(blobs: dict[str, np.ndarray]) -> list[tuple[int | None, list[dict[str, Any]]]]:
+    """The checkpoints a results file's checkpoint group lists, newest first: (round, shard entries); the newest
+    one's round is the group's own (``None`` here)."""
+    newest = json.loads(blobs[SHARDS].tobytes()) if SHARDS in blobs else []
+    kept = json.loads(blobs[KEPT].tobytes()) if KEPT in blobs else []
+    return [(None, newest)] + [(int(k["round"]), k["shards"]) for k in kept]
+
+
+def checkpoint_shards(path: str | Path, entries: list[dict[str, Any]]) -> dict[str, Path]:
+    """The shard file of every rank that saved client states in one checkpoint of the results file ``path``
+    ({"worker_R": file}; the server's own file is not one of them); one missing is a one-line error, since the
+    file alone cannot resume."""
+    files = {f"worker_{e['rank']}": shard_dir(path) / e["file"] for e in entries if not e.get("server")}
     for file in files.values():
         if not file.exists():
             raise ConfigError(f"--resume: {file}, a checkpoint shard of {path}, is missing (copy the folder "
@@ -218,11 +242,28 @@ def checkpoint_shards(path: str | Path, blobs: dict[str, np.ndarray]) -> dict[st
     return files
 
 
+def complete(path: str | Path, entries: list[dict[str, Any]]) -> bool:
+    """Whether every file of one checkpoint is there."""
+    return all((shard_dir(path) / e["file"]).exists() for e in entries)
+
+
+def load_server_state(path: str | Path, blobs: dict[str, np.ndarray], entries: list[dict[str, Any]],
+                      server: Any) -> None:
+    """The server's state from its file in the shard folder (or, in files written before that, from the
+    checkpoint group itself)."""
+    if "server" in blobs:
+        load_state_blob(blobs["server"], server)
+        return
+    entry = next(e for e in entries if e.get("server"))
+    with h5py.File(shard_dir(path) / entry["file"], "r") as f:
+        read_object(f, server)
+
+
 def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.ndarray]]]:
     """Every worker's client states in the last checkpoint of a results file: {"worker_R": {client: state}}."""
     blobs = read_checkpoint(path).tables["checkpoint"]
     out = {}
-    for name, file in checkpoint_shards(path, blobs).items():
+    for name, file in checkpoint_shards(path, manifests(blobs)[0][1]).items():
         with h5py.File(file, "r") as f:
             out[name] = shard_states(f)
     for name, blob in blobs.items():  # a checkpoint written before shards: the states inside the file
@@ -232,12 +273,12 @@ def read_client_states(path: str | Path) -> dict[str, dict[int, dict[str, np.nda
     return out
 
 
-def load_client_states(path: str | Path, blobs: dict[str, np.ndarray], state: ClientState,
-                       clients: np.ndarray) -> None:
+def load_client_states(path: str | Path, blobs: dict[str, np.ndarray], entries: list[dict[str, Any]],
+                       state: ClientState, clients: np.ndarray) -> None:
     """Restore ``clients``' states from the shards of however many ranks saved them (any rank count), each
     shard opened and only these clients' groups read."""
     mine = {int(c) for c in clients}
-    for file in checkpoint_shards(path, blobs).values():
+    for file in checkpoint_shards(path, entries).values():
         with h5py.File(file, "r") as f:
             state.import_states(shard_states(f, mine))
     for name, blob in blobs.items():

@@ -65,24 +65,24 @@ def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float)
 
 
 def kill_and_resume(tmp_path: Path, kills: int, ranks: int, latest: float, seed: int) -> tuple[Path, int]:
-    """One file, over and over: run (or resume from its checkpoint), SIGKILL at a random moment, check what the
-    kill left; then resume to the end in this process. Returns the file and how many kills hit a running job."""
+    """One file, over and over: run (or resume from its checkpoint, with the results file alone: ``mpifl run
+    --resume F.h5``), SIGKILL at a random moment, check what the kill left; then resume to the end in this process. Returns the file and how many kills hit a running job."""
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(LOGISTIC))
     part = tmp_path / "part.h5"
     rng, hits = random.Random(seed), 0
     for _ in range(kills):
         with_checkpoint = part.exists() and "checkpoint" in read_results(part, checkpoint=True).tables
-        where = ["--resume", str(part)] if with_checkpoint else ["--out", str(part)]
-        cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", "run", str(config), *where,
-                                                      "--quiet"]
+        # the results file alone resumes; a killed run without a checkpoint is started again only when told to
+        where = ["--resume", str(part)] if with_checkpoint else [str(config), "--out", str(part), "--overwrite"]
+        cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", "run", *where, "--quiet"]
         hits += kill_at_random(cmd, part, rng, latest)
         if part.exists():
             check_committed(part)
         if part.exists() and read_results(part).attrs["status"] == "completed":
             break
     if read_results(part).attrs["status"] != "completed":
-        assert main(["run", str(config), "--resume", str(part), "--quiet"]) == 0
+        assert main(["run", "--resume", str(part), "--quiet"]) == 0
     return part, hits
 
 

@@ -169,6 +169,11 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         "wall_time_s": res.attrs.get("wall_time_s"),
         "simulated_time_s": float(np.sum(rounds["sim_time_s"])) if rounds else 0.0,
     }
+    segments = res.table("segments")
+    if segments:
+        columns = zip(*(segments[k] for k in ("first_round", "last_round", "world_size", "wall_time_s")))
+        summary["segments"] = [{"first_round": int(a), "last_round": int(b), "world_size": int(w),
+                                "wall_time_s": float(t)} for a, b, w, t in columns]
     if ev and "epsilon" in rounds:
         summary["epsilon"] = epsilon_at(res, row)
     if ranks:
@@ -185,6 +190,11 @@ def _summary_lines(summary: dict[str, Any], res: Results) -> list[str]:
         f"{summary['world_size']} rank(s), wall {summary['wall_time_s']:.1f} s, "
         f"simulated {summary['simulated_time_s']:.1f} s",
     ]
+    if len(summary.get("segments", ())) > 1:
+        lines.append(f"run in {len(summary['segments'])} segments (a start and its resumes; the wall time above is "
+                     "their sum):")
+        lines += [f"  rounds {seg['first_round']}-{seg['last_round']} on {seg['world_size']} rank(s), wall "
+                  f"{seg['wall_time_s']:.1f} s" for seg in summary["segments"]]
     if final:
         how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy"
         lines.append(f"{how} (round {summary['selected_round']}):")

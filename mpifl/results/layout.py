@@ -3,7 +3,7 @@
 
 Layout (every table is a group of equal-length 1-D columns):
 
-    /                 attrs: config (YAML), status (running|completed|failed), mpifl/torch/mpi versions,
+    /                 attrs: config (YAML), status (running|completed|interrupted), mpifl/torch/mpi versions,
                       world_size, mpi_library, wall_time_s, rounds_completed, layout ("append" since
                       the append-only format; absent in older files)
     /rounds           one row per training round: round, sim_time_s, wall_time_s, server_time_s,
@@ -22,6 +22,8 @@ Layout (every table is a group of equal-length 1-D columns):
     /ranks            per rank: rank, clients, mpi_bytes, mpi_seconds, compute_seconds
     /clients          final per-client metrics: client, unseen, train_size, owner, and per kind K:
                       K.acc, K.loss, K.n_test
+    /segments         one row per start or resume of the run: first_round, last_round (the last it wrote),
+                      world_size, wall_time_s (the root attr wall_time_s is their sum)
 
     /committed        the committed rows of each appended table (attr tables: their names)
 
@@ -57,7 +59,10 @@ COMMITTED = "committed"  # the committed rows of each appended table, in APPENDE
 CHECKPOINT_PENDING = "checkpoint.new"
 
 
-SHARDS = "shards"  # a checkpoint's manifest of per-rank shard files (JSON: rank, file, bytes)
+SHARDS = "shards"  # a checkpoint's manifest of its files in the shard folder (JSON: rank, file, bytes[, server])
+
+
+KEPT = "kept"  # the older checkpoints still in the shard folder, newest first (JSON: round, shards)
 
 
 def shard_dir(path: str | Path) -> Path:

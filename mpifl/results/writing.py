@@ -18,6 +18,7 @@ from mpifl.results.layout import (
     APPENDED,
     CHECKPOINT_PENDING,
     COMMITTED,
+    KEPT,
     SHARDS,
     committed_rows,
     missing,
@@ -146,11 +147,13 @@ class AppendOnlyFile:
         if "checkpoint" in f:
             del f["checkpoint"]
         f.move(CHECKPOINT_PENDING, "checkpoint")
-        if SHARDS in blobs:  # committed: earlier checkpoints' shards (and unfinished ones) can go, not later ones
-            f.flush()
-            keep = {entry["file"] for entry in json.loads(blobs[SHARDS].tobytes())}
+        if SHARDS in blobs:  # committed: the files of checkpoints no longer kept (and unfinished ones) can go, not
+            f.flush()       # those of later rounds (a resumed run's redone rounds write them again)
+            kept = [json.loads(blobs[SHARDS].tobytes())]
+            kept += [k["shards"] for k in json.loads(blobs[KEPT].tobytes())] if KEPT in blobs else []
+            keep = {entry["file"] for entries in kept for entry in entries}
             for file in shard_dir(self.path).glob("*"):
-                written = re.fullmatch(r"\.?round(\d+)-rank\d+\.h5(\.tmp)?", file.name)
+                written = re.fullmatch(r"\.?round(\d+)-(rank\d+|server)\.h5(\.tmp)?", file.name)
                 if written and int(written.group(1)) <= round_ and file.name not in keep:
                     file.unlink(missing_ok=True)
 

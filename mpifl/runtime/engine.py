@@ -37,16 +37,19 @@ from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm
-from mpifl.results import check_writable
+from mpifl.results import check_writable, shard_dir
+from mpifl.results.guard import OutputLock, claim_results
 from mpifl.runtime.assembly import availability, check_run, client_state, wire_format
 from mpifl.runtime.asynchronous import AsynchronousRounds
 from mpifl.runtime.checkpointer import Checkpointer
 from mpifl.runtime.cohort import Cohort, CohortSelection
 from mpifl.runtime.evaluation import Evaluation
 from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.progress import Heartbeat
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.roundlog import RoundLog
 from mpifl.runtime.simtime import SimulatedTime
+from mpifl.runtime.stopping import StopRequest
 from mpifl.runtime.store import ClientStore
 from mpifl.runtime.timing import Profile, RankTimes, rank_summary
 from mpifl.runtime.visits import Visits
@@ -60,12 +63,14 @@ class Engine:
     share of the clients (rank 0 all of them when it is alone)."""
 
     def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False,  # noqa: ANN001 - a Comm
-                 profile: bool = False):
-        self.cfg, self.comm, self.output, self.resume = cfg, comm, Path(output), resume
+                 profile: bool = False, overwrite: bool = False):
+        self.cfg, self.comm, self.output, self.resume, self.overwrite = cfg, comm, Path(output), resume, overwrite
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.times = RankTimes()
         self.profile = Profile(self.rank) if profile else None
         self.start_round = 1
+        self.output_lock: OutputLock | None = None  # rank 0's, on the results file, from prepare() to the end
+        self.replaces_run = False  # the output holds another run's results (--overwrite): its shards go at the start
 
     # ----------------------------------------------------------------- preparing
     def prepare(self) -> None:
@@ -78,8 +83,10 @@ class Engine:
         # first: a collective (unless both are cpu), then may raise
         devices = rank_devices(cfg.device, cfg.server.device, self.comm, cfg.allow_tf32, cfg.data_memory_gb * 2**30)
         device = devices.clients
-        if self.rank == 0:
-            check_writable(self.output)  # now, not at the first evaluation after training up to it
+        if self.rank == 0:  # now, not at the first evaluation after training up to it
+            self.output_lock, previous = claim_results(self.output, self.resume, self.overwrite)
+            self.replaces_run = previous.kind == "results" and not self.resume
+            check_writable(self.output)
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
         ctx = dataclasses.replace(check_run(cfg, layout), device=device, server_device=devices.server)
@@ -116,7 +123,7 @@ class Engine:
         state = self.client.state if self.client is not None else None
         self.visits = Visits(self.transport, self.placement, self.store, state, self.times,
                              dynamic and self.size > 2 and not asynchronous, samples)
-        self.checkpointer = Checkpointer(self.transport, self.times, self.output)
+        self.checkpointer = Checkpointer(self.transport, self.times, self.output, cfg.checkpoint_keep)
         # every model kind on the test split, and on the validation split where the data has one (model selection)
         splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
         eval_layout = EvalLayout(protocol.eval_kinds, splits)
@@ -157,33 +164,72 @@ class Engine:
                 self.accountant.step(train_uploads.get(past, np.zeros(0, np.int64)))
 
     # ----------------------------------------------------------------- running
-    def run(self, progress: bool = True) -> None:
-        """Every round from the first not yet done; evaluations, checkpoints and results writes as configured."""
+    def run(self, progress: bool = True, heartbeat_s: float = 0.0, stop: StopRequest | None = None) -> int | None:
+        """Every round from the first not yet done; evaluations, checkpoints and results writes as configured.
+        Returns ``None`` when the run completed, or the round after which it stopped because ``stop`` was asked
+        on some rank (a checkpoint is taken there and the file marked "interrupted")."""
+        if self.replaces_run:
+            self._remove_replaced_shards()
         if self.start_round == 1:
             self._walk_setup_plan()
         wall, cpu, self.parts_at_start = time.perf_counter(), time.process_time(), self._time_parts()
-        every = self.cfg.checkpoint_every
-        for round_ in range(self.start_round, self.cfg.rounds + 1):
+        every, last = self.cfg.checkpoint_every, self.cfg.rounds
+        heartbeat = Heartbeat(heartbeat_s if progress else 0.0, self.start_round, last)
+        for round_ in range(self.start_round, last + 1):
             round_start, parts_before = time.perf_counter(), self._time_parts()
             self._fault_injection(round_)
             (self.asynchronous.train_round if self.asynchronous else self.train_round)(round_)
-            evaluation = round_ % self.cfg.eval_every == 0 or round_ == self.cfg.rounds
-            checkpoint = bool(every) and round_ % every == 0
+            halt = stop is not None and round_ < last and self._anyone_asked(stop)
+            evaluation = round_ % self.cfg.eval_every == 0 or round_ == last
+            checkpoint = bool(every) and round_ % every == 0 or halt
             if evaluation:
                 self.evaluation.run(round_)
             if checkpoint:
                 self.checkpointer.take(round_, self.server, self.client.state if self.client else None)
-            if self.server is not None and (evaluation or checkpoint):
-                if evaluation and progress:
-                    print(self.recorder.progress_line(round_), flush=True)
-                self._write("running")
+            if self.server is not None:
+                self._report(round_, evaluation and progress, heartbeat)
+                if evaluation or checkpoint:
+                    self._write("interrupted" if halt else "running", wait=halt)
             if self.profile is not None:
                 self.profile.add(round_, time.perf_counter() - round_start, self._time_parts() - parts_before)
+            if halt:  # no rank leaves before rank 0 has the checkpoint on disk: a launcher ends the job at the first
+                self._release()
+                if self.size > 1:
+                    self.comm.Barrier()
+                return round_
         self.times.loop_wall = time.perf_counter() - wall
         self.times.loop_cpu = time.process_time() - cpu
         self._finish()
+        self._release()
+        return None
+
+    def _anyone_asked(self, stop: StopRequest) -> bool:
+        """Whether any rank was asked to stop (one small all-reduce: every rank stops after the same round)."""
+        return self.comm.allreduce(int(stop.requested)) > 0 if self.size > 1 else stop.requested
+
+    def _report(self, round_: int, evaluated: bool, heartbeat: Heartbeat) -> None:
+        """Rank 0's progress line after an evaluation, or a heartbeat when one is due."""
+        line = self.recorder.progress_line(round_) if evaluated else heartbeat.line(round_)
+        if line is not None:
+            print(line, flush=True)
+            heartbeat.printed()
+
+    def _remove_replaced_shards(self) -> None:
+        """Rank 0, before the first round (so before any worker writes one): the checkpoint shards of the run
+        this one replaces (``--overwrite``), which nothing refers to any more."""
+        for file in shard_dir(self.output).glob("*round*-*.h5*"):
+            file.unlink(missing_ok=True)
+
+    def _release(self) -> None:
+        """The end of this rank's part: client state closed, the output's lock given up."""
         if self.client is not None:
             self.client.state.close()
+        self.release_output()
+
+    def release_output(self) -> None:
+        """Give up the lock on the results file (also after a failed set-up)."""
+        if self.output_lock is not None:
+            self.output_lock.release()
 
     def train_round(self, round_: int) -> None:
         """One synchronous round, phase by phase."""

@@ -5,7 +5,10 @@
   line and every rank exits with code 2. Nothing is written.
 * Any exception during training, on any rank, prints one line naming that rank and calls
   ``MPI_Abort``, which ends every process of the job at once (no hang, one message). The results
-  file keeps the last completed evaluation.
+  file keeps the last completed evaluation; the line says how to continue from the last checkpoint.
+* SIGINT (Ctrl-C) or SIGTERM (Slurm's time limit, a preemption) stops the job at the end of the round
+  under way: every rank saves a checkpoint, rank 0 marks the file "interrupted" and prints the command
+  that continues it. A second signal stops at once (as a failure).
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.registry import load_config
+import yaml
+
+from mpifl.config import RunConfig, apply_overrides
+from mpifl.registry import load_config, parse_config
+from mpifl.results.guard import inspect_output, resume_command
+from mpifl.runtime.stopping import StopRequest
 from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
@@ -54,42 +63,88 @@ def _prepare_everywhere(engine, comm) -> int | None:  # noqa: ANN001 - an Engine
     return EXIT_BAD_INPUT if all(f[1] for f in failures) else EXIT_FAILURE
 
 
-def run_job(config_path: str, overrides: list[str], output: str | None, quiet: bool = False,
-            resume: str | None = None, profile: bool = False) -> int:
+@dataclass(frozen=True)
+class JobOptions:
+    """How ``mpifl run`` runs a job, beyond its config."""
+
+    quiet: bool = False  # no progress lines
+    resume: str | None = None  # the results file whose run to continue
+    overwrite: bool = False  # replace the results file even if it holds a run
+    profile: bool = False  # record every rank's time breakdown per round
+    heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (0: none)
+
+
+def job_config(config_path: str | None, overrides: list[str], resume: str | None) -> RunConfig:
+    """The run's config: the file given (with ``overrides``), or, resuming without one, the config stored in the
+    results file (with ``overrides``; the checkpoint's load then checks that they change nothing it fixed)."""
+    if config_path is not None:
+        return load_config(config_path, overrides)
+    if resume is None:
+        raise ConfigError("run: give a CONFIG file, or --resume RESULTS.h5 to continue a run from its file alone")
+    state = inspect_output(resume)
+    if state.kind != "results" or state.config is None:
+        raise ConfigError(f"--resume: {resume} " + ("does not exist" if state.kind == "absent"
+                                                    else "is not an mpifl results file"))
+    raw = yaml.safe_load(state.config)
+    return parse_config(apply_overrides(raw, overrides))
+
+
+def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, rounds: int) -> str:
+    return (f"{stop.signal_name}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
+            f"{resume_command(output, size)} (any rank count)")
+
+
+def _failed_hint(cfg: RunConfig, output: Path, size: int) -> str:
+    if not cfg.checkpoint_every:
+        return "; no checkpoint was taken (checkpoint_every: 0): start again with --overwrite"
+    return f"; continue from its last checkpoint with: {resume_command(output, size)}"
+
+
+def run_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> int:
+    """``mpifl run`` on this rank; returns its exit code. A stop asked during set-up takes effect after round 1."""
     from mpi4py import MPI
 
+    comm = MPI.COMM_WORLD
+    with StopRequest(announce=comm.Get_rank() == 0).installed() as stop:
+        return _run_job(comm, config_path, overrides, output, options, stop)
+
+
+def _run_job(comm, config_path: str | None, overrides: list[str], output: str | None,  # noqa: ANN001 - a Comm
+             options: JobOptions, stop: StopRequest) -> int:
     from mpifl.runtime.engine import Engine
 
-    comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    resume = options.resume
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = job_config(config_path, overrides, resume)
+        if resume and output and Path(output) != Path(resume):
+            raise ConfigError("--resume continues writing the file it resumes from; drop --out or make them equal")
     except ConfigError as exc:  # identical on every rank: only rank 0 speaks
         if rank == 0:
             _error(str(exc))
         return EXIT_BAD_INPUT
-
-    if resume and output and Path(output) != Path(resume):
-        if rank == 0:
-            _error("--resume continues writing the file it resumes from; drop --out or make them equal")
-        return EXIT_BAD_INPUT
-    output = resume or output
-    engine = Engine(cfg, comm, output or cfg.output, resume=bool(resume), profile=profile)
+    path = Path(resume or output or cfg.output)
+    engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite)
     failed = _prepare_everywhere(engine, comm)
     if failed is not None:
+        engine.release_output()
         return failed
-    if rank == 0 and not quiet:
+    if rank == 0 and not options.quiet:
         start = f"from round {engine.start_round}, " if resume else ""
         print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "
-              f"{size} rank(s), {start}{cfg.rounds} rounds -> {Path(output or cfg.output)}", flush=True)
+              f"{size} rank(s), {start}{cfg.rounds} rounds -> {path}", flush=True)
     try:
-        engine.run(progress=not quiet)
+        stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         engine.settle()
-        _error(f"rank {rank} of {size} failed: {_describe(exc)}")
+        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(cfg, path, size)}")
         if os.environ.get("MPIFL_DEBUG"):
             traceback.print_exc()
         if size > 1:
             comm.Abort(EXIT_FAILURE)
         return EXIT_FAILURE
+    if stopped_at is not None:
+        if rank == 0:
+            sys.stderr.write(f"mpifl: {_stopped_line(stop, path, size, stopped_at, cfg.rounds)}\n")
+        return 128 + stop.signum
     return 0

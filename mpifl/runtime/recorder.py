@@ -25,6 +25,10 @@ from mpifl.data import FederatedLayout
 from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
 from mpifl.runtime.metrics import summarize
 
+SEGMENT_COLUMNS = (("first_round", np.int64), ("last_round", np.int64), ("world_size", np.int64),
+                   ("wall_time_s", np.float64))
+"""The segments table: one row per start or resume of the run."""
+
 
 class Recorder:
     """The tables of a run (kept on rank 0) and the file they are written to."""
@@ -46,6 +50,8 @@ class Recorder:
         self.written = dict.fromkeys(APPENDED, 0)  # rows of each appended table in the file
         self.checkpoint_round: int | None = None  # the round of the checkpoint in the file
         self.clients_changed = True  # the clients table is out of date in the file
+        self.first_round = 1  # this segment's (a resumed run's segments: the ones before, then this one)
+        self.earlier_segments: dict[str, np.ndarray] = {name: np.zeros(0, dtype) for name, dtype in SEGMENT_COLUMNS}
 
     # ---------------------------------------------------------------------------------- rows
     def record_round(self, row: dict[str, float], diagnostics: dict[str, float] | None = None) -> None:
@@ -97,6 +103,17 @@ class Recorder:
             self.diagnostics[table].update(saved.diagnostics(table))
         self.written = {table: rows_up_to(self.output, table, round_) for table in APPENDED}
         self.resumed, self.checkpoint_round = True, round_
+        self.first_round = round_ + 1
+        earlier: dict[str, Any] = dict(saved.table("segments")) or {  # from before segments were recorded: one
+            "first_round": [1], "last_round": [saved.attrs.get("rounds_completed", round_)],
+            "world_size": [saved.attrs.get("world_size", 0)], "wall_time_s": [saved.attrs.get("wall_time_s", 0.0)]}
+        self.earlier_segments = {name: np.asarray(earlier[name], dtype) for name, dtype in SEGMENT_COLUMNS}
+
+    def segments(self) -> dict[str, np.ndarray]:
+        """The run's segments so far (each start or resume to its last write): rounds, ranks and wall time each."""
+        now = (self.first_round, self.rounds.length, self.world_size, time.time() - self.started)
+        return {name: np.append(self.earlier_segments[name], np.asarray(value, dtype))
+                for (name, dtype), value in zip(SEGMENT_COLUMNS, now)}
 
     # ---------------------------------------------------------------------------------- file
     def write(self, status: str, ledger: Ledger, physical: PhysicalLog, checkpoint: dict[str, Any] | None = None,
@@ -125,7 +142,8 @@ class Recorder:
         appended = {table: (self.written[table], columns) for table, columns in new.items()}
         for table, columns in new.items():
             self.written[table] += len(columns["round"]) if columns else 0
-        replaced = dict(final or {})
+        segments = self.segments()
+        replaced = {"segments": segments, **(final or {})}
         if self.clients_changed:
             replaced["clients"], self.clients_changed = self.client_table(), False
         names = {"message_names": list(ledger.message_names), "directions": list(ledger.directions),
@@ -138,7 +156,7 @@ class Recorder:
             blobs = (int(checkpoint["round"]), checkpoint["blobs"])
             self.checkpoint_round = blobs[0]
         attrs = {**(self.run_attrs if self.opening else {}), "status": status,
-                 "rounds_completed": int(self.rounds.length), "wall_time_s": time.time() - self.started}
+                 "rounds_completed": int(self.rounds.length), "wall_time_s": float(segments["wall_time_s"].sum())}
         self.await_write()
         contents = (attrs, appended, replaced, table_attrs, blobs)
         self.pending_write = self.writer.submit(self._append, self.opening, contents, wait)

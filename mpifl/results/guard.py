@@ -1,0 +1,161 @@
+"""Claiming an output before anything is written to it: no command replaces a user's file, a completed run or an
+unfinished one unless told to, and two runs never write one results file at once.
+
+A run's results file is claimed by :func:`claim_results` on rank 0 during set-up, before any training: the path
+must be free, or hold an mpifl results file that the command may take (``--resume`` an unfinished run,
+``--overwrite`` any run). The claim holds an exclusive lock (``fcntl.lockf`` on a lock file beside the output, so
+it also works on NFS and Lustre with locking enabled) for the run's whole life; the kernel drops it when the
+process ends, however it ends, so a killed run never leaves a stale lock. Other outputs (a prepared dataset, a
+plot, an export) are refused when they exist unless ``--overwrite`` is given (:func:`refuse_existing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import platform
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+
+from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain
+from mpifl.schema import ConfigError
+
+UNFINISHED = ("running", "interrupted", "failed")
+"""The statuses of a run that did not complete: its file is the only record of the rounds it did."""
+
+
+@dataclass(frozen=True)
+class OutputState:
+    """What a path holds, as far as claiming it is concerned."""
+
+    path: Path
+    kind: str  # "absent", "foreign" (a file that is not an mpifl results file) or "results"
+    status: str | None = None  # a results file's: running | completed | interrupted | failed
+    config: str | None = None  # the YAML config it was written with
+    rounds_completed: int = 0
+    checkpoint_round: int | None = None  # the round of the checkpoint it holds, if any
+
+    @property
+    def unfinished(self) -> bool:
+        return self.kind == "results" and self.status in UNFINISHED
+
+
+def inspect_output(path: str | Path) -> OutputState:
+    """Look at ``path`` without changing it (read-only, no HDF5 file lock: a running job may be writing it)."""
+    path = Path(path)
+    if not path.exists():
+        return OutputState(path, "absent")
+    if path.is_dir() or not h5py.is_hdf5(path):
+        return OutputState(path, "foreign")
+    try:
+        with open_results_file(path, "r", locking=False) as f:
+            attrs = {k: plain(v) for k, v in f.attrs.items()}
+            checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
+                               if name in f and f[name].attrs.get("complete", False)), None)
+            round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
+    except OSError:
+        return OutputState(path, "foreign")
+    if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
+        return OutputState(path, "foreign")
+    return OutputState(path, "results", str(attrs["status"]), str(attrs["config"]),
+                       int(attrs.get("rounds_completed", 0)), round_)
+
+
+def resume_command(path: str | Path, ranks: int) -> str:
+    """The command that continues the run in results file ``path`` (on any rank count; ``ranks`` as before)."""
+    launch = f"mpirun -n {ranks} " if ranks > 1 else ""
+    return f"{launch}python -m mpifl run --resume {shlex.quote(str(path))}"
+
+
+def refusal(state: OutputState, resume: bool, overwrite: bool) -> str | None:
+    """Why a run may not write results file ``state.path`` with these flags (``None``: it may)."""
+    path = state.path
+    if state.kind == "foreign":
+        what = "a directory" if path.is_dir() else "a file that is not an mpifl results file"
+        return f"output {path}: is {what}; it is never replaced: give another --out"
+    if resume:
+        return None if state.kind == "results" else f"--resume: results file {path} does not exist"
+    if state.kind == "absent" or overwrite:
+        return None
+    if state.status == "completed":
+        return (f"output {path} holds a completed run ({state.rounds_completed} rounds); --overwrite replaces it, "
+                "or give another --out")
+    if state.checkpoint_round is not None:
+        return (f"output {path} holds an unfinished run ({state.status}, checkpoint at round "
+                f"{state.checkpoint_round}); continue it with: {resume_command(path, 1)} "
+                "(any rank count), or start again with --overwrite")
+    return (f"output {path} holds an unfinished run ({state.status}, {state.rounds_completed} rounds, no "
+            "checkpoint to resume from); --overwrite starts it again, or give another --out")
+
+
+class OutputLock:
+    """An exclusive lock on an output path, held until :meth:`release` or the end of the process.
+
+    The lock lives on a hidden file beside the output (the output itself is replaced by a rename when it is
+    first written, which would leave a lock on the old inode behind). The file is removed on release; a
+    claimer that locked a file just removed by its releaser notices (the path no longer names its inode) and
+    locks again."""
+
+    def __init__(self, path: Path, fd: int, lock_path: Path):
+        self.path, self.fd, self.lock_path = path, fd, lock_path
+
+    @classmethod
+    def acquire(cls, path: str | Path) -> OutputLock:
+        path = Path(path)
+        lock_path = path.with_name(f".{path.name}.lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EACCES, errno.EAGAIN):
+                    holder = lock_path.read_text().strip() if lock_path.exists() else "another process"
+                    raise ConfigError(f"output {path} is being written by another run ({holder}); wait for it, "
+                                      "or give another --out") from None
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a file system without locks
+                    return cls(path, -1, lock_path)
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # removed by the run that held it, between our open and our lock: lock the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {platform.node()}\n".encode())
+        return cls(path, fd, lock_path)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                self.lock_path.unlink()
+            os.close(self.fd)
+            self.fd = -1
+
+
+def claim_results(path: str | Path, resume: bool, overwrite: bool) -> tuple[OutputLock, OutputState]:
+    """Lock results file ``path`` for a run and check that the run may write it (see :func:`refusal`); raises
+    :class:`ConfigError` (one line) otherwise, leaving the file untouched."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite starts it again: give one of them")
+    lock = OutputLock.acquire(path)
+    state = inspect_output(path)  # under the lock: no other run changes it now
+    reason = refusal(state, resume, overwrite)
+    if reason is not None:
+        lock.release()
+        raise ConfigError(reason)
+    return lock, state
+
+
+def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite") -> None:
+    """Refuse to replace an existing file (or a directory) at ``path`` unless ``overwrite``: one line."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"output {path}: is a directory, not a file")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"output {path} exists; {option} replaces it, or give another path")
