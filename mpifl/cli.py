@@ -42,6 +42,7 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("config")
     _overrides(prep)
     prep.add_argument("--out", required=True, help="the HDF5 file to write")
+    prep.add_argument("--overwrite", action="store_true", help="replace the file at --out if it exists")
     val = sub.add_parser("validate", help="check a config (and its data) without running or MPI")
     val.add_argument("config")
     _overrides(val)
@@ -54,6 +55,9 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
                       "rounds=2 for a smoke test)")
     sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="run these seeds instead of the file's")
     sweep.add_argument("--output-dir", help="write the results here instead of the file's output_dir")
+    sweep.add_argument("--overwrite", action="store_true",
+                       help="start every run again, replacing its results file (without it: a run completed with "
+                            "the same config is skipped, an interrupted one resumed)")
 
 
 def _results_commands(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +77,7 @@ def _results_commands(sub: argparse._SubParsersAction) -> None:
                       help="plot this rounds or eval column (a glob, quoted: 'consensus_layer*') over rounds instead, "
                            "one panel per run group, one line per matching column")
     plot.add_argument("--log", action="store_true", help="logarithmic y axis")
+    plot.add_argument("--overwrite", action="store_true", help="replace the image file if it exists")
     exp = sub.add_parser("export", help="write a results file's (or a sweep directory's) metrics as CSV, "
                                         "TensorBoard events and/or MLflow runs")
     exp.add_argument("results", help="results file, or a directory of them (one run per file)")
@@ -82,6 +87,9 @@ def _results_commands(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--mlflow", metavar="DIR|URI", help="log MLflow runs into this local file store (or tracking "
                                                          "URI; needs pip install 'mpifl[mlflow]')")
     exp.add_argument("--experiment", help="MLflow experiment name (default: the results' directory name)")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="replace what an earlier export of these files wrote there (CSV files, TensorBoard events, "
+                          "MLflow runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,17 +125,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             if not (args.csv or args.tensorboard or args.mlflow):
                 raise ConfigError("export: give --csv DIR, --tensorboard DIR and/or --mlflow DIR")
-            for path in export(args.results, args.csv, args.tensorboard, args.mlflow, args.experiment):
+            for path in export(args.results, args.csv, args.tensorboard, args.mlflow, args.experiment,
+                               args.overwrite):
                 print(f"wrote {path}")
             return 0
         if args.command == "sweep":
             from mpifl.sweep import run_sweep
 
             return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds,
-                             args.output_dir)
+                             args.output_dir, args.overwrite)
         from mpifl.report import plot
 
-        plot(args.results, args.output, args.metric, args.log)
+        plot(args.results, args.output, args.metric, args.log, args.overwrite)
         print(f"wrote {args.output}")
         return 0
     except ConfigError as exc:
@@ -140,11 +149,13 @@ def _prepare(args: argparse.Namespace) -> int:
     from mpifl.data.prepared import prepare
     from mpifl.registry import load_config
     from mpifl.results import check_writable
+    from mpifl.results.guard import refuse_existing
 
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
-    check_writable(args.out)  # before the data is read, not after
+    refuse_existing(args.out, args.overwrite)  # before the data is read, not after
+    check_writable(args.out)
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     prepare(dataset, cfg.data, cfg.seed, args.out)
     layout = dataset.layout

@@ -9,6 +9,7 @@ of a sweep can be compared by what they varied. TensorBoard and MLflow are optio
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -21,6 +22,7 @@ import numpy as np
 
 from mpifl.extras import optional_import
 from mpifl.results import Results, flatten, read_results
+from mpifl.results.guard import refuse_existing
 from mpifl.schema import ConfigError
 
 # MLflow's limits on one log_batch call (params; metrics)
@@ -103,14 +105,20 @@ def results_files(source: str) -> list[Path]:
     return files
 
 
+CSV_TABLES = ("rounds", "eval", "clients")
+TENSORBOARD_EVENTS = "events.out.tfevents.*"  # TensorBoard's event files: a new one each time a writer opens
+
+
+def csv_files(run: Run, directory: Path) -> dict[str, Path]:
+    """The CSV file each of the run's tables is written to (the tables it has)."""
+    return {table: directory / f"{table}.csv" for table in CSV_TABLES if run.results.table(table)}
+
+
 def write_csv(run: Run, directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for table in ("rounds", "eval", "clients"):
+    for table, path in csv_files(run, directory).items():
         columns = run.results.table(table)
-        if not columns:
-            continue
-        path = directory / f"{table}.csv"
         names = list(columns)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
@@ -130,6 +138,8 @@ def write_tensorboard(run: Run, directory: Path) -> Path:
     start, end = run.span()
     metrics = {s.tag: 0.0 for s in series if s.tag.startswith("eval/")}  # names only: TensorBoard reads the values
     experiment, session_start, session_end = hparams(run.hyperparameters(), metrics)
+    for earlier in directory.glob(TENSORBOARD_EVENTS):  # replaced (export refused them without --overwrite)
+        earlier.unlink()
     with tensorboard.SummaryWriter(log_dir=str(directory)) as writer:
         writer.file_writer.add_summary(experiment, walltime=start)
         writer.file_writer.add_summary(session_start, walltime=start)
@@ -140,32 +150,55 @@ def write_tensorboard(run: Run, directory: Path) -> Path:
     return directory
 
 
-def write_mlflow(runs: list[Run], target: str, experiment: str) -> str:
-    """One MLflow run per results file in ``experiment``: params (the flattened config), metrics per round
-    (step = round, timestamp = the round's end) and tags naming the file. ``target`` is a directory (a local
-    file store: offline, on any file system) or a tracking URI. Exporting a file again replaces its run."""
-    mlflow = optional_import("mlflow", "mlflow", "--mlflow")
-    if "://" in target:
-        uri = target
-    else:
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks file stores to opt in
-        Path(target).mkdir(parents=True, exist_ok=True)
-        uri = Path(target).resolve().as_uri()
-    try:
-        _log_runs(mlflow.MlflowClient(tracking_uri=uri), runs, experiment)
-    except mlflow.exceptions.MlflowException as exc:  # an unusable store or URI: the user's input
-        raise ConfigError(f"--mlflow {target}: {exc.message.strip()}") from None
-    return uri
+class MlflowTarget:
+    """An MLflow experiment to log runs into: opened (and the runs exported into it before found) before anything
+    is written, so that a refusal leaves every output as it was."""
+
+    def __init__(self, target: str, experiment: str):
+        self.mlflow = optional_import("mlflow", "mlflow", "--mlflow")
+        self.target, self.experiment = target, experiment
+        if "://" in target:
+            self.uri = target
+        else:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks file stores to opt in
+            Path(target).mkdir(parents=True, exist_ok=True)
+            self.uri = Path(target).resolve().as_uri()
+        with self.errors():
+            self.client = self.mlflow.MlflowClient(tracking_uri=self.uri)
+            found = self.client.get_experiment_by_name(experiment)
+            self.earlier = _runs_by_file(self.client, found.experiment_id) if found is not None else {}
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        try:
+            yield
+        except self.mlflow.exceptions.MlflowException as exc:  # an unusable store or URI: the user's input
+            raise ConfigError(f"--mlflow {self.target}: {exc.message.strip()}") from None
+
+    def refuse_earlier(self, runs: list[Run], overwrite: bool) -> None:
+        """Refuse to replace the runs exported from these files before, unless ``overwrite``."""
+        again = [run.path for run in runs if str(run.path.resolve()) in self.earlier]
+        if again and not overwrite:
+            more = f" (and {len(again) - 1} more)" if len(again) > 1 else ""
+            raise ConfigError(f"--mlflow {self.target}: experiment {self.experiment!r} holds the run of {again[0]}"
+                              f"{more} already; --overwrite replaces it, or give another --experiment")
+
+    def write(self, runs: list[Run]) -> str:
+        """One MLflow run per results file: params (the flattened config), metrics per round (step = round,
+        timestamp = the round's end) and tags naming the file; the runs exported from a file before are
+        deleted. Returns the tracking URI."""
+        with self.errors():
+            _log_runs(self.client, runs, self.experiment, self.earlier)
+        return self.uri
 
 
-def _log_runs(client: Any, runs: list[Run], experiment: str) -> None:
+def _log_runs(client: Any, runs: list[Run], experiment: str, earlier: dict[str, list[str]]) -> None:
     from mlflow.entities import Metric, Param
 
     found = client.get_experiment_by_name(experiment)
     if found is not None and found.lifecycle_stage == "deleted":
         client.restore_experiment(found.experiment_id)
     experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
-    earlier = _runs_by_file(client, experiment_id)
     for run in runs:
         source = str(run.path.resolve())
         for run_id in earlier.get(source, []):
@@ -201,33 +234,54 @@ def _runs_by_file(client: Any, experiment_id: str) -> dict[str, list[str]]:
             return out
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one run's CSV files and TensorBoard events go (``None``: not asked for)."""
+
+    run: Run
+    csv_dir: Path | None
+    tensorboard_dir: Path | None
+
+    def refuse_earlier(self, overwrite: bool) -> None:
+        """Refuse, unless ``overwrite``, CSV files that exist where the run's would go and a TensorBoard directory
+        that holds events already (TensorBoard would show both exports as one run's)."""
+        if self.csv_dir is not None:
+            for path in csv_files(self.run, self.csv_dir).values():
+                refuse_existing(path, overwrite)
+        if self.tensorboard_dir is not None and not overwrite and any(self.tensorboard_dir.glob(TENSORBOARD_EVENTS)):
+            raise ConfigError(f"output {self.tensorboard_dir} holds TensorBoard events already; --overwrite replaces "
+                              "them, or give another directory")
+
+
 def export(source: str, csv_dir: str | None = None, tensorboard_dir: str | None = None,
-           mlflow_target: str | None = None, experiment: str | None = None) -> list[str]:
+           mlflow_target: str | None = None, experiment: str | None = None, overwrite: bool = False) -> list[str]:
     """Export a results file, or each in a directory (then into a subdirectory per file for CSV and
-    TensorBoard); returns what was written. The MLflow experiment defaults to the source's directory name."""
-    if tensorboard_dir:  # a missing extra is said before anything is written
+    TensorBoard); returns what was written. The MLflow experiment defaults to the source's directory name. What
+    an earlier export wrote (CSV files, TensorBoard events, MLflow runs of the same files) is refused before
+    anything is written, or replaced with ``overwrite``."""
+    if tensorboard_dir:  # a missing extra is said before anything is written (MLflow's: by MlflowTarget)
         optional_import("torch.utils.tensorboard", "tensorboard", "--tensorboard")
-    if mlflow_target:
-        optional_import("mlflow", "mlflow", "--mlflow")
     files = results_files(source)
     runs = [Run(path, read_results(path, ledger=False)) for path in files]
+    sweep = Path(source).is_dir()
+    experiment = experiment or (Path(source) if sweep else files[0].parent).resolve().name
     try:
-        return _write(runs, Path(source).is_dir(), csv_dir, tensorboard_dir, mlflow_target,
-                      experiment or (Path(source) if Path(source).is_dir() else files[0].parent).resolve().name)
+        targets = [Target(run, *(None if d is None else Path(d) / run.name if sweep else Path(d)
+                                 for d in (csv_dir, tensorboard_dir))) for run in runs]
+        for target in targets:
+            target.refuse_earlier(overwrite)
+        mlflow = MlflowTarget(mlflow_target, experiment) if mlflow_target else None
+        if mlflow is not None:
+            mlflow.refuse_earlier(runs, overwrite)
+        written: list[str] = []
+        for target in targets:
+            if target.csv_dir is not None:
+                written += [str(p) for p in write_csv(target.run, target.csv_dir)]
+            if target.tensorboard_dir is not None:
+                written.append(str(write_tensorboard(target.run, target.tensorboard_dir)))
+        if mlflow is not None:
+            uri = mlflow.write(runs)
+            written.append(f"{uri} (MLflow experiment {experiment!r}, {len(runs)} run{'s' * (len(runs) != 1)})")
+        return written
     except OSError as exc:  # a target that cannot be created or written: the user's input
         raise ConfigError(f"export: cannot write: {exc}") from None
-
-
-def _write(runs: list[Run], sweep: bool, csv_dir: str | None, tensorboard_dir: str | None,
-           mlflow_target: str | None, experiment: str) -> list[str]:
-    written: list[str] = []
-    for run in runs:
-        if csv_dir:
-            written += [str(p) for p in write_csv(run, Path(csv_dir) / run.name if sweep else Path(csv_dir))]
-        if tensorboard_dir:
-            directory = Path(tensorboard_dir) / run.name if sweep else Path(tensorboard_dir)
-            written.append(str(write_tensorboard(run, directory)))
-    if mlflow_target:
-        uri = write_mlflow(runs, mlflow_target, experiment)
-        written.append(f"{uri} (MLflow experiment {experiment!r}, {len(runs)} run{'s' * (len(runs) != 1)})")
-    return written

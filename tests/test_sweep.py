@@ -1,16 +1,26 @@
 """Sweeps expand grid × seeds into runs; ``report DIR`` aggregates them over seeds."""
 
 import csv
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
+from benchmarks.gpu_check import kill_session
 from mpifl.cli import main
-from mpifl.report import report
+from mpifl.report import aggregate, plot, report
 from mpifl.results import read_results
+from mpifl.results.guard import inspect_output
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
+from tests.conftest import REPO, mpi_env
 
 
 def write_sweep(tmp_path, config, grid, seeds=(0, 1)):
@@ -101,10 +111,11 @@ def test_variants_times_grid_times_seeds_with_cli_overrides(write_config, tmp_pa
     _, spec, smoke = load_sweep(path, ["rounds=2"], [3], str(tmp_path / "smoke"))
     assert len(smoke) == 4 and spec.output_dir == str(tmp_path / "smoke")
     assert smoke[0].overrides == ("algorithm=fedavg", "client.lr=0.1", "rounds=2", "seed=3")
-    assert smoke[0].output == tmp_path / "smoke" / "fedavg,client.lr=0.1,seed=3.h5"
+    assert smoke[0].output == tmp_path / "smoke" / "fedavg,client.lr=0.1,rounds=2,seed=3.h5"
     assert main(["sweep", str(path), "--dry-run", "--set", "rounds=2", "--seeds", "5"]) == 0
     out = capsys.readouterr().out
-    assert "[4/4] algorithm=local,local.mode=all,client.lr=0.2,seed=5" in out
+    assert out.startswith("mpifl: 4 runs: 4 new\n")
+    assert "[4/4] algorithm=local,local.mode=all,client.lr=0.2,rounds=2,seed=5" in out
     assert "--set local.mode=all --set client.lr=0.2 --set rounds=2 --set seed=5" in out
 
 
@@ -125,3 +136,173 @@ def test_bad_variants_are_one_error_line(write_config, tmp_path, capsys, variant
     err = capsys.readouterr().err
     assert err.startswith("mpifl: error: sweep") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_overrides_are_named_with_the_values_the_runs_have(write_config, tmp_path):
+    """A ``--set`` is part of each run's name with its own value: a smoke test's files never pass for the real
+    sweep's (``rounds=2``, never ``rounds=20``), one that sets a grid key or an unnamed variant's key names it
+    once, and grid points it makes equal are one run."""
+    sweep = write_sweep(tmp_path, write_config(), {"client.lr": [0.1, 0.2], "rounds": [20]}, (0,))
+    _, _, runs = load_sweep(sweep, ["rounds=2"])
+    assert [r.name for r in runs] == ["client.lr=0.1,rounds=2,seed=0", "client.lr=0.2,rounds=2,seed=0"]
+    assert [r.config["rounds"] for r in runs] == [2, 2]
+    _, _, runs = load_sweep(sweep, ["client.lr=0.5", "client.momentum=0.9"])
+    assert [r.name for r in runs] == ["client.lr=0.5,rounds=20,client.momentum=0.9,seed=0"]
+    assert (runs[0].config["client"]["lr"], runs[0].config["client"]["momentum"]) == (0.5, 0.9)
+    path = tmp_path / "variants.yaml"
+    path.write_text(yaml.safe_dump({"base": str(write_config()), "output_dir": str(tmp_path / "out"),
+                                    "variants": [{"set": {"algorithm": "local", "local.mode": "all"}}]}))
+    _, _, runs = load_sweep(path, ["local.mode=rounds"])
+    assert [r.name for r in runs] == ["algorithm=local,local.mode=rounds,seed=0"]
+    with pytest.raises(ConfigError, match=r"sweep --set seed=\.\.\.: the sweep sets every run's seed; give --seeds"):
+        load_sweep(sweep, ["seed=3"])
+
+
+def test_a_sweep_run_again_skips_completed_runs_and_refuses_another_config(write_config, tmp_path, capsys):
+    """Completed runs with the same config are skipped (and counted), their files untouched; a file holding
+    another config stops the sweep before anything runs, unless --overwrite; a file that is not a results file
+    is never replaced."""
+    sweep = write_sweep(tmp_path, write_config({"rounds": 2}), {"algorithm": ["fedavg"]})
+    assert main(["sweep", str(sweep)]) == 0
+    files = sorted((tmp_path / "out").glob("*.h5"))
+    before = {f: f.read_bytes() for f in files}
+    capsys.readouterr()
+    assert main(["sweep", str(sweep)]) == 0
+    assert capsys.readouterr().out == "mpifl: 2 runs: 2 completed already (skipped)\n"
+    assert {f: f.read_bytes() for f in files} == before
+    write_config({"rounds": 2, "client": {"lr": 0.3}})  # the sweep's base, edited
+    assert main(["sweep", str(sweep)]) == 2
+    assert capsys.readouterr().err == (
+        f"mpifl: error: sweep run algorithm=fedavg,seed=0: {files[0]} holds a run with another config (client.lr: "
+        "0.1 in the file, 0.3 given) (and 1 more); --overwrite replaces them, or give another --output-dir\n")
+    assert {f: f.read_bytes() for f in files} == before
+    assert main(["sweep", str(sweep), "--overwrite"]) == 0
+    assert capsys.readouterr().out.startswith("mpifl: 2 runs: 2 started again\n")
+    assert [read_results(f).config["client"]["lr"] for f in files] == [0.3, 0.3]
+    files[0].write_text("my notes")
+    assert main(["sweep", str(sweep), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"mpifl: error: sweep run algorithm=fedavg,seed=0: output {files[0]} is not an "
+                                       "mpifl results file; it is never replaced: move it, or give another "
+                                       "--output-dir\n")
+    assert files[0].read_text() == "my notes"
+
+
+def test_a_sweep_refuses_a_run_that_another_process_writes(write_config, tmp_path, capsys):
+    sweep = write_sweep(tmp_path, write_config({"rounds": 2}), {"algorithm": ["fedavg"]}, (0,))
+    output = tmp_path / "out" / "algorithm=fedavg,seed=0.h5"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpifl.results.guard import OutputLock; "
+                               "OutputLock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
+                               str(output)], stdout=subprocess.PIPE, text=True, env=mpi_env())
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert main(["sweep", str(sweep)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpifl: error: sweep run algorithm=fedavg,seed=0: output {output} is being written by "
+                              f"another run (pid {holder.pid} on ") and err.count("\n") == 1
+        assert not output.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sweep_killed_half_way_and_run_again_does_every_run_once(write_config, tmp_path):
+    """A sweep SIGKILLed at a random moment (after a random number of its runs, with their mpirun and ranks) and
+    started again finishes: the runs completed before are skipped, their files untouched; the interrupted one
+    resumes from its checkpoint, or starts again without one; the rest run. Run again, it skips them all. As
+    root it needs no Open MPI variables in its environment (it sets them for its runs)."""
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    config = write_config({"rounds": 30, "eval_every": 15, "checkpoint_every": 3})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(config), "output_dir": str(tmp_path / "out"), "ranks": 2,
+                                     "seeds": [0, 1, 2]}))
+    outputs = [tmp_path / "out" / f"seed={s}.h5" for s in range(3)]
+    env = {k: v for k, v in mpi_env().items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    command = [sys.executable, "-m", "mpifl", "sweep", str(sweep)]
+    wait_for, delay = rng.randint(1, 2), rng.uniform(0, 4)
+    job = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while sum(inspect_output(o).status == "completed" for o in outputs) < wait_for:
+        assert job.poll() is None, f"the sweep ended before it was killed (seed {seed}): {job.stderr.read()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(delay)
+    kill_session(job.pid)
+    job.wait()
+    states = [inspect_output(o) for o in outputs]
+    done = [o for o, state in zip(outputs, states) if state.status == "completed"]
+    assert 1 <= len(done) < 3, f"seed {seed}: {states}"
+    before = {o: (o.read_bytes(), o.stat().st_mtime_ns) for o in done}
+    again = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, f"seed {seed}: {again.stderr}"
+    lines = again.stdout.splitlines()
+    assert lines[0].startswith(f"mpifl: 3 runs: {len(done)} completed already (skipped), "), lines
+    assert len(lines) == 1 + 3 - len(done), lines  # one line per run it ran
+    interrupted = [o for o, state in zip(outputs, states) if state.unfinished]
+    for output, state in zip(outputs, states):
+        if state.unfinished and state.checkpoint_round is not None:
+            assert f"{output.stem} (resumed from its checkpoint at round {state.checkpoint_round})" in again.stdout
+        elif state.unfinished:
+            assert f"{output.stem} (started again)" in again.stdout
+    assert len(interrupted) <= 1, states
+    assert {o: (o.read_bytes(), o.stat().st_mtime_ns) for o in done} == before
+    for output in outputs:
+        res = read_results(output)
+        assert (res.attrs["status"], res.attrs["rounds_completed"]) == ("completed", 30)
+        assert list(res.table("eval")["round"]) == [15, 30]
+    finished = {o: o.read_bytes() for o in outputs}
+    last = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert (last.returncode, last.stdout) == (0, "mpifl: 3 runs: 3 completed already (skipped)\n"), last.stderr
+    assert {o: o.read_bytes() for o in outputs} == finished
+
+
+def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_config, tmp_path, monkeypatch):
+    """A task of ``sweep --slurm``'s array (run here by bash as Slurm would, with mpirun as the launcher) starts
+    from another directory, without the virtual environment on its PATH and, as root, without Open MPI's
+    variables: the script goes to the sweep's directory (its relative output_dir holds there), activates the
+    environment it was written from and sets what Open MPI needs as root."""
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(write_config({"rounds": 2})), "output_dir": "out", "ranks": 2}))
+    assert main(["sweep", str(sweep), "--slurm"]) == 0
+    script = (tmp_path / "out" / "sweep.sbatch").read_text()
+    assert f"cd {tmp_path}\n" in script and f"source {sys.prefix}/bin/activate\n" in script
+    venv_bin = str(Path(sys.prefix) / "bin")
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "VIRTUAL_ENV"))}
+    env.update(PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin),
+               SLURM_ARRAY_TASK_ID="0", SLURM_NTASKS="2", MPIFL_LAUNCHER="mpirun")
+    task = subprocess.run(["bash", str(tmp_path / "out" / "sweep.sbatch")], cwd="/", env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert task.returncode == 0, task.stderr
+    res = read_results(tmp_path / "out" / "seed=0.h5")
+    assert (res.attrs["status"], res.attrs["world_size"], res.config["threads_per_rank"]) == ("completed", 2, 1)
+    again = subprocess.run([sys.executable, "-m", "mpifl", "sweep", str(sweep), "--slurm"], cwd=tmp_path,
+                           env=mpi_env(), capture_output=True, text=True)
+    assert again.stdout == "mpifl: 1 run: 1 completed already (skipped)\n"  # nothing left to submit
+
+
+def test_report_of_unrelated_runs_counts_each_seed_once_and_groups_by_config(write_config, tmp_path, capsys):
+    """Three files of one config and seed (copies, or a run made three times) are one seed, not "3 seeds ±
+    0.0000": the table counts distinct seeds, lists the repeats it left out, and the plot's labels say the same;
+    runs of another config are a group of their own."""
+    runs = tmp_path / "runs"
+    first = runs / "a.h5"
+    assert main(["run", str(write_config({"rounds": 2})), "--out", str(first), "--quiet"]) == 0
+    for name in ("b.h5", "c.h5"):
+        shutil.copy(first, runs / name)
+    other = write_config({"rounds": 2, "client": {"lr": 0.3}}, name="other.yaml")
+    for seed in (7, 8):
+        assert main(["run", str(other), "--out", str(runs / f"lr{seed}.h5"), "--set", f"seed={seed}", "--quiet"]) == 0
+    summary = aggregate(str(runs))
+    assert [(row["client.lr"], row["seeds"], row["files"], row["repeats"]) for row in summary["rows"]] == [
+        (0.1, 1, [str(first)], [str(runs / "b.h5"), str(runs / "c.h5")]),
+        (0.3, 2, [str(runs / "lr7.h5"), str(runs / "lr8.h5")], [])]
+    lines = summary["text"].splitlines()
+    one = next(line for line in lines if line.startswith("| 0.1 | 1 |"))
+    assert "±" not in one  # one seed: no spread to show
+    assert lines[-1] == (f"Left out, as repeats of a seed already counted (same config and seed): {runs / 'b.h5'}, "
+                         f"{runs / 'c.h5'}.")
+    labels = [line.get_label() for line in plot([str(runs)], str(tmp_path / "fig.png")).axes[0].lines]
+    assert {label.split(": ")[0] for label in labels} == {"client.lr=0.1 (1 seed)", "client.lr=0.3 (2 seeds)"}

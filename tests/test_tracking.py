@@ -62,12 +62,12 @@ def test_csv_and_tensorboard_scalars_carry_rounds_real_wall_times_and_hparams(ti
     assert "eval/global.seen.acc_pooled" in {m.name.tag for m in experiment.metric_infos}
 
 
-def test_mlflow_sweep_export_is_read_back_by_mlflow_and_replaced_on_re_export(timed_run, tmp_path, monkeypatch):
+def test_mlflow_sweep_export_is_read_back_by_mlflow_and_replaced_on_overwrite(timed_run, tmp_path, monkeypatch):
     runs = {name: timed_run(name, seed) for name, seed in (("a", 7), ("b", 8))}
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the CLI opts in to MLflow's file store itself
     store = tmp_path / "mlruns"
-    for _ in range(2):  # exporting again replaces each file's run
-        proc = run_mpifl(["export", str(tmp_path / "runs"), "--mlflow", str(store)])
+    for again in ([], ["--overwrite"]):  # exporting again replaces each file's run
+        proc = run_mpifl(["export", str(tmp_path / "runs"), "--mlflow", str(store), *again])
         assert proc.returncode == 0, proc.stderr
         assert "MLflow experiment 'runs', 2 runs" in proc.stdout
 

@@ -10,18 +10,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mpifl.report.seeds import RunGroup, group_runs, mean_2se
+from mpifl.results import check_writable
+from mpifl.results.guard import refuse_existing
+from mpifl.schema import ConfigError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, log_y: bool = False) -> Figure:
+def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, log_y: bool = False,
+         overwrite: bool = False) -> Figure:
     """Test accuracy against rounds, cumulative logical training bytes and simulated time: for each group of runs
     that differ only in seed (:func:`group_runs`; a directory gives every run in it), the mean over seeds with a
     ±2·SE band, one colour per group and model kind, seen clients solid, unseen dashed. With ``metric`` (a rounds
     or eval column, or a glob such as ``consensus_layer*``): that column against rounds instead, one panel per
     group and one line per matching column (FedALS's per-layer consensus distances, the paper's Fig. 1). Writes
-    ``output`` and returns the figure, whose lines and bands are what was drawn."""
+    ``output`` (an existing file only if ``overwrite``) and returns the figure, whose lines and bands are what was
+    drawn."""
+    check_image_output(output, overwrite)
     groups, _ = group_runs(paths)
     fig = _metric_figure(groups, metric) if metric else _accuracy_figure(groups)
     if log_y:
@@ -30,6 +36,21 @@ def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, lo
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     return fig
+
+
+def check_image_output(output: str, overwrite: bool) -> None:
+    """Refuse, before any results are read, an image path that saving would fail on or that holds a file: an
+    extension matplotlib cannot write (it names the format), a place that cannot be written, an existing file
+    unless ``overwrite``."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(output).suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        what = f"'.{suffix}' is not an image format matplotlib writes" if suffix else "no file extension"
+        raise ConfigError(f"-o {output}: {what}; give one of {', '.join('.' + f for f in sorted(formats))}")
+    refuse_existing(output, overwrite)
+    check_writable(output)
 
 
 def _over_seeds(series: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -104,8 +125,6 @@ def _metric_figure(groups: list[RunGroup], pattern: str) -> Figure:
 
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
-
-    from mpifl.schema import ConfigError
 
     panels = []
     for group in groups:

@@ -4,7 +4,7 @@ written as ``summary.md`` and ``summary.csv``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,14 @@ def mean_2se(values: np.ndarray) -> tuple[float, float]:
 @dataclass(frozen=True)
 class RunGroup:
     """Runs whose configs differ only in ``seed`` (and output path): one row of a sweep's table, one curve of
-    its plot. ``name``: the config keys that tell it from the other groups, with its values."""
+    its plot. ``name``: the config keys that tell it from the other groups, with its values. ``runs`` holds one
+    run per seed: files that repeat a seed (copies, or a run made twice) hold the same run, so they are counted
+    once and listed in ``repeats``."""
 
     config: dict[str, Any]
     name: dict[str, Any]
     runs: list[tuple[Path, Results]]
+    repeats: list[Path] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -71,9 +74,20 @@ def group_runs(paths: Sequence[str | Path]) -> tuple[list[RunGroup], list[str]]:
 
     varying = sorted(k for k in set().union(*configs)
                      if len({repr(c.get(k)) for c in configs if applies(k, c)}) > 1)
-    groups = [RunGroup(config, {k: config.get(k, "–") for k in varying if applies(k, config)}, runs)
+    groups = [RunGroup(config, {k: config.get(k, "–") for k in varying if applies(k, config)}, *_one_per_seed(runs))
               for config, runs in by_config.values()]
     return groups, varying
+
+
+def _one_per_seed(runs: list[tuple[Path, Results]]) -> tuple[list[tuple[Path, Results]], list[Path]]:
+    """One run per seed (of files with the same config and seed, the one that got furthest: completed first,
+    then most rounds, then the first by name), and the files left out."""
+    by_seed: dict[Any, list[tuple[Path, Results]]] = {}
+    for path, res in runs:
+        by_seed.setdefault(res.config.get("seed"), []).append((path, res))
+    kept = [max(same, key=lambda run: (run[1].attrs.get("status") == "completed",
+                                        int(run[1].attrs.get("rounds_completed", 0)))) for same in by_seed.values()]
+    return kept, [path for path, _ in runs if all(path != chosen for chosen, _ in kept)]
 
 
 def _run_metrics(res: Results, select: str) -> dict[str, float]:
@@ -122,6 +136,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         row: dict[str, Any] = {k: group.name.get(k, "–") for k in varying}
         row["seeds"] = len(runs)
         row["files"] = [str(path) for path, _ in group.runs]
+        row["repeats"] = [str(path) for path in group.repeats]
         values = {name: np.array([m.get(name, np.nan) for m in runs]) for name in (*plain, *both)}
         row.update({name: mean_2se(v) for name, v in values.items()})
         row["n"] = {name: int(np.isfinite(v).sum()) for name, v in values.items()}
@@ -138,6 +153,9 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         cells += [_mean_2se_cell(row[m], ".4f" if m in accuracy_cells else ".4g", row["n"][m], row["seeds"])
                   for m in shown]
         md.append("| " + " | ".join(cells) + " |")
+    repeats = [str(path) for group in groups for path in group.repeats]
+    if repeats:
+        md += ["", f"Left out, as repeats of a seed already counted (same config and seed): {', '.join(repeats)}."]
     text = "\n".join(md)
     (Path(directory) / "summary.md").write_text(text + "\n")
     with open(Path(directory) / "summary.csv", "w", newline="") as f:
