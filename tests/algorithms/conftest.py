@@ -29,6 +29,22 @@ SHARDS = {
     "client": {"lr": 0.05, "batch_size": 16, "steps": 4, "momentum": 0.9, "weight_decay": 1e-4},
 }
 
+# Karula's ridge-regression run (tests/algorithms/test_karula.py): here rather than there, so that the table of
+# every algorithm's config (tests/test_checkpoint.py) imports without POT, which only a Karula run needs.
+N0, FEATURES, CLIENTS = 12, 5, 6
+RIDGE = {
+    "algorithm": "karula",
+    "rounds": 4,
+    "clients_per_round": 3,
+    "seed": 2,
+    "eval_every": 2,
+    "data": {"dataset": "karula_ridge", "partition": "natural", "num_clients": CLIENTS,
+             "synthetic": {"num_features": FEATURES, "ridge_min_samples": 8, "ridge_max_samples": 20}},
+    "model": {"name": "linear"},
+    "client": {"lr": 0.01, "weight_decay": 1e-6, "batch_size": 4},
+}
+KARULA = {"karula": {"t": 0.5, "lr": 0.05, "reference_size": N0}}
+
 
 @pytest.fixture
 def run_algo(tmp_path: Path):

@@ -17,21 +17,8 @@ from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
 from mpifl.results import read_results
 from mpifl.schema import ConfigError
+from tests.algorithms.conftest import CLIENTS, FEATURES, KARULA, N0, RIDGE
 from tests.conftest import _merge, rank_dependent, run_config
-
-N0, FEATURES, CLIENTS = 12, 5, 6
-RIDGE = {
-    "algorithm": "karula",
-    "rounds": 4,
-    "clients_per_round": 3,
-    "seed": 2,
-    "eval_every": 2,
-    "data": {"dataset": "karula_ridge", "partition": "natural", "num_clients": CLIENTS,
-             "synthetic": {"num_features": FEATURES, "ridge_min_samples": 8, "ridge_max_samples": 20}},
-    "model": {"name": "linear"},
-    "client": {"lr": 0.01, "weight_decay": 1e-6, "batch_size": 4},
-}
-KARULA = {"karula": {"t": 0.5, "lr": 0.05, "reference_size": N0}}
 
 
 def run(tmp_path: Path, overrides: dict, ranks: int = 0, tag: str = "run") -> Path:
