@@ -73,7 +73,10 @@ def _alive(pid: int) -> bool:
 
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(REPO))
+    # the checkout first; what PYTHONPATH held stays after it (packages installed with pip --target, as on a GPU
+    # image whose environment is read-only: docs/how-to/gpus.md)
+    pythonpath = os.pathsep.join(path for path in (str(REPO), os.environ.get("PYTHONPATH")) if path)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=pythonpath)
     # Keep Open MPI on shared memory and TCP loopback so tests do not depend on the host's network.
     env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
     env.setdefault("OMPI_MCA_btl_tcp_if_include", "lo")
