@@ -29,12 +29,19 @@ def _overrides(parser: argparse.ArgumentParser, help: str | None = None) -> None
 def _job_commands(sub: argparse._SubParsersAction) -> None:
     """Commands that run or check jobs: run, prepare, validate, sweep."""
     run = sub.add_parser("run", help="run a federated-learning job (under mpirun/srun, or alone)")
-    run.add_argument("config", help="YAML config file")
+    run.add_argument("config", nargs="?",
+                     help="YAML config file (with --resume: optional, the results file holds the run's config)")
     _overrides(run, "override a config value, e.g. --set client.lr=0.1 (repeatable)")
     run.add_argument("--out", help="results file (default: the config's output)")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--heartbeat", type=float, default=30.0, metavar="SECONDS",
+                     help="between evaluations, a progress line (round, rounds/s, elapsed, ETA) at most this often "
+                          "(default 30; 0: none)")
     run.add_argument("--resume", metavar="RESULTS.h5",
-                     help="continue the run whose checkpoint is in this results file (same config; any rank count)")
+                     help="continue the run whose checkpoint is in this results file (its own config unless one "
+                          "is given, which must agree; any rank count)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the results file at --out even if it holds a run (completed or not)")
     run.add_argument("--profile", action="store_true",
                      help="also record every rank's time breakdown per round (results table /profile)")
     prep = sub.add_parser("prepare", help="write the config's federated dataset into one HDF5 file that runs read "
@@ -104,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "run":
-            from mpifl.runtime.launch import run_job
+            from mpifl.runtime.launch import JobOptions, run_job
 
-            return run_job(args.config, args.overrides, args.out, args.quiet, args.resume, args.profile)
+            return run_job(args.config, args.overrides, args.out, JobOptions(
+                quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
+                heartbeat_s=args.heartbeat))
         if args.command == "validate":
             return _validate(args)
         if args.command == "prepare":
