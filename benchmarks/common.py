@@ -22,7 +22,10 @@ from mpifl.results import Results, read_results  # noqa: E402
 def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = (), flags: Sequence[str] = ()
               ) -> Results:
     """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1) with ``flags``
-    (e.g. ``--profile``); its results."""
+    (e.g. ``--profile``); its results. A new job (no ``--resume``) starts from no file at ``out``: benchmarks run
+    job after job into one file, which mpifl run would refuse to replace."""
+    if "--resume" not in flags:
+        out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet", *flags]
     for item in overrides:
         cmd += ["--set", item]
