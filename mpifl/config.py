@@ -283,6 +283,11 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
+RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir", "checkpoint_keep")
+"""Config keys that change no bit of a run's results (where it writes, how much memory it may use, how many
+checkpoints it keeps): two configs that differ only there describe the same run."""
+
+
 def config_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str = "") -> list[str]:
     """Where two configs (as :func:`config_to_dict` gives them) differ, key by key: ``"client.lr: 0.05 in the
     file, 0.1 given"``, in key order."""

@@ -206,3 +206,16 @@ def test_a_heartbeat_between_evaluations(write_config, capsys, tmp_path):
     assert all(" | elapsed 0m" in line and " | ETA " in line for line in beats)
     assert main(["run", str(config), "--out", str(tmp_path / "q.h5"), "--heartbeat", "1e-9", "--quiet"]) == 0
     assert "rounds/s" not in capsys.readouterr().out
+
+
+def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp_path):
+    config = write_config({"clients_per_round": 2, "rounds": 1})
+    notes = []
+    for ranks in (4, 3):
+        proc = subprocess.run(mpirun_cmd(ranks) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
+                                                   str(tmp_path / f"r{ranks}.h5")],
+                              env=mpi_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        notes.append([line for line in proc.stdout.splitlines() if line.startswith("mpifl: note:")])
+    assert notes == [["mpifl: note: 3 worker ranks, but at most 2 clients train at once: 1 rank(s) idle every "
+                      "round (at most 3 ranks keep every worker busy)"], []]

@@ -20,7 +20,7 @@ import numpy as np
 from mpifl.algorithms.base import ServerAlgorithm
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Transport
-from mpifl.config import RunConfig, config_differences, config_to_dict
+from mpifl.config import RESULT_NEUTRAL, RunConfig, config_differences, config_to_dict
 from mpifl.registry import parse_config
 from mpifl.results import KEPT, SHARDS, Results, shard_dir
 from mpifl.runtime.timing import RankTimes
@@ -91,8 +91,7 @@ class Checkpointer:
                               "with the mpifl version that wrote it")
         # the saved config read as this version reads it (a key added since takes its default), then compared
         mine, given = config_to_dict(parse_config(yaml.safe_load(saved.attrs["config"]))), config_to_dict(cfg)
-        for volatile in ("output", "rounds", "data_memory_gb", "state_memory_gb", "state_spill_dir",
-                         "checkpoint_keep"):
+        for volatile in (*RESULT_NEUTRAL, "rounds"):
             mine.pop(volatile, None)
             given.pop(volatile, None)
         changed = config_differences(mine, given)

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import yaml
 
+from mpifl.algorithms.base import AsynchronousProtocol, Protocol
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, resume_command
+from mpifl.runtime.faults import selection_size
 from mpifl.runtime.stopping import StopRequest
 from mpifl.schema import ConfigError
 
@@ -89,6 +91,14 @@ def job_config(config_path: str | None, overrides: list[str], resume: str | None
     return parse_config(apply_overrides(raw, overrides))
 
 
+def _clients_at_once(protocol: Protocol, cfg: RunConfig) -> int:
+    """How many clients train at once: an asynchronous protocol's concurrency, or a round's cohort (with
+    over-selection)."""
+    if isinstance(protocol, AsynchronousProtocol):
+        return protocol.concurrency
+    return selection_size(cfg.clients_per_round, cfg.faults)
+
+
 def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, rounds: int) -> str:
     return (f"{stop.signal_name}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
             f"{resume_command(output, size)} (any rank count)")
@@ -133,6 +143,10 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         start = f"from round {engine.start_round}, " if resume else ""
         print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "
               f"{size} rank(s), {start}{cfg.rounds} rounds -> {path}", flush=True)
+        busy = _clients_at_once(engine.protocol, cfg)
+        if size - 1 > busy:
+            print(f"mpifl: note: {size - 1} worker ranks, but at most {busy} clients train at once: {size - 1 - busy} "
+                  f"rank(s) idle every round (at most {busy + 1} ranks keep every worker busy)", flush=True)
     try:
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
