@@ -40,14 +40,17 @@ from typing import Any
 
 import yaml
 
-from mpifl.config import apply_overrides, check_required, config_differences, config_to_dict, load_raw
+from mpifl.config import (
+    RESULT_NEUTRAL,
+    apply_overrides,
+    check_required,
+    config_differences,
+    config_to_dict,
+    load_raw,
+)
 from mpifl.registry import parse_config
 from mpifl.results.guard import OutputLock, inspect_output
 from mpifl.schema import ConfigError, build, limits
-
-RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir")
-"""Config keys that do not change a run's results (where it writes, how much memory it may use): a results file
-written with other values of these holds the same run."""
 
 SET_BY_SLURM_TASK = ("threads_per_rank",)
 """Config keys a SLURM task sets itself from its allocation, after the sweep's: not compared when planning one."""

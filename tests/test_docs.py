@@ -13,6 +13,10 @@ How a page marks its commands (docs/README.md says the same for writers):
   before the page's next commands run.
 - ``<!-- requires: module.attribute -->`` anywhere: the page's commands run only where that name imports (a
   page written for an interface that is still being merged).
+- ``<!-- output: why -->`` on the line above a console block: its commands run as written (not shortened) and
+  must print what the block shows, line by line (``...`` stands for any lines), but for the figures that
+  measure this machine (:data:`MEASURED`): a page's accuracies, bytes and traffic are this code's, not a
+  stale run's.
 
 Runs are shortened: ``mpifl run`` and ``mpifl sweep`` get ``--set rounds=2`` unless the command sets
 ``rounds`` itself, and ``mpirun`` gets ``--oversubscribe`` (this machine may have fewer cores than ranks).
@@ -38,11 +42,20 @@ from tests.conftest import REPO, mpi_env
 
 DOCS = REPO / "docs"
 EVIDENCE = DOCS / "papers"
-MARKER = re.compile(r"^<!-- (not run|file|requires): ?(.*?) ?-->$")
+MARKER = re.compile(r"^<!-- (not run|file|requires|output): ?(.*?) ?-->$")
 FENCE = re.compile(r"^```(\S*)")
 HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
 ROUNDS = re.compile(r"\bmpifl (run|sweep)\b")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+MEASURED = (
+    re.compile(r"(?<=\bwall )\d+(\.\d+)? s"),  # how long this machine took
+    re.compile(r"(?<=\bsimulated )\d+(\.\d+)? s"),  # a deployment's time, with the compute this machine measured
+    re.compile(r"\d+(\.\d+)? s/round"),
+)
+"""Figures in a command's output that measure the machine it ran on, not the code: left out of the comparison
+of a page's shown output with the printed one; so are the seconds of a report's time-by-rank table
+(:data:`TIME_ROW`)."""
+TIME_ROW = re.compile(r"^\s+\d+\s+\d+(\s+\d+\.\d+)+$")  # rank, clients, then seconds
 # pages linked from the index that other branches write (GPUs, offline install, the architecture): a link to
 # one is checked once it exists
 PENDING = {DOCS / "how-to" / "gpus.md", DOCS / "how-to" / "install-offline.md",
@@ -59,7 +72,16 @@ class Command:
 class Block:
     language: str
     lines: list[str]
-    marker: tuple[str, str] | None  # ("not run" | "file", argument) from the line above the fence
+    marker: tuple[str, str] | None  # ("not run" | "file" | "output", argument) from the line above the fence
+
+    @property
+    def runs(self) -> bool:
+        return self.language == "console" and (self.marker is None or self.marker[0] == "output")
+
+    @property
+    def compared(self) -> bool:
+        """Its commands run as written and must print the output it shows."""
+        return self.marker is not None and self.marker[0] == "output"
 
 
 def pages() -> list[Path]:
@@ -117,6 +139,35 @@ def shortened(command: str) -> str:
     return "\n".join([first, rest]) if rest else first
 
 
+def unmeasured(line: str) -> str:
+    """An output line without the figures that measure the machine (see :data:`MEASURED`)."""
+    if TIME_ROW.match(line):
+        return re.sub(r"\d+\.\d+", "#", line)
+    for figure in MEASURED:
+        line = figure.sub("#", line)
+    return line.rstrip()
+
+
+def output_difference(shown: list[str], printed: list[str]) -> str | None:
+    """Where ``printed`` differs from the output a page shows (``...``: any lines, none included), measured
+    figures aside; ``None`` where it does not."""
+    printed = [unmeasured(line) for line in printed]
+    at, skipping = 0, False
+    for line in shown:
+        if line.strip() == "...":
+            skipping = True
+            continue
+        want = unmeasured(line)
+        while skipping and at < len(printed) and printed[at] != want:
+            at += 1
+        if at >= len(printed) or printed[at] != want:
+            return f"the page shows {line!r}, the command printed {printed[at] if at < len(printed) else 'no more'!r}"
+        at, skipping = at + 1, False
+    if not skipping and at < len(printed):
+        return f"the command printed {printed[at]!r} after the page's last line"
+    return None
+
+
 def requirement(text: str) -> str | None:
     """The name a page requires, if it names one."""
     found = re.search(r"^<!-- requires: (\S+) -->$", text, re.M)
@@ -132,7 +183,7 @@ def importable(name: str) -> bool:
 
 
 def runnable(page: Path) -> bool:
-    return any(b.language == "console" and b.marker is None for b in blocks(page.read_text()))
+    return any(b.runs for b in blocks(page.read_text()))
 
 
 def repository_copy(root: Path) -> Path:
@@ -160,16 +211,19 @@ def test_the_commands_of_a_page_run(page, tmp_path):
     for block in blocks(text):
         if block.marker and block.marker[0] == "file":
             (root / block.marker[1]).write_text("\n".join(block.lines) + "\n")
-        if block.language != "console" or block.marker:
+        if not block.runs:
             continue
         for command in commands(block):
-            run = shortened(command.text)
+            run = command.text if block.compared else shortened(command.text)
             proc = subprocess.run(["bash", "-c", run], cwd=root, env=env, capture_output=True, text=True, timeout=600)
             said = f"$ {run}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
             if len(command.output) == 1 and command.output[0].startswith("mpifl: error:"):
                 assert (proc.returncode, proc.stderr) == (2, command.output[0] + "\n"), said
             else:
                 assert proc.returncode == 0, said
+            if block.compared:
+                stale = output_difference(command.output, proc.stdout.splitlines())
+                assert stale is None, f"{page.relative_to(REPO)}: stale output: {stale}\n{said}"
 
 
 def test_every_page_says_who_it_is_for_and_marks_its_commands():
@@ -225,3 +279,29 @@ def test_relative_links_point_at_pages_and_headings_that_exist():
             assert resolved.exists(), f"{page.relative_to(REPO)}: broken link {target}"
             if anchor and resolved.suffix == ".md":
                 assert anchor in anchors(resolved), f"{page.relative_to(REPO)}: no heading for {target}"
+
+
+def test_a_stale_figure_in_shown_output_is_caught_and_a_measured_one_is_not():
+    """What ``<!-- output: ... -->`` blocks are held to: the first-run page once showed 14.32 MB of physical
+    traffic after the code had come to move 10.56 MB; wall and simulated seconds, seconds per round and the
+    time-by-rank table's seconds are this machine's."""
+    shown = ["results/q.h5: fedavg, completed, 30 rounds on 3 rank(s), wall 3.8 s, simulated 8.1 s",
+             "round  5/30 | seen acc 0.1638 | logical 1.25 MB | 0.134 s/round", "...",
+             "physical MPI traffic         14.32 MB",
+             "      rank  clients  compute     wall",
+             "         1       10     3.43     4.21"]
+    printed = ["results/q.h5: fedavg, completed, 30 rounds on 3 rank(s), wall 7.1 s, simulated 9.1 s",
+               "round  5/30 | seen acc 0.1638 | logical 1.25 MB | 0.286 s/round",
+               "round 10/30 | seen acc 0.6039 | logical 2.51 MB | 0.214 s/round",
+               "physical MPI traffic         10.56 MB",
+               "      rank  clients  compute     wall",
+               "         1       10     5.10     6.85"]
+    assert output_difference(shown, printed) == ("the page shows 'physical MPI traffic         14.32 MB', the "
+                                                 "command printed 'no more'")
+    fixed = [line.replace("14.32", "10.56") for line in shown]
+    assert output_difference(fixed, printed) is None
+    assert output_difference(fixed, [*printed, "one more line"]) == (
+        "the command printed 'one more line' after the page's last line")
+    assert output_difference(fixed[:2] + fixed[3:], printed) is not None  # without "...", no line is skipped
+    assert output_difference(fixed, [line.replace("0.1638", "0.1639") for line in printed]) is not None
+    assert output_difference(fixed, [*printed[:-1], "         1       11     5.10     6.85"]) is not None  # clients
