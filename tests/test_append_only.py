@@ -66,7 +66,8 @@ def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float)
 
 def kill_and_resume(tmp_path: Path, kills: int, ranks: int, latest: float, seed: int) -> tuple[Path, int]:
     """One file, over and over: run (or resume from its checkpoint, with the results file alone: ``mpifl run
-    --resume F.h5``), SIGKILL at a random moment, check what the kill left; then resume to the end in this process. Returns the file and how many kills hit a running job."""
+    --resume F.h5``), SIGKILL at a random moment, check what the kill left; then resume to the end in this
+    process. Returns the file and how many kills hit a running job."""
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(LOGISTIC))
     part = tmp_path / "part.h5"
