@@ -84,9 +84,9 @@ class Engine:
         devices = rank_devices(cfg.device, cfg.server.device, self.comm, cfg.allow_tf32, cfg.data_memory_gb * 2**30)
         device = devices.clients
         if self.rank == 0:  # now, not at the first evaluation after training up to it
+            check_writable(self.output)  # first: the claim creates the lock file beside it
             self.output_lock, previous = claim_results(self.output, self.resume, self.overwrite)
             self.replaces_run = previous.kind == "results" and not self.resume
-            check_writable(self.output)
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
         ctx = dataclasses.replace(check_run(cfg, layout), device=device, server_device=devices.server)
