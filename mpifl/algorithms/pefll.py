@@ -38,9 +38,10 @@ from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
+from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import TrainStats, client_generator, local_sgd
+from mpifl.training.sgd import TrainStats, client_generator, clip_factor, local_sgd
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
 DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)
@@ -162,11 +163,12 @@ class PeFLLProtocol(HyperProtocol):
 
 
 def clip_(grads: torch.Tensor, max_norm: float | None) -> float:
-    """Scale ``grads`` in place to norm ≤ ``max_norm`` (as ``clip_grad_norm_``); returns the norm before."""
-    norm = float(torch.linalg.vector_norm(grads))
-    if max_norm is not None and norm > max_norm:
-        grads.mul_(max_norm / (norm + 1e-6))
-    return norm
+    """Scale ``grads`` in place to norm ≤ ``max_norm`` (as ``clip_grad_norm_``, the norm accumulated in float64);
+    returns the norm before."""
+    norm = l2_norm(grads)
+    if max_norm is not None:
+        grads.mul_(clip_factor(norm, max_norm))
+    return float(norm)
 
 
 class PeFLLServer(ServerAlgorithm):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mpifl.models.flat import FlatModel
+from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
@@ -231,7 +232,7 @@ def sgd_step(
     params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float, cfg: ClientConfig
 ) -> None:
     if cfg.clip_norm is not None:
-        grads.mul_(clip_factor(torch.linalg.vector_norm(grads), cfg.clip_norm))
+        grads.mul_(clip_factor(l2_norm(grads), cfg.clip_norm))
     if cfg.weight_decay:
         grads.add_(params, alpha=cfg.weight_decay)
     if momentum is not None:
