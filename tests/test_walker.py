@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, RunContext, ServerAlgorithm, StepContext
-from mpifl.comm import LOCAL, Message, Placement, Transport
+from mpifl.comm import LOCAL, Ledger, Message, Placement, Transport
 from mpifl.comm.messages import EVERYONE_LOCAL
 from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
@@ -104,7 +104,7 @@ def parts(faults: dict | None = None):  # noqa: ANN201
     placement = Placement.balanced(dataset.layout.train_sizes, 1)
     store = ClientStore(dataset, placement.clients_of(0), ctx.device)
     server, client = EchoServer(ctx), EchoClient(ctx, store)
-    walker = PlanWalker(Transport(None, placement), server, client, store, FaultModel(cfg.faults, cfg.seed),
+    walker = PlanWalker(Transport(None, placement), Ledger(), server, client, store, FaultModel(cfg.faults, cfg.seed),
                         RankTimes())
     return cfg, dataset, server, client, walker
 
@@ -123,7 +123,7 @@ def test_walk_moves_rows_and_tells_each_side_the_step():
                                                      ("send", 4)]
     assert all(s.round == 5 and s.stage == "train" for _, _, s in client.calls)
     assert client.state.get(3, "rounds").tolist() == [1]  # committed: the server accepted client 3
-    ledger = walker.transport.ledger.drain()
+    ledger = walker.ledger.drain()
     assert ledger["bytes"].tolist() == [12] * 6 and ledger["client"].tolist() == [1, 3, 4] * 2
 
 
@@ -176,7 +176,7 @@ def test_recorder_pools_rows_and_writes_a_readable_file(tmp_path):
     rows[:, 5], rows[:, 6] = 4, 4  # val: n, correct
     recorder.record_round({"round": 1, "train_loss": 0.5, "wall_time_s": 0.1, "sim_time_s": 1.0})
     recorder.record_evaluation(1, rows, 1234, {"extra": 2.0})
-    recorder.write("completed", walker.transport.ledger, walker.transport.physical, wait=True)
+    recorder.write("completed", walker.ledger, walker.transport.physical, wait=True)
     res = read_results(tmp_path / "r.h5")
     ev = res.table("eval")
     seen = ~layout.unseen
@@ -197,7 +197,7 @@ def test_checkpointer_round_trips_server_and_client_state(tmp_path):
     out = tmp_path / "r.h5"
     checkpointer = Checkpointer(walker.transport, RankTimes(), out)
     checkpointer.take(1, server, client.state)
-    recorder.write("running", walker.transport.ledger, walker.transport.physical, checkpointer.latest, wait=True)
+    recorder.write("running", walker.ledger, walker.transport.physical, checkpointer.latest, wait=True)
     _, _, fresh_server, fresh_client, _ = parts()
 
     def restore(cfg, server, state, clients):  # noqa: ANN001, ANN202

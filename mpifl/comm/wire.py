@@ -24,7 +24,7 @@ from mpifl.comm.codecs import Codec, build_codec, codec_rng, encode_with_feedbac
 from mpifl.comm.config import CodecConfig, CompressionConfig, PrivacyConfig, SecAggConfig
 from mpifl.comm.messages import Message, masked_nbytes
 from mpifl.comm.privacy import clip_update, noise
-from mpifl.comm.secagg import MASKED_INPUT, SecAggMessage, secagg_messages
+from mpifl.comm.secagg import MASKED_INPUT, UNMASKING_ROUND, secagg_messages
 from mpifl.schema import ConfigError, build
 
 BROADCAST = -1  # the client key of a payload encoded once for every client
@@ -88,9 +88,10 @@ class WireFormat:
     def masks(self) -> bool:
         return self.secure_aggregation != "none"
 
-    def nominal_nbytes(self, msg: Message) -> int:
-        """Bytes one client moves for ``msg``: its encoded size, its masked size under secure aggregation, or
-        its raw size (what the fault model's deadlines expect before the round)."""
+    def nbytes(self, msg: Message) -> int:
+        """Bytes one client moves for ``msg`` in a real deployment: its encoded size (every codec's output has
+        one length per row size), its masked size under secure aggregation, or its raw size. The one size the
+        ledger records and the simulated clock (deadlines, round times) charges, so they cannot disagree."""
         if self.masks and msg.update:
             return masked_nbytes(msg.numel, self.secagg.field_bits)
         codec = self.codec(msg)
@@ -141,9 +142,11 @@ class WireFormat:
         return totals + np.stack(draws)
 
     # ---------------------------------------------------------- secure aggregation
-    def secagg_round(self, cohort: int, survivors: int, update_numel: int) -> list[SecAggMessage]:
-        """The secure-aggregation protocol's own messages of one round (per client), besides the masked input."""
-        return [m for m in secagg_messages(self.secure_aggregation, cohort, update_numel, self.secagg, survivors)
+    def secagg_round(self, cohort: int, survivors: int, update_numel: int) -> list[tuple[Message, bool]]:
+        """The secure-aggregation protocol's own messages of one round (each sized for one client, :meth:`nbytes`),
+        besides the masked input; with each, whether only the survivors send or receive it (the unmasking)."""
+        return [(Message(m.name, m.direction, m.nbytes, "uint8"), m.name in UNMASKING_ROUND)
+                for m in secagg_messages(self.secure_aggregation, cohort, update_numel, self.secagg, survivors)
                 if m.name != MASKED_INPUT]
 
 

@@ -30,7 +30,7 @@ from mpifl.algorithms.base import (
     require,
 )
 from mpifl.comm import Placement, Step, Transport
-from mpifl.comm.ledger import STAGES
+from mpifl.comm.ledger import STAGES, Ledger
 from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import PrivacyAccountant
 from mpifl.comm.wire import WireFormat
@@ -93,7 +93,7 @@ class Engine:
         self.seen = np.flatnonzero(~layout.unseen)
         self.placement = Placement.balanced(layout.train_sizes, self.size)
         wire = wire_format(cfg)
-        self.transport = Transport(self.comm, self.placement, logical_nbytes=wire.nominal_nbytes)
+        self.transport, self.ledger = Transport(self.comm, self.placement), Ledger()
         entry = get_algorithm(cfg.algorithm)
         self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
         self.client: ClientAlgorithm | None = None
@@ -116,7 +116,7 @@ class Engine:
         self.simtime = SimulatedTime(NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed), wire,
                                      samples, protocol.turns)
         self.cohorts = CohortSelection(cfg, self.seen, availability(cfg, layout), faults, self.simtime, self.transport)
-        self.walker = PlanWalker(self.transport, self.server, self.client, self.store, faults, self.times, wire,
+        self.walker = PlanWalker(self.transport, self.ledger, self.server, self.client, self.store, faults, self.times, wire,
                                  ctx.sum_weights)
         asynchronous = isinstance(protocol, AsynchronousProtocol)
         dynamic = cfg.placement == "dynamic" or cfg.placement == "auto" and cheap_clients
@@ -128,7 +128,7 @@ class Engine:
         splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
         eval_layout = EvalLayout(protocol.eval_kinds, splits)
         self.recorder = Recorder(cfg, layout, eval_layout, self.output, self.size, self.placement.owner)
-        self.log = RoundLog(self.transport, self.server, self.client, self.recorder, samples)
+        self.log = RoundLog(self.transport, self.ledger, self.server, self.client, self.recorder, samples)
         self.evaluation = Evaluation(layout, eval_layout, cfg.eval_chunk, protocol, self.walker,
                                      (self.server, self.client), self.recorder, self.times, self._release_data)
         self.accountant = None
@@ -156,7 +156,7 @@ class Engine:
         for seconds in rounds["sim_time_s"][rounds["round"] <= round_]:  # the clock as the run summed it
             self.simtime.now_s += float(seconds)
         attrs = saved.table_attrs["ledger_totals"]  # per-round totals: the per-client rows stay in the file
-        ledger = self.transport.ledger
+        ledger = self.ledger
         ledger.load(saved.table("ledger_totals"), attrs["message_names"], attrs["directions"], self.output, round_)
         if self.accountant is not None:  # ε so far: every round again, with the clients that uploaded in it
             train_uploads = ledger.participants(STAGES.index("train"), "up")
@@ -302,7 +302,7 @@ class Engine:
 
     def _write(self, status: str, final: dict[str, dict[str, np.ndarray]] | None = None, wait: bool = False) -> None:
         start = time.perf_counter()
-        self.recorder.write(status, self.transport.ledger, self.transport.physical, self.checkpointer.latest,
+        self.recorder.write(status, self.ledger, self.transport.physical, self.checkpointer.latest,
                             final, wait)
         self.times.io += time.perf_counter() - start
 

@@ -40,7 +40,7 @@ class Evaluation:
         if self.server is None:
             return
         rows = np.concatenate([require(block, "the gathered evaluation") for block in blocks])
-        self.recorder.record_evaluation(round_, rows, self.transport.ledger.train_bytes, self.server.eval_metrics())
+        self.recorder.record_evaluation(round_, rows, self.walker.ledger.train_bytes, self.server.eval_metrics())
         self.server.end_evaluation()
 
     def _walk_chunks(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray) -> None:
@@ -63,4 +63,4 @@ class Evaluation:
                 rows[i] = self.client.evaluate(step, int(client), self.eval_layout)
         self.times.evaluation += time.perf_counter() - start
         self.between_uses()
-        return self.transport.up(round_, "eval", self.msg, rows, clients)
+        return self.transport.up(round_, self.msg, rows, clients)

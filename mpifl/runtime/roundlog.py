@@ -10,6 +10,7 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm
 from mpifl.comm import Message, Placement, Transport
+from mpifl.comm.ledger import Ledger
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.walker import Walk
 
@@ -17,9 +18,9 @@ TELEMETRY_FIELDS = ("compute_s", "train_loss")
 
 
 class RoundLog:
-    def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
-                 recorder: Recorder, samples_per_round: np.ndarray):
-        self.transport, self.server, self.client, self.recorder = transport, server, client, recorder
+    def __init__(self, transport: Transport, ledger: Ledger, server: ServerAlgorithm | None,
+                 client: ClientAlgorithm | None, recorder: Recorder, samples_per_round: np.ndarray):
+        self.transport, self.ledger, self.server, self.client, self.recorder = transport, ledger, server, client, recorder
         self.samples = samples_per_round
         self.msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
 
@@ -29,13 +30,13 @@ class RoundLog:
         rows = np.empty((len(walk.local), len(TELEMETRY_FIELDS)))
         rows[:, 0] = walk.seconds
         rows[:, 1] = [self.client.take_train_loss(int(c)) for c in walk.local] if self.client else []
-        return self.transport.up(round_, "train", self.msg, rows, walk.clients)
+        return self.transport.up(round_, self.msg, rows, walk.clients)
 
     def record(self, round_: int, started: float, server_s: float, sim_time_s: float, telemetry: np.ndarray,
                clients: np.ndarray, placement: Placement, rejected: int, **extra: float) -> None:
         """Rank 0: the round's row (``started``: its wall-clock start, ``clients``: those who trained), with the
         server algorithm's own diagnostics."""
-        totals = self.transport.ledger.round_totals(round_)
+        totals = self.ledger.round_totals(round_)
         losses = telemetry[:, 1]
         self.recorder.record_round({
             "round": round_,

@@ -2,7 +2,8 @@
 network model's links and the compute model.
 
 One source for what a client moves: :meth:`SimulatedTime.traffic` reads it off the plan (each logical message at
-its size on the wire, :class:`~mpifl.comm.wire.WireFormat`) plus secure aggregation's own messages. Deadlines and
+its size on the wire, :meth:`~mpifl.comm.wire.WireFormat.nbytes`, the size the ledger records too) plus secure
+aggregation's own messages. Deadlines and
 over-selection ask for a client's expected finish before the round with it; the round's simulated seconds after
 the round use it again for the clients whose updates were accepted; the ledger records the same bytes (a test
 checks they agree). Asynchronous rounds time each dispatched client alone with it.
@@ -51,12 +52,12 @@ class SimulatedTime:
         protocol's own messages for a round of ``cohort`` participants (default: ``clients``) of whom ``clients``
         survive."""
         logical = [m for m in plan if isinstance(m, Message) and m.logical]
-        sizes = {d: [self.wire.nominal_nbytes(m) for m in logical if m.direction == d] for d in ("down", "up")}
         if self.wire.masks:
             numel = sum(m.numel for m in logical if m.update)
-            for sent in self.wire.secagg_round(len(clients) if cohort is None else cohort, len(clients), numel):
-                sizes[sent.direction].append(sent.nbytes)
-        broadcast = sum(self.wire.nominal_nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
+            logical += [m for m, _ in self.wire.secagg_round(len(clients) if cohort is None else cohort, len(clients),
+                                                              numel)]
+        sizes = {d: [self.wire.nbytes(m) for m in logical if m.direction == d] for d in ("down", "up")}
+        broadcast = sum(self.wire.nbytes(m) for m in logical if m.direction == "down" and m.broadcast)
         n = len(clients)
         return Traffic(np.full(n, sum(sizes["down"]), np.int64), np.full(n, len(sizes["down"]), np.int64),
                        np.full(n, sum(sizes["up"]), np.int64), np.full(n, len(sizes["up"]), np.int64), broadcast)

@@ -18,9 +18,9 @@ import numpy as np
 
 from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
+from mpifl.comm.distributed_sum import DistributedSum
+from mpifl.comm.ledger import Ledger
 from mpifl.comm.messages import SumWeights
-from mpifl.comm.secagg import UNMASKING_ROUND
-from mpifl.comm.transport import PartialSum
 from mpifl.comm.wire import BROADCAST, WireFormat
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.store import ClientStore
@@ -77,14 +77,14 @@ class _Outbox:
 
     rows: list[np.ndarray | None]  # a raw rows message: its local clients' rows
     blobs: list[list[np.ndarray]]  # an encoded rows message: each local client's encoding
-    sums: list[PartialSum | None]  # a summed message: this rank's part of it
+    sums: list[DistributedSum | None]  # a summed message: this rank's part of it
     finite: np.ndarray  # local clients × messages: the row came through finite (or was not screened)
 
     @classmethod
     def of(cls, group: list[Message], n_local: int, transport: Transport) -> _Outbox:
         return cls(rows=[np.empty((n_local, m.numel), dtype=m.dtype) if m.summed is None else None for m in group],
                    blobs=[[] for _ in group],
-                   sums=[transport.partial_sum(m) if m.summed else None for m in group],
+                   sums=[DistributedSum(m, transport) if m.summed else None for m in group],
                    finite=np.ones((n_local, len(group)), dtype=bool))
 
 
@@ -97,10 +97,10 @@ class PlanWalker:
     """Moves a plan's messages for one rank: the server's side on rank 0, the hosted clients' side on
     workers (both when the job has one rank)."""
 
-    def __init__(self, transport: Transport, server: ServerAlgorithm | None, client: ClientAlgorithm | None,
-                 store: ClientStore | None, faults: FaultModel, times: RankTimes, wire: WireFormat | None = None,
-                 sum_weights: Callable[[SumWeights, np.ndarray], np.ndarray] | None = None):
-        self.transport, self.server, self.client, self.store = transport, server, client, store
+    def __init__(self, transport: Transport, ledger: Ledger, server: ServerAlgorithm | None,
+                 client: ClientAlgorithm | None, store: ClientStore | None, faults: FaultModel, times: RankTimes,
+                 wire: WireFormat | None = None, sum_weights: Callable[[SumWeights, np.ndarray], np.ndarray] | None = None):
+        self.transport, self.ledger, self.server, self.client, self.store = transport, ledger, server, client, store
         self.wire = wire or WireFormat()
         self.faults, self.times = faults, times
         # what a summed message weighs each client's row by (RunContext.sum_weights; one each by default)
@@ -168,7 +168,8 @@ class PlanWalker:
         handlers get the accepted clients' rows or sums; only the accepted clients go on."""
         server, clients = self.server, step.clients
         outbox = self._produce(round_, stage, group, step, now, compute)
-        gathered = self._gather(round_, LEDGER_STAGES[stage], group, outbox, clients, now.local)
+        gathered = self._gather(round_, group, outbox, clients)
+        self._count(round_, stage, group, clients)  # each client sent its rows, whatever the server accepts
         accepted = np.ones(len(clients), dtype=bool)
         if stage == "train":  # every rank learns the verdict: it decides whose state edits survive
             accepted = self._verdict(round_, group, clients, outbox.finite)
@@ -179,7 +180,7 @@ class PlanWalker:
         keep = slice(None) if accepted.all() else accepted  # no copy of the rows when everyone is in
         for msg, rows, sums in zip(group, gathered, outbox.sums):
             if sums is not None:
-                totals = self.transport.reduce_sum(round_, msg, sums)
+                totals = sums.total(round_)
                 if server is not None:
                     totals = self.wire.server_noise_total(msg, round_, require(totals, "the reduced sums"))
                     self._server(server.consume_sum, msg, step, totals)
@@ -253,8 +254,9 @@ class PlanWalker:
               hosted: int) -> np.ndarray:
         """Move a down message: its raw rows, or (with a codec) each client's encoding, decoded on arrival.
         Returns one row per hosted target."""
+        self._count(round_, stage, [msg], targets)
         if self.wire.codec(msg) is None:
-            return self.transport.down(round_, LEDGER_STAGES[stage], msg, payload, targets)
+            return self.transport.down(round_, msg, payload, targets)
         start = time.perf_counter()
         blobs = None
         if payload is not None:
@@ -263,7 +265,7 @@ class PlanWalker:
             blobs = [self.wire.encode(msg, round_, key, row, None)[0]
                      for key, row in zip(keys, payload.reshape(len(keys), msg.numel))]
         self.times.serialization += time.perf_counter() - start
-        arrived = self.transport.down_blobs(round_, LEDGER_STAGES[stage], msg, blobs, targets)
+        arrived = self.transport.down_blobs(round_, msg, blobs, targets)
         start = time.perf_counter()
         if msg.broadcast:  # one encoding for everyone: decoded once
             row = self.wire.decode(msg, arrived[0]) if arrived else np.zeros(msg.numel, msg.dtype)
@@ -273,28 +275,23 @@ class PlanWalker:
         self.times.serialization += time.perf_counter() - start
         return rows
 
-    def _gather(self, round_: int, stage: str, group: list[Message], outbox: _Outbox, clients: np.ndarray,
-                local: np.ndarray) -> list[np.ndarray | None]:
-        """Gather an update's rows messages on the server in client order: the raw ones together (``up_many``),
-        each encoded one as every client's encoding, decoded there. ``None`` for a summed message (and
-        everywhere on a worker)."""
-        raw = [j for j, msg in enumerate(group) if msg.summed is None and self.wire.codec(msg) is None]
+    def _gather(self, round_: int, group: list[Message], outbox: _Outbox, clients: np.ndarray
+                ) -> list[np.ndarray | None]:
+        """An update's rows messages on the server in client order, in one transport call: the raw ones as rows,
+        each encoded one as every client's encoding, decoded there. ``None`` for a summed message (its rows were
+        folded into its :class:`DistributedSum`) and everywhere on a worker."""
+        rows = [j for j, msg in enumerate(group) if msg.summed is None]
+        outgoing = [outbox.blobs[j] if self.wire.codec(group[j]) is not None else require(outbox.rows[j], "the rows")
+                    for j in rows]
+        arrived = self.transport.upload(round_, [group[j] for j in rows], outgoing, clients)
         out: list[np.ndarray | None] = [None] * len(group)
-        moved = self.transport.up_many(round_, stage, [group[j] for j in raw],
-                                       [require(outbox.rows[j], "the rows") for j in raw], clients)
-        for j, rows in zip(raw, moved):
-            out[j] = rows
-        for j, msg in enumerate(group):
-            if msg.summed is not None:
-                self.transport.record_uploads(round_, stage, msg, clients)
-            if msg.summed is not None or j in raw:
-                continue
-            arrived = self.transport.up_blobs(round_, stage, msg, outbox.blobs[j], clients)
-            if arrived is not None:
+        for j, moved in zip(rows, arrived):
+            if isinstance(moved, list):
                 start = time.perf_counter()
-                out[j] = np.array([self.wire.decode(msg, blob) for blob in arrived],
-                                  dtype=msg.dtype).reshape(-1, msg.numel)
+                moved = np.array([self.wire.decode(group[j], blob) for blob in moved],
+                                 dtype=group[j].dtype).reshape(-1, group[j].numel)
                 self.times.serialization += time.perf_counter() - start
+            out[j] = moved
         return out
 
     def _encode_upload(self, msg: Message, round_: int, client: int, row: np.ndarray) -> np.ndarray:
@@ -315,7 +312,7 @@ class PlanWalker:
         (simulator bookkeeping), where a training update with NaN/Inf in any of its messages is rejected
         (``faults.nonfinite: skip``, with a warning) or stops the job (``abort``); then shared with every rank."""
         flags_msg = Message("screened", "up", len(group), "uint8", logical=False)
-        flags = self.transport.up(round_, "train", flags_msg, finite.astype(np.uint8), clients)
+        flags = self.transport.up(round_, flags_msg, finite.astype(np.uint8), clients)
         accepted = None
         if flags is not None:
             ok = flags.astype(bool)
@@ -337,14 +334,19 @@ class PlanWalker:
 
     def record_secure_aggregation(self, round_: int, plan: Sequence[Step], participants: np.ndarray,
                                   survivors: np.ndarray) -> None:
-        """Rank 0: the secure-aggregation protocol's own messages of a round in the ledger (a deployment sends them;
-        the simulator does not): key advertisement and shares for every participant, the unmasking for those whose
+        """The secure-aggregation protocol's own messages of a round in the ledger (a deployment sends them; the
+        simulator does not): key advertisement and shares for every participant, the unmasking for those whose
         masked input arrived. The masked inputs are the update messages, already counted at their masked size."""
         numel = sum(m.numel for m in plan if isinstance(m, Message) and m.update)
-        for sent in self.wire.secagg_round(len(participants), len(survivors), numel):
-            who = survivors if sent.name in UNMASKING_ROUND else participants
-            self.transport.ledger.record(round_, "train", Message(sent.name, sent.direction, sent.nbytes, "uint8"),
-                                         who)
+        for msg, unmasking in self.wire.secagg_round(len(participants), len(survivors), numel):
+            self._count(round_, "train", [msg], survivors if unmasking else participants)
+
+    def _count(self, round_: int, stage: Stage, msgs: Sequence[Message], clients: np.ndarray) -> None:
+        """The ledger's one door (rank 0): each of ``clients`` moved each of ``msgs``, at its size on the wire
+        (:meth:`WireFormat.nbytes`, what the simulated clock charges too)."""
+        if self.transport.is_server:
+            for msg in msgs:
+                self.ledger.record(round_, LEDGER_STAGES[stage], msg, clients, self.wire.nbytes(msg))
 
     def _charge_compute(self, start: float) -> float:
         elapsed = time.perf_counter() - start

@@ -95,7 +95,8 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
 
     from mpifl.comm.messages import Message
     from mpifl.comm.placement import Placement
-    from mpifl.comm.transport import PartialSum, Transport
+    from mpifl.comm.distributed_sum import DistributedSum
+    from mpifl.comm.transport import Transport
 
     comm = MPI.COMM_WORLD
     rows, weights = data
@@ -103,12 +104,12 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     mine = [i for i in range(2 * workers) if i % workers == comm.Get_rank() - 1]
     msg = Message("delta", "up", SIZE, "float64", summed="samples", groups=2)
     transport = Transport(comm, Placement(np.arange(2 * workers) % workers + 1, comm.Get_size()))
-    part = transport.partial_sum(msg)
+    part = DistributedSum(msg, transport)
     if not few and comm.Get_rank() == 1:
-        part = PartialSum(part.totals, None, part.itemsize)
+        part.kept = None  # as if it had folded too many to keep
     for i in mine:
         part.add(rows[i], weights[i], i % 2)
-    sums = transport.reduce_sum(1, msg, part)
+    sums = part.total(1)
     if comm.Get_rank() == 0:
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
         assert ops == ({"gatherv"} if few else {"reduce"})

@@ -1,0 +1,117 @@
+"""A summed message's sum across the ranks: Σᵢ weightᵢ·rowᵢ over the accepted clients, the same bits on any rank count.
+
+Each rank folds its clients' weighted rows into exact totals (:class:`~mpifl.comm.exactsum.ExactSum`, one per group)
+as they finish, and keeps copies of those rows while they are few. Then, a collective:
+
+1. the ranks agree on one window of bits and learn the most terms any rank kept (one all-reduce of three int64);
+2. where every rank's kept rows are fewer bytes than the totals' wire words, the rows travel (a gather of bytes)
+   and rank 0 folds them into exact totals of its own; otherwise each rank exports its totals onto the window and
+   one reduce of int64 words (MPI.SUM, associative) adds them on rank 0;
+3. rank 0 rounds each entry once.
+
+Either way the result is the correctly rounded exact sum, so the choice changes traffic, never a bit. The
+transport only moves the bytes (:class:`~mpifl.comm.transport.Transport`'s all-reduce, reduce and gather).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
+from mpifl.comm.messages import Message
+from mpifl.comm.transport import Transport
+
+KEEP_BYTES_PER_ENTRY = 32
+"""A worker keeps its accepted clients' rows of a summed message beside its exact totals while they take at most
+this many bytes per entry (8 float32 rows). When every worker's kept rows are fewer bytes than the totals' wire
+words (24 per entry for a typical float32 update), the rows travel instead and rank 0 folds them itself: the same
+bits, as the sum is exact, and a deployment's own traffic where a worker hosts a client or two of the round."""
+
+_UNKEPT = 1 << 40  # the kept-terms count of a rank that stopped keeping: more than any words would pay for
+_TERM_HEADER = 16  # a travelling term's weight and group, two float64, ahead of the rows
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One accepted client's contribution to a summed message: ``weight``·``row`` into group ``group``."""
+
+    row: np.ndarray
+    weight: float
+    group: int
+
+
+class DistributedSum:
+    """This rank's part of summed message ``msg`` until :meth:`total` adds every rank's part on rank 0."""
+
+    def __init__(self, msg: Message, transport: Transport):
+        self.msg, self.transport = msg, transport
+        self.totals = [ExactSum(msg.numel) for _ in range(msg.groups)]
+        # copies of the folded terms, while few (KEEP_BYTES_PER_ENTRY); only with more than one rank can they travel
+        self.kept: list[Term] | None = [] if transport.size > 1 else None
+
+    def add(self, row: np.ndarray, weight: float, group: int) -> None:
+        """Fold one accepted client's ``weight``·``row`` into ``group``'s total (and keep it while few)."""
+        self.totals[group].add(row, weight)
+        if self.kept is not None:
+            self.kept.append(Term(row.copy(), weight, group))
+            if len(self.kept) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
+                self.kept = None
+
+    def total(self, round_: int) -> np.ndarray | None:
+        """Every rank's part added: the float64 sums (groups × numel) on rank 0, ``None`` elsewhere. A collective."""
+        window = Window()
+        for part in self.totals:
+            window = window.union(part.window)
+        agreement = np.append(window.maxima(), len(self.kept) if self.kept is not None else _UNKEPT)
+        agreement = self.transport.allreduce_max(round_, f"{self.msg.name}_window", agreement)
+        agreed = Window.from_maxima(agreement[:2])
+        if self.transport.size > 1 and int(agreement[2]) * self.msg.itemsize < words(agreed) * 8:
+            return self._total_of_terms(round_, agreed)
+        wire = self._timed(lambda: np.concatenate([part.export(agreed) for part in self.totals]))
+        summed = self.transport.reduce_words(round_, self.msg.name, wire)
+        return None if summed is None else self._rounded(np.split(summed, len(self.totals)), agreed)
+
+    def _total_of_terms(self, round_: int, agreed: Window) -> np.ndarray | None:
+        """The cheap way: each rank's kept terms (weight and group of each, then its rows in ``msg``'s dtype)
+        gathered on rank 0, which folds them into exact totals of its own."""
+        msg, kept = self.msg, self.kept or []
+
+        def pack() -> np.ndarray:
+            header = np.array([[t.weight for t in kept], [t.group for t in kept]], dtype=np.float64)
+            rows = np.array([t.row for t in kept], dtype=msg.dtype).reshape(len(kept), msg.numel)
+            return np.concatenate([header.reshape(-1).view(np.uint8), rows.reshape(-1).view(np.uint8)])
+
+        arrived = self.transport.gather_bytes(round_, msg.name, self._timed(pack))
+        if not self.transport.is_server:
+            return None
+
+        def fold() -> list[np.ndarray]:
+            totals = [ExactSum(msg.numel) for _ in range(msg.groups)]
+            per_term = _TERM_HEADER + msg.nbytes
+            for part in arrived:
+                count = len(part) // per_term
+                weights, groups = part[: _TERM_HEADER * count].view(np.float64).reshape(2, count)
+                rows = part[_TERM_HEADER * count :].view(msg.dtype).reshape(count, msg.numel)
+                for row, weight, group in zip(rows, weights, groups):
+                    totals[int(group)].add(row, float(weight))
+            return [total.export(agreed) for total in totals]
+
+        return self._rounded(self._timed(fold), agreed)
+
+    def _rounded(self, wires: list[np.ndarray], agreed: Window) -> np.ndarray:
+        """Each group's summed wire words as float64 sums, one row per group."""
+        return self._timed(lambda: np.stack([round_sum(wire, agreed) for wire in wires]))
+
+    def _timed(self, work: Callable[[], T]) -> T:
+        """``work()``, its seconds charged to the transport's packing (exports, terms and rounding are the sum's
+        bytes being made ready to move)."""
+        start = time.perf_counter()
+        result = work()
+        self.transport.pack_seconds += time.perf_counter() - start
+        return result
