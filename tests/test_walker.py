@@ -11,11 +11,13 @@ import pytest
 from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.comm import LOCAL, Ledger, Message, Placement, Transport
 from mpifl.comm.messages import EVERYONE_LOCAL
+from mpifl.comm.wire import WireFormat
 from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
 from mpifl.results import read_results
 from mpifl.runtime.checkpointer import Checkpointer
 from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.rank import RankContext
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.store import ClientStore
 from mpifl.runtime.timing import RankTimes
@@ -104,8 +106,8 @@ def parts(faults: dict | None = None):  # noqa: ANN201
     placement = Placement.balanced(dataset.layout.train_sizes, 1)
     store = ClientStore(dataset, placement.clients_of(0), ctx.device)
     server, client = EchoServer(ctx), EchoClient(ctx, store)
-    walker = PlanWalker(Transport(None, placement), Ledger(), server, client, store, FaultModel(cfg.faults, cfg.seed),
-                        RankTimes())
+    rank = RankContext(Transport(None, placement), Ledger(), WireFormat(), server, client, store, RankTimes())
+    walker = PlanWalker(rank, FaultModel(cfg.faults, cfg.seed))
     return cfg, dataset, server, client, walker
 
 

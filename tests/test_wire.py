@@ -228,7 +228,7 @@ def test_the_simulated_clock_counts_exactly_the_bytes_the_ledger_records(algorit
     for round_ in (1, 2, 3):
         rows = train & (ledger["round"] == round_)
         clients = np.unique(ledger["client"][rows])
-        traffic = engine.simtime.traffic(engine.protocol.train_plan(round_), clients)
+        traffic = engine.rounds.simtime.traffic(engine.protocol.train_plan(round_), clients)
         for direction, mask, expected, messages in (("down", ~up, traffic.down_bytes, traffic.down_messages),
                                                     ("up", up, traffic.up_bytes, traffic.up_messages)):
             chosen = rows & mask

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.comm.messages import Message
-from mpifl.results import read_column_chunks
+from mpifl.results import Results, read_column_chunks
 
 STAGES = ("train", "eval", "setup")
 DIRECTIONS = ("down", "up")
@@ -54,11 +54,11 @@ class Ledger:
         if stage == "train":
             self.train_bytes += int(sizes.sum())
 
-    def load(self, totals: dict[str, np.ndarray], message_names: list[str], directions: list[str],
-             source: Path, round_: int) -> None:
-        """Continue from a results file's per-round totals up to ``round_`` (resuming a run); the per-client
-        rows stay in ``source``, read again only by :meth:`participants`."""
-        self.message_names, self.directions = list(message_names), list(directions)
+    def resume(self, saved: Results, source: Path, round_: int) -> None:
+        """Continue from the per-round totals up to ``round_`` of ``saved``, the results file ``source`` (resuming
+        a run); the per-client rows stay in the file, read again only by :meth:`participants`."""
+        totals, attrs = saved.table("ledger_totals"), saved.table_attrs["ledger_totals"]
+        self.message_names, self.directions = list(attrs["message_names"]), list(attrs["directions"])
         keep = totals["round"] <= round_
         self.train_bytes = int(totals["bytes"][keep & (totals["stage"] == STAGES.index("train"))].sum())
         self.source = (Path(source), round_)

@@ -53,6 +53,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from mpifl.comm.config import PrivacyConfig
+from mpifl.comm.ledger import STAGES, Ledger
 from mpifl.schema import ConfigError
 
 _NOISE_TAG = 0x6E6F6973  # "nois": the DP noise's own stream
@@ -162,6 +163,13 @@ class PrivacyAccountant:
         self._unit = pld.from_gaussian_mechanism(gaussian.noise_multiplier, neighboring_relation=rel,
                                                  sampling_prob=self._event.sampling_probability if sampled else 1.0)
         self._pld = pld.identity()
+
+    def resume(self, ledger: Ledger, round_: int) -> None:
+        """ε up to ``round_`` again, every round with the clients that uploaded in it (read from ``ledger``,
+        resumed from the run's results file)."""
+        train_uploads = ledger.participants(STAGES.index("train"), "up")
+        for past in range(1, round_ + 1):
+            self.step(train_uploads.get(past, np.zeros(0, np.int64)))
 
     def step(self, participants: np.ndarray) -> float:
         """Account one round (``participants``: the ids that took part; local mode counts them) and return ε at

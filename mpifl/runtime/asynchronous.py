@@ -17,29 +17,32 @@ clients online at that time. The ledger counts a client's messages in the round 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from mpifl.algorithms.base import AsynchronousProtocol, EventDrivenServer
-from mpifl.comm import Message, Placement
+from mpifl.comm import Message
+from mpifl.results import Results
 from mpifl.runtime.cohort import CohortSelection
 from mpifl.runtime.faults import FaultModel
+from mpifl.runtime.rank import RankContext
 from mpifl.runtime.roundlog import TELEMETRY_FIELDS, RoundLog
 from mpifl.runtime.simtime import SimulatedTime
-from mpifl.runtime.timing import RankTimes
 from mpifl.runtime.walker import PlanWalker
+from mpifl.schema import ConfigError
 
 DISPATCH_TAG = 0x64697370
 
 
 class AsynchronousRounds:
-    def __init__(self, protocol: AsynchronousProtocol, server: EventDrivenServer | None, walker: PlanWalker,
-                 cohorts: CohortSelection, faults: FaultModel, simtime: SimulatedTime, log: RoundLog,
-                 placement: Placement, times: RankTimes, end_round: Callable[[], None]):
-        self.protocol, self.server, self.walker, self.cohorts = protocol, server, walker, cohorts
-        self.faults, self.simtime, self.log, self.placement, self.times = faults, simtime, log, placement, times
-        self.end_round = end_round  # what the engine does after every walk
+    def __init__(self, rank: RankContext, protocol: AsynchronousProtocol, walker: PlanWalker, cohorts: CohortSelection,
+                 faults: FaultModel, simtime: SimulatedTime, log: RoundLog):
+        server = rank.server
+        if server is not None and not isinstance(server, EventDrivenServer):
+            raise ConfigError(f"algorithm {server.ctx.cfg.algorithm}: an asynchronous protocol needs an "
+                              "EventDrivenServer")
+        self.rank, self.protocol, self.server, self.walker, self.cohorts = rank, protocol, server, walker, cohorts
+        self.faults, self.simtime, self.log, self.times = faults, simtime, log, rank.times
         # [step complete?, the dispatched clients, -1 padding]: the server's decision, on every rank
         self.decision_msg = Message("dispatch", "down", protocol.concurrency + 1, "int64", broadcast=True,
                                     logical=False)
@@ -56,15 +59,18 @@ class AsynchronousRounds:
                 dispatched.append(clients)
                 walk = self.walker.walk(round_, "train", plan, clients)
                 rejected += walk.rejected
-                self.end_round()
+                self.rank.end_round()
                 gathered = self.log.telemetry(round_, walk)
                 telemetry.append(gathered if gathered is not None else np.zeros((0, len(TELEMETRY_FIELDS))))
         if server is None:
             return
         self.log.record(round_, start, self.times.server - server_before, server.now_s - clock_before,
                         np.concatenate(telemetry) if telemetry else np.zeros((0, len(TELEMETRY_FIELDS))),
-                        np.concatenate(dispatched) if dispatched else np.zeros(0, np.int64), self.placement,
-                        rejected, sim_clock_s=server.now_s)
+                        np.concatenate(dispatched) if dispatched else np.zeros(0, np.int64),
+                        self.rank.transport.placement, rejected, sim_clock_s=server.now_s)
+
+    def resume(self, saved: Results, round_: int) -> None:
+        """Nothing to do: the clock and the events in flight are the server's state, restored with its checkpoint."""
 
     def _next_dispatch(self, round_: int) -> np.ndarray | None:
         """The clients the server dispatches at its next event (maybe none: all of them dropped out), or ``None``

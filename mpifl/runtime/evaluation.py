@@ -6,26 +6,24 @@ gathered on rank 0 and pooled into the evaluation row."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, ServerAlgorithm, Stage, StepContext, require
+from mpifl.algorithms.base import EvalLayout, Protocol, Stage, StepContext, require
 from mpifl.comm import Message, Step
 from mpifl.data import FederatedLayout
+from mpifl.runtime.rank import RankContext
 from mpifl.runtime.recorder import Recorder
-from mpifl.runtime.timing import RankTimes
 from mpifl.runtime.walker import PlanWalker
 
 
 class Evaluation:
-    def __init__(self, layout: FederatedLayout, eval_layout: EvalLayout, chunk: int, protocol: Protocol,
-                 walker: PlanWalker, sides: tuple[ServerAlgorithm | None, ClientAlgorithm | None],
-                 recorder: Recorder, times: RankTimes, between_uses: Callable[[], None]):
+    def __init__(self, rank: RankContext, layout: FederatedLayout, eval_layout: EvalLayout, chunk: int,
+                 protocol: Protocol, walker: PlanWalker, recorder: Recorder):
         self.layout, self.eval_layout, self.chunk, self.protocol = layout, eval_layout, chunk, protocol
-        self.walker, self.transport, self.recorder, self.times = walker, walker.transport, recorder, times
-        self.server, self.client = sides
-        self.between_uses = between_uses  # frees what a chunk's clients held (their data beyond the budget)
+        self.rank, self.walker, self.recorder = rank, walker, recorder
+        self.server, self.client = rank.server, rank.client
         self.msg = Message("eval_metrics", "up", eval_layout.width, "float64", logical=False)
 
     def run(self, round_: int) -> None:
@@ -36,17 +34,17 @@ class Evaluation:
         blocks = [self._evaluate(round_, chunk) for chunk in self._chunks(np.arange(self.layout.num_clients))]
         if self.client is not None:
             self.client.end_round()
-        self.between_uses()
+        self.rank.release_data()
         if self.server is None:
             return
         rows = np.concatenate([require(block, "the gathered evaluation") for block in blocks])
-        self.recorder.record_evaluation(round_, rows, self.walker.ledger.train_bytes, self.server.eval_metrics())
+        self.recorder.record_evaluation(round_, rows, self.rank.ledger.train_bytes, self.server.eval_metrics())
         self.server.end_evaluation()
 
     def _walk_chunks(self, round_: int, stage: Stage, plan: Sequence[Step], clients: np.ndarray) -> None:
         for chunk in self._chunks(clients) if plan else ():
             self.walker.walk(round_, stage, plan, chunk)
-            self.between_uses()
+            self.rank.release_data()
 
     def _chunks(self, clients: np.ndarray) -> list[np.ndarray]:
         size = self.chunk or max(len(clients), 1)
@@ -61,6 +59,6 @@ class Evaluation:
             step = StepContext(round_, "eval", clients)
             for i, client in enumerate(local):
                 rows[i] = self.client.evaluate(step, int(client), self.eval_layout)
-        self.times.evaluation += time.perf_counter() - start
-        self.between_uses()
-        return self.transport.up(round_, self.msg, rows, clients)
+        self.rank.times.evaluation += time.perf_counter() - start
+        self.rank.release_data()
+        return self.rank.transport.up(round_, self.msg, rows, clients)

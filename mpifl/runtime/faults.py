@@ -8,6 +8,7 @@ never from measured wall time, so the outcome is the same for every rank count a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,3 +64,10 @@ class FaultModel:
         draws = np.array([np.random.default_rng([self.seed, _CORRUPT_TAG, round_, int(c)]).random()
                           for c in clients])
         return draws < self.cfg.corrupt
+
+
+def inject_fault(rank: int, round_: int) -> None:
+    """Resilience drills: ``MPIFL_INJECT_FAULT=RANK:ROUND`` makes that rank raise at that round."""
+    spec = os.environ.get("MPIFL_INJECT_FAULT")
+    if spec and spec == f"{rank}:{round_}":
+        raise RuntimeError(f"fault injected by MPIFL_INJECT_FAULT={spec}")

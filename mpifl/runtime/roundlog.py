@@ -8,9 +8,8 @@ import time
 
 import numpy as np
 
-from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm
-from mpifl.comm import Message, Placement, Transport
-from mpifl.comm.ledger import Ledger
+from mpifl.comm import Message, Placement
+from mpifl.runtime.rank import RankContext
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.walker import Walk
 
@@ -18,10 +17,9 @@ TELEMETRY_FIELDS = ("compute_s", "train_loss")
 
 
 class RoundLog:
-    def __init__(self, transport: Transport, ledger: Ledger, server: ServerAlgorithm | None,
-                 client: ClientAlgorithm | None, recorder: Recorder, samples_per_round: np.ndarray):
-        self.transport, self.ledger, self.server, self.client, self.recorder = transport, ledger, server, client, recorder
-        self.samples = samples_per_round
+    def __init__(self, rank: RankContext, recorder: Recorder, samples_per_round: np.ndarray):
+        self.transport, self.ledger, self.server, self.client = rank.transport, rank.ledger, rank.server, rank.client
+        self.recorder, self.samples = recorder, samples_per_round
         self.msg = Message("telemetry", "up", len(TELEMETRY_FIELDS), "float64", logical=False)
 
     def telemetry(self, round_: int, walk: Walk) -> np.ndarray | None:

@@ -19,6 +19,7 @@ import numpy as np
 from mpifl.comm import Message, Step
 from mpifl.comm.network import NetworkModel
 from mpifl.comm.wire import WireFormat
+from mpifl.results import Results
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,12 @@ class SimulatedTime:
     def _finish(self, clients: np.ndarray, t: Traffic, compute: np.ndarray) -> np.ndarray:
         return self.network.round_seconds(clients, t.down_bytes, t.down_messages, t.up_bytes, t.up_messages,
                                           compute, t.broadcast_bytes)
+
+    def resume(self, saved: Results, round_: int) -> None:
+        """Rank 0: the clock as the run in ``saved`` summed it up to ``round_``."""
+        rounds = saved.table("rounds")
+        for seconds in rounds["sim_time_s"][rounds["round"] <= round_]:
+            self.now_s += float(seconds)
 
     def advance(self, start_s: float, server_s: float, clients_s: float) -> float:
         """Move the clock past a round that started at ``start_s`` (later than the clock when the server waited

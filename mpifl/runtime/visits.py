@@ -18,11 +18,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from mpifl.algorithms.state import ClientState, pack_states, unpack_states
-from mpifl.comm import Placement, Transport
+from mpifl.algorithms.state import pack_states, unpack_states
+from mpifl.comm import Placement
 from mpifl.comm.transport import exchange_names
-from mpifl.runtime.store import ClientStore
-from mpifl.runtime.timing import RankTimes
+from mpifl.runtime.rank import RankContext
 
 OUTWARD, HOMEWARD = "visitor_state", "visitor_state_home"  # the two exchanges' names in the physical log
 
@@ -31,9 +30,9 @@ class Visits:
     """Where a round's clients compute: at home (static placement), or (``dynamic``) re-spread over the workers
     by their planned samples, visitors taking their state along."""
 
-    def __init__(self, transport: Transport, home: Placement, store: ClientStore | None, state: ClientState | None,
-                 times: RankTimes, dynamic: bool = False, samples: np.ndarray | None = None):
-        self.transport, self.home, self.store, self.state, self.times = transport, home, store, state, times
+    def __init__(self, rank: RankContext, home: Placement, dynamic: bool = False, samples: np.ndarray | None = None):
+        self.transport, self.home, self.store, self.times = rank.transport, home, rank.store, rank.times
+        self.state = rank.client.state if rank.client is not None else None
         self.dynamic, self.samples = dynamic, samples
         self.visitors = np.zeros(0, dtype=np.int64)
         self.moved_states = 0  # visits that took a client's state along (counted on the way out)

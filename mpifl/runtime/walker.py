@@ -16,15 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.algorithms.base import ClientAlgorithm, ServerAlgorithm, Stage, StepContext, require
+from mpifl.algorithms.base import Stage, StepContext, require
 from mpifl.comm import LocalCompute, Message, Step, Transport
 from mpifl.comm.distributed_sum import DistributedSum
-from mpifl.comm.ledger import Ledger
 from mpifl.comm.messages import SumWeights
-from mpifl.comm.wire import BROADCAST, WireFormat
+from mpifl.comm.wire import BROADCAST
 from mpifl.runtime.faults import FaultModel
-from mpifl.runtime.store import ClientStore
-from mpifl.runtime.timing import RankTimes
+from mpifl.runtime.rank import RankContext
 
 FOLD_CHUNK = 16
 """A local step followed by an upload runs this many clients at a time, each client's rows sent (and a summed
@@ -97,12 +95,11 @@ class PlanWalker:
     """Moves a plan's messages for one rank: the server's side on rank 0, the hosted clients' side on
     workers (both when the job has one rank)."""
 
-    def __init__(self, transport: Transport, ledger: Ledger, server: ServerAlgorithm | None,
-                 client: ClientAlgorithm | None, store: ClientStore | None, faults: FaultModel, times: RankTimes,
-                 wire: WireFormat | None = None, sum_weights: Callable[[SumWeights, np.ndarray], np.ndarray] | None = None):
-        self.transport, self.ledger, self.server, self.client, self.store = transport, ledger, server, client, store
-        self.wire = wire or WireFormat()
-        self.faults, self.times = faults, times
+    def __init__(self, rank: RankContext, faults: FaultModel,
+                 sum_weights: Callable[[SumWeights, np.ndarray], np.ndarray] | None = None):
+        self.transport, self.ledger, self.wire, self.times = rank.transport, rank.ledger, rank.wire, rank.times
+        self.server, self.client, self.store = rank.server, rank.client, rank.store
+        self.faults = faults
         # what a summed message weighs each client's row by (RunContext.sum_weights; one each by default)
         self.sum_weights = sum_weights or (lambda rule, clients: np.ones(len(clients)))
 

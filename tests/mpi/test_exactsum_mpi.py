@@ -93,9 +93,9 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     group's sum is the correctly rounded exact sum, bit for bit."""
     from mpi4py import MPI
 
+    from mpifl.comm.distributed_sum import DistributedSum
     from mpifl.comm.messages import Message
     from mpifl.comm.placement import Placement
-    from mpifl.comm.distributed_sum import DistributedSum
     from mpifl.comm.transport import Transport
 
     comm = MPI.COMM_WORLD
