@@ -65,7 +65,7 @@ def known_algorithms() -> list[str]:
 @cache
 def get_algorithm(name: str) -> AlgorithmEntry:
     """The algorithm ``name``: built in, else a plug-in, checked here (a ConfigError if it is not one)."""
-    no_options = _load("base.NoOptions")
+    no_options = _load("context.NoOptions")
     if name in _REGISTRY:
         options, server, client = _REGISTRY[name]
         return AlgorithmEntry(name, _load(options) if options else no_options, _load(server), _load(client))

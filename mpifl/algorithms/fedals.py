@@ -39,15 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Handler,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-)
+from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import (
     GradientMean,
@@ -57,7 +49,8 @@ from mpifl.algorithms.scaffold import (
     update_control,
 )
 from mpifl.algorithms.state import ClientState, StateDict
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models.flat import layer_groups
 from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.schema import ConfigError, limits
@@ -257,7 +250,7 @@ class FedALSServer(ServerAlgorithm):
         return metrics
 
 
-class FedALSClient(ClientAlgorithm):
+class FedALSClient(ClientToolkit):
     """Client state: ``model`` θₖ, ``reference`` (each part as last received), ``steps`` (local steps since
     each part's reference), and as configured ``momentum``, ``control`` cₖ, ``global_control`` (c as last
     received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺)."""

@@ -24,16 +24,14 @@ from torch import nn
 from mpifl.algorithms.base import (
     AsynchronousOptions,
     AsynchronousProtocol,
-    ClientAlgorithm,
     EventDrivenServer,
     Handler,
     RunContext,
     StepContext,
-    require,
-    send_from,
 )
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit, send_from
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.schema import limits
 
 
@@ -108,7 +106,7 @@ class FedAsyncServer(EventDrivenServer):
         return {"global_model": self.params}
 
 
-class FedAsyncClient(ClientAlgorithm):
+class FedAsyncClient(ClientToolkit):
     """Local SGD from the downloaded model; the trained model goes up."""
 
     protocol_type = FedAsyncProtocol

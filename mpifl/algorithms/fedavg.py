@@ -13,17 +13,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Handler,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-)
+from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.training.sgd import GradHook
 from mpifl.training.vectorized import VectorizedSGD
 
@@ -118,7 +111,7 @@ class FedAvgServer(ServerAlgorithm):
         return {"global_model": self.params}
 
 
-class DeltaClient(ClientAlgorithm):
+class DeltaClient(ClientToolkit):
     """The client side of a FedAvg-style plan: each participant receives its start point (``model_msg``),
     trains, and sends its delta (``delta_msg``); ``eval_msg`` brings the parameters evaluation starts from."""
 

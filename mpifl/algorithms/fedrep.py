@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require
+from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
-from mpifl.comm.messages import Message
+from mpifl.comm.messages import Message, require
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_floats

@@ -14,18 +14,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Handler,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-)
+from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
@@ -103,7 +96,7 @@ class IFCAServer(ServerAlgorithm):
         return {"cluster_models": self.params}
 
 
-class IFCAClient(ClientAlgorithm):
+class IFCAClient(ClientToolkit):
     protocol_type: type[IFCAProtocol] = IFCAProtocol
     protocol: IFCAProtocol
     scratch: tuple[str, ...] = ("chosen", "deltas")

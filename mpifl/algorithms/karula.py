@@ -27,16 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Handler,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-    send_from,
-)
+from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.dissimilarity import (
     Metric,
     data_points,
@@ -48,7 +39,8 @@ from mpifl.algorithms.dissimilarity import (
 )
 from mpifl.algorithms.projection import Projector, Solver, pair_indices
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit, send_from
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout, build_federated_dataset
 from mpifl.schema import ConfigError, limits
@@ -274,7 +266,7 @@ class KarulaServer(ServerAlgorithm):
         return {"personal_models": self.theta, **dissimilarity}
 
 
-class KarulaClient(ClientAlgorithm):
+class KarulaClient(ClientToolkit):
     protocol_type: type[KarulaProtocol] = KarulaProtocol
     protocol: KarulaProtocol
     scratch: tuple[str, ...] = ("models", "embeddings", "initial_grads", "curvatures", "grads")

@@ -18,8 +18,9 @@ from typing import Literal
 import numpy as np
 from torch import nn
 
-from mpifl.algorithms.base import ClientAlgorithm, Protocol, RunContext, ServerAlgorithm, StepContext
+from mpifl.algorithms.base import Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
+from mpifl.algorithms.toolkit import ClientToolkit
 from mpifl.comm.messages import LOCAL, Step
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
@@ -65,7 +66,7 @@ class LocalServer(ServerAlgorithm):
     protocol: LocalProtocol
 
 
-class LocalClient(ClientAlgorithm):
+class LocalClient(ClientToolkit):
     protocol_type: type[LocalProtocol] = LocalProtocol
     protocol: LocalProtocol
 

@@ -25,17 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    Handler,
-    Protocol,
-    RunContext,
-    ServerAlgorithm,
-    StepContext,
-    require,
-)
+from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
 from mpifl.models.reductions import l2_norm
@@ -323,7 +316,7 @@ class MaskedLogits(nn.Module):
         return self.model(x) * self.present
 
 
-class HyperClient(ClientAlgorithm):
+class HyperClient(ClientToolkit):
     """A stateless client of a hypernetwork algorithm: trains the personal model it is sent and returns
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext, require
+from mpifl.algorithms.base import Handler, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.pefll import HyperClient, HyperOptions, HyperProtocol, clip_, rows_of, rowwise
 from mpifl.algorithms.state import ClientState
-from mpifl.comm.messages import LOCAL, Message, Step
+from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
 from mpifl.schema import limits

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpifl.algorithms.base import RunContext, StepContext, require
+from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
-from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step
+from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step, require
 from mpifl.schema import limits
 from mpifl.training.device import host_floats, host_numpy
 from mpifl.training.sgd import client_generator, training_batches

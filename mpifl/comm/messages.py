@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class Message:
     A ``summed`` up message is one the server needs only as Σᵢ weightᵢ·rowᵢ over the accepted clients (a FedAvg
     delta): each worker folds its clients' rows into an exact running total as they finish and one reduction
     brings the total to rank 0 (:mod:`mpifl.comm.exactsum`), so no rank holds every client's row (where each
-    worker hosts only a few, their rows travel instead, cheaper and with the same bits: ``Transport.reduce_sum``).
+    worker hosts only a few, their rows travel instead, cheaper and with the same bits: :class:`~mpifl.comm.distributed_sum.DistributedSum`).
     ``groups`` sums side by side (IFCA: one per cluster; each client's row goes into the one its client side
     names).
     """
@@ -87,3 +87,13 @@ class LocalCompute:
 LOCAL = LocalCompute()
 EVERYONE_LOCAL = LocalCompute(everyone=True)
 Step = Message | LocalCompute
+
+T = TypeVar("T")
+
+
+def require(value: T | None, what: str) -> T:
+    """``value``, which an earlier step of the plan must have set; ``None`` means the steps came out of
+    order (an algorithm bug, reported as such)."""
+    if value is None:
+        raise RuntimeError(f"{what} is missing: the plan's steps came out of order")
+    return value

@@ -35,6 +35,8 @@ from mpifl.state_io import (
     write_server_shard,
 )
 
+RUNTIME = "runtime"  # marks the manifest entry of the rounds' own state (rank 0's asynchronous events)
+
 
 def shard_name(round_: int, rank: int) -> str:
     return f"round{round_}-rank{rank}.h5"
@@ -44,13 +46,18 @@ def server_shard_name(round_: int) -> str:
     return f"round{round_}-server.h5"
 
 
+def runtime_shard_name(round_: int) -> str:
+    return f"round{round_}-runtime.h5"
+
+
 class Checkpointer:
     def __init__(self, transport: Transport, times: RankTimes, output: Path, keep: int):
         self.transport, self.times, self.output, self.keep = transport, times, output, keep
         self.latest: dict[str, Any] | None = None  # rank 0: {"round": r, "blobs": {SHARDS: ..., KEPT: ...}}
         self.kept: list[dict[str, Any]] = []  # rank 0: the older checkpoints still kept ({"round", "shards"})
 
-    def take(self, round_: int, server: ServerAlgorithm | None, state: ClientState | None) -> None:
+    def take(self, round_: int, server: ServerAlgorithm | None, state: ClientState | None,
+             runtime: object | None = None) -> None:
         """Every rank with client state writes it to its own shard file beside the results file, client by
         client, and the server its own state to a file there too; the server learns only each shard's size (a
         small collective), then keeps the manifest, which goes into the next results write and commits the
@@ -69,6 +76,10 @@ class Checkpointer:
         start = time.perf_counter()
         server_bytes = write_server_shard(folder / server_shard_name(round_), server)
         manifest = [{"rank": 0, "file": server_shard_name(round_), "bytes": server_bytes, "server": True}]
+        if runtime is not None:  # the rounds' own state on rank 0 (the asynchronous events), a file of its own
+            runtime_bytes = write_server_shard(folder / runtime_shard_name(round_), runtime)
+            manifest.append({"rank": 0, "file": runtime_shard_name(round_), "bytes": runtime_bytes, "server": True,
+                             RUNTIME: True})
         manifest += [{"rank": rank, "file": shard_name(round_, rank), "bytes": int(size.view(np.int64)[0])}
                      for rank, size in enumerate(sizes) if size.view(np.int64)[0] >= 0]
         if self.latest is not None and self.latest["round"] != round_:
@@ -78,11 +89,12 @@ class Checkpointer:
         self.times.serialization += time.perf_counter() - start
 
     def load(self, path: Path, cfg: RunConfig, server: ServerAlgorithm | None, state: ClientState | None,
-             clients: np.ndarray) -> tuple[int, Results]:
+             clients: np.ndarray, runtime: object | None = None) -> tuple[int, Results]:
         """Load the newest checkpoint in ``path`` whose files are all there (the newest, unless its files were
-        lost) into this rank (the server's state, or the states of ``clients``, the ones this rank hosts);
-        returns its round and the saved results (for rank 0's tables). The config must be the one the file was
-        written with (its ``rounds``, ``output``, memory settings and ``checkpoint_keep`` may change)."""
+        lost) into this rank (the server's state and the rounds' own state ``runtime``, or the states of
+        ``clients``, the ones this rank hosts); returns its round and the saved results (for rank 0's tables). The
+        config must be the one the file was written with (its ``rounds``, ``output``, memory settings and
+        ``checkpoint_keep`` may change)."""
         import yaml
 
         saved = read_checkpoint(path)
@@ -105,10 +117,12 @@ class Checkpointer:
         if round_ >= cfg.rounds:
             raise ConfigError(f"--resume: {path} is already at round {round_} of {cfg.rounds}")
         if server is not None:
-            load_server_state(path, blobs, entries, server)
+            load_server_state(path, blobs, entries, server)  # the first entry of rank 0's: the server's
             position = [r for r, _ in listed].index(round_)
             self.kept = [{"round": r, "shards": e} for r, e in listed[position + 1:]][: self.keep - 1]
             self.latest = {"round": round_, "blobs": {SHARDS: _json_blob(entries), KEPT: _json_blob(self.kept)}}
+        if runtime is not None:
+            load_server_state(path, {}, [e for e in entries if e.get(RUNTIME)], runtime)
         if state is not None:
             load_client_states(path, dict(blobs), entries, state, clients)
         return round_, saved

@@ -24,9 +24,9 @@ from mpifl.algorithms.base import (
     RunContext,
     ServerAlgorithm,
     check_handlers,
-    require,
 )
 from mpifl.comm import Ledger, Placement, Transport
+from mpifl.comm.messages import require
 from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import PrivacyAccountant
 from mpifl.config import RunConfig
@@ -138,7 +138,7 @@ class Engine:
         it (the tables, the ledger, the rounds' clocks and privacy accountant)."""
         state = self.client.state if self.client is not None else None
         round_, saved = self.checkpointer.load(self.output, self.cfg, self.server, state,
-                                               self.placement.clients_of(self.rank))
+                                               self.placement.clients_of(self.rank), self.rounds.checkpointed)
         self.start_round = round_ + 1
         if self.server is None:  # the tables and the ledger are the server's alone
             return
@@ -170,7 +170,8 @@ class Engine:
             if evaluation:
                 self.evaluation.run(round_)
             if checkpoint:
-                self.checkpointer.take(round_, self.server, self.client.state if self.client else None)
+                state = self.client.state if self.client else None
+                self.checkpointer.take(round_, self.server, state, self.rounds.checkpointed)
             if self.server is not None:
                 self._report(round_, evaluation and progress, heartbeat)
                 if evaluation or checkpoint:

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mpifl.algorithms.base import EvalLayout, Protocol, Stage, StepContext, require
+from mpifl.algorithms.base import EvalLayout, Protocol, Stage, StepContext
 from mpifl.comm import Message, Step
+from mpifl.comm.messages import require
 from mpifl.data import FederatedLayout
 from mpifl.runtime.rank import RankContext
 from mpifl.runtime.recorder import Recorder

@@ -26,6 +26,8 @@ from mpifl.runtime.walker import PlanWalker, Walk
 
 
 class SynchronousRounds:
+    checkpointed = None  # what a checkpoint holds of this part beyond the algorithm's state: nothing
+
     def __init__(self, rank: RankContext, protocol: Protocol, walker: PlanWalker, cohorts: CohortSelection,
                  visits: Visits, simtime: SimulatedTime, log: RoundLog, accountant: PrivacyAccountant | None):
         self.rank, self.protocol, self.walker, self.cohorts, self.visits = rank, protocol, walker, cohorts, visits

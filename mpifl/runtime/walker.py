@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from mpifl.algorithms.base import Stage, StepContext, require
+from mpifl.algorithms.base import Stage, StepContext
 from mpifl.comm import LocalCompute, Message, Step, Transport
 from mpifl.comm.distributed_sum import DistributedSum
-from mpifl.comm.messages import SumWeights
+from mpifl.comm.messages import SumWeights, require
 from mpifl.comm.wire import BROADCAST
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.rank import RankContext

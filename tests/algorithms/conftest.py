@@ -120,7 +120,7 @@ def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, cl
                 client.receive(step, here, int(c), row)
         else:
             rows = np.stack([np.array(client.send(step, here, int(c))) for c in targets])
-            if step.summed is not None and step.groups > 1:  # each client's row into its group's sum
+            if step.summed is not None:  # each client's row into its group's sum, as the runtime adds them
                 group = np.array([client.sum_group(step, int(c)) for c in targets])
                 weights = server.ctx.sum_weights(step.summed, targets)
                 server.consume_sum(step, here, np.stack([

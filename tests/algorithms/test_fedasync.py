@@ -7,6 +7,7 @@ import pytest
 
 from mpifl.algorithms.base import StepContext
 from mpifl.results import read_results
+from mpifl.runtime.asynchronous import Events
 from tests.algorithms.conftest import _merge, both_sides
 from tests.conftest import run_engine
 from tests.test_checkpoint import CONFIGS
@@ -15,14 +16,22 @@ FEDASYNC = CONFIGS["fedasync"]
 
 
 def server_with(**options):  # noqa: ANN003, ANN201
+    """The server, with rank 0's events beside it (``server.events``, as the runtime keeps them)."""
     _, server, _ = both_sides(_merge(FEDASYNC, {"fedasync": options}))
     server.params = np.array([1.0, -2.0, 4.0, 0.5], dtype=np.float32)  # a model small enough to mix by hand
+    server.events = Events(server.protocol.concurrency)
     return server
+
+
+def next_arrival(server) -> bool:  # noqa: ANN001
+    """The runtime's arrival: the clock moves to the next client in flight, whose upload the server takes."""
+    return server.arrive(server.events.arrive())
 
 
 def arrive(server, client: int, at: float, model: list[float] | None) -> None:  # noqa: ANN001
     """Dispatch ``client`` now, deliver its model (``None``: it never comes), and take its arrival."""
-    server.dispatch(np.array([client]), np.array([at]))
+    server.events.dispatch(np.array([client]), np.array([at]))
+    server.dispatch(np.array([client]))
     if model is not None:
         server.consume(server.protocol.upload_msg, StepContext(1, "train", np.array([client])),
                        np.array([model], dtype=np.float32))
@@ -35,9 +44,9 @@ def test_polynomial_staleness_by_hand():
     server = server_with(alpha=0.5, staleness="polynomial", a=0.5)
     arrive(server, 1, 3.0, [-2.0, 2.0, 2.0, 2.5])
     arrive(server, 2, 1.0, [3.0, 0.0, 0.0, 0.5])
-    assert server.arrive() and server.now_s == 1.0 and server.version == 1
+    assert next_arrival(server) and server.events.now_s == 1.0 and server.version == 1
     assert server.params.tolist() == [2.0, -1.0, 2.0, 0.5]
-    assert server.arrive() and server.now_s == 3.0 and server.version == 2
+    assert next_arrival(server) and server.events.now_s == 3.0 and server.version == 2
     alpha = 0.35355339059327373
     expected = [2 - 4 * alpha, -1 + 3 * alpha, 2.0, 0.5 + 2 * alpha]  # θ + α_τ·(θᵢ − θ)
     assert server.params == pytest.approx(np.array(expected, dtype=np.float32), abs=2e-7)
@@ -53,9 +62,9 @@ def test_constant_and_hinge_staleness_by_hand(staleness, tau, weight):
     server = server_with(alpha=0.8, staleness=staleness, a=2.0, b=2)
     server.params = np.zeros(4, dtype=np.float32)
     server.version = tau  # the client downloaded version 0, τ steps ago
-    server.arrival_s[7], server.downloaded[7] = 1.0, 0
+    server.downloaded[7] = 0
     server.consume(server.protocol.upload_msg, StepContext(1, "train", np.array([7])), np.ones((1, 4), np.float32))
-    assert server.arrive()
+    assert server.arrive(7)
     assert server.params.tolist() == [np.float32(0.8 * weight)] * 4
 
 
@@ -63,7 +72,7 @@ def test_a_lost_model_is_a_step_that_changes_nothing():
     server = server_with()
     before = server.params.copy()
     arrive(server, 4, 2.0, None)
-    assert server.arrive() and server.version == 0 and np.array_equal(server.params, before)
+    assert next_arrival(server) and server.version == 0 and np.array_equal(server.params, before)
     assert np.isnan(server.round_metrics()["mixing_weight"]) and server.round_metrics()["updates_applied"] == 0
 
 

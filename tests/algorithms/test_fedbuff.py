@@ -8,12 +8,22 @@ import pytest
 from mpifl.algorithms.base import StepContext
 from mpifl.comm.network import NetworkModel
 from mpifl.registry import parse_config
-from mpifl.runtime.asynchronous import DISPATCH_TAG
+from mpifl.runtime.asynchronous import DISPATCH_TAG, Events
 from tests.algorithms.conftest import SHARDS, _merge, both_sides
 from tests.conftest import run_mpifl
 from tests.test_checkpoint import CONFIGS
 
 FEDBUFF = CONFIGS["fedbuff"]
+
+
+def _event_driven(server, events):  # noqa: ANN001, ANN202
+    """What the runtime does at a dispatch and at an arrival, for ``server`` and rank 0's ``events``."""
+
+    def dispatch(clients: list[int], arrival_s: list[float]) -> None:
+        events.dispatch(np.array(clients), np.array(arrival_s))
+        server.dispatch(np.array(clients))
+
+    return dispatch, lambda: server.arrive(events.arrive())
 
 
 def test_buffer_staleness_and_lost_updates_by_hand():
@@ -31,24 +41,26 @@ def test_buffer_staleness_and_lost_updates_by_hand():
         acc += weight * delta.astype(np.float64)  # weighted_sum accumulates in float64
         return (expected + 1.0 * acc).astype(np.float32)
 
-    server.dispatch(np.array([1, 2]), np.array([3.0, 1.0]))
+    events = Events(server.protocol.concurrency)
+    dispatch, arrive = _event_driven(server, events)
+    dispatch([1, 2], [3.0, 1.0])
     server.consume(msg, StepContext(1, "train", np.array([1, 2])), np.stack([d[1], d[2]]))
-    assert server.next_arrival() == (2, 1.0)
-    assert server.arrive() and server.now_s == 1.0 and server.version == 1
+    assert events.next_arrival() == (2, 1.0)
+    assert arrive() and events.now_s == 1.0 and server.version == 1
     expected = step(d[2], 1.0)
     assert np.array_equal(server.params, expected)
-    server.dispatch(np.array([3]), np.array([2.0]))
+    dispatch([3], [2.0])
     server.consume(msg, StepContext(2, "train", np.array([3])), d[3][None])
-    assert server.arrive() and server.now_s == 2.0
+    assert arrive() and events.now_s == 2.0
     expected = step(d[3], 1.0)
-    server.dispatch(np.array([4]), np.array([5.0]))  # no consume: its upload was lost
-    assert server.arrive() and server.now_s == 3.0 and server.version == 3
+    dispatch([4], [5.0])  # no consume: its upload was lost
+    assert arrive() and events.now_s == 3.0 and server.version == 3
     expected = step(d[1], 3.0 ** -0.5)
     assert np.array_equal(server.params, expected)
     assert server.round_metrics()["staleness_max"] == 2
-    assert server.arrive() and server.now_s == 5.0 and server.version == 3
+    assert arrive() and events.now_s == 5.0 and server.version == 3
     assert np.array_equal(server.params, expected) and server.round_metrics()["updates_applied"] == 0
-    assert server.free_slots == server.protocol.concurrency and not len(server.in_flight())
+    assert events.free_slots == server.protocol.concurrency and not len(events.in_flight())
 
 
 def test_a_step_averages_its_k_updates_over_k():
@@ -57,17 +69,19 @@ def test_a_step_averages_its_k_updates_over_k():
     msg = server.protocol.delta_msg
     a, b, c = (np.full(server.params.size, v, dtype=np.float32) for v in (0.5, 3.0, -1.0))
     start = server.params.copy()
-    server.dispatch(np.array([0, 1]), np.array([1.0, 4.0]))
+    events = Events(server.protocol.concurrency)
+    dispatch, arrive = _event_driven(server, events)
+    dispatch([0, 1], [1.0, 4.0])
     server.consume(msg, StepContext(1, "train", np.array([0, 1])), np.stack([a, b]))
-    assert not server.arrive()
-    server.dispatch(np.array([2]), np.array([2.0]))
+    assert not arrive()
+    dispatch([2], [2.0])
     server.consume(msg, StepContext(1, "train", np.array([2])), c[None])
-    assert server.arrive() and server.version == 1  # 0 and 2 arrived, both fresh: (a + c)/2
+    assert arrive() and server.version == 1  # 0 and 2 arrived, both fresh: (a + c)/2
     assert np.allclose(server.params, start + (0.5 - 1.0) / 2, rtol=0, atol=1e-6)
-    server.dispatch(np.array([3]), np.array([9.0]))
+    dispatch([3], [9.0])
     server.consume(msg, StepContext(2, "train", np.array([3])), a[None])
-    assert not server.arrive()  # client 1 at 4 s, one step stale: weight 1/2
-    assert server.arrive() and server.now_s == 9.0  # client 3, fresh
+    assert not arrive()  # client 1 at 4 s, one step stale: weight 1/2
+    assert arrive() and events.now_s == 9.0  # client 3, fresh
     assert np.allclose(server.params, start - 0.25 + (3.0 / 2 + 0.5) / 2, rtol=0, atol=1e-6)
 
 
