@@ -143,3 +143,12 @@ def test_the_config_layer_imports_no_algorithm():
             "if m.startswith('mpifl.algorithms') or m == 'mpifl.registry'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_reading_a_config_loads_neither_torch_nor_h5py_nor_mpi():
+    """A fresh interpreter imports mpifl.config alone: the package __init__ files it passes through hand their
+    names on lazily, so nothing heavy comes along (import-linter's contract sees imports, not __init__ files)."""
+    code = "import sys, mpifl.config; print(sorted(m for m in ('torch', 'h5py', 'mpi4py') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Model registry: builds the configured architecture for a dataset's input shape and task."""
+"""Building the configured architecture for a dataset's input shape and task, its weights drawn from the seed."""
 
 from __future__ import annotations
 
