@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from mpifl.algorithms.context import EvalLayout, RunContext, Stage, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message, Step
-from mpifl.schema import ConfigError, limits
+from mpifl.schema import ConfigError
 from mpifl.training.sgd import planned_samples
 from mpifl.training.tensors import TensorSplit
 
@@ -178,13 +177,6 @@ class ServerAlgorithm(_Handles):
     def final_state(self) -> dict[str, np.ndarray]:
         """Server arrays stored in the results file at the end (e.g. the global model)."""
         return {}
-
-
-@dataclass(frozen=True)
-class AsynchronousOptions:
-    """The options every asynchronous algorithm has."""
-
-    concurrency: int = field(default=0, metadata=limits(ge=0))  # clients training at once; 0: clients_per_round
 
 
 class AsynchronousProtocol(Protocol):

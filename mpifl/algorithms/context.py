@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -14,6 +14,7 @@ from mpifl.comm.messages import SumWeights
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model
+from mpifl.schema import limits
 from mpifl.training.sgd import EVAL_FIELDS
 
 
@@ -108,3 +109,10 @@ class EvalLayout:
         """Each (model kind, data split)'s :data:`EVAL_FIELDS` columns of evaluation ``rows``."""
         width = len(EVAL_FIELDS)
         return [(pair, rows[:, k * width : (k + 1) * width]) for k, pair in enumerate(self.pairs)]
+
+
+@dataclass(frozen=True)
+class AsynchronousOptions:
+    """The options every asynchronous algorithm has."""
+
+    concurrency: int = field(default=0, metadata=limits(ge=0))  # clients training at once; 0: clients_per_round

@@ -22,13 +22,13 @@ import numpy as np
 from torch import nn
 
 from mpifl.algorithms.base import (
-    AsynchronousOptions,
     AsynchronousProtocol,
     EventDrivenServer,
     Handler,
     RunContext,
     StepContext,
 )
+from mpifl.algorithms.context import AsynchronousOptions
 from mpifl.algorithms.state import ClientState
 from mpifl.algorithms.toolkit import ClientToolkit, send_from
 from mpifl.comm.messages import LOCAL, Message, Step, require

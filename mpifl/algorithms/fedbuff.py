@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpifl.algorithms.base import (
-    AsynchronousOptions,
     AsynchronousProtocol,
     EventDrivenServer,
     Handler,
     RunContext,
 )
+from mpifl.algorithms.context import AsynchronousOptions
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.exactsum import exact_sum
 from mpifl.comm.messages import Message
