@@ -197,13 +197,13 @@ def test_checkpointer_round_trips_server_and_client_state(tmp_path):
                         np.zeros(dataset.layout.num_clients, np.int64))
     recorder.record_round({"round": 1, "train_loss": 0.5, "wall_time_s": 0.1})
     out = tmp_path / "r.h5"
-    checkpointer = Checkpointer(walker.transport, RankTimes(), out)
+    checkpointer = Checkpointer(walker.transport, RankTimes(), out, keep=2)
     checkpointer.take(1, server, client.state)
     recorder.write("running", walker.ledger, walker.transport.physical, checkpointer.latest, wait=True)
     _, _, fresh_server, fresh_client, _ = parts()
 
     def restore(cfg, server, state, clients):  # noqa: ANN001, ANN202
-        return Checkpointer(walker.transport, RankTimes(), out).load(out, cfg, server, state, clients)
+        return Checkpointer(walker.transport, RankTimes(), out, keep=2).load(out, cfg, server, state, clients)
 
     round_, saved = restore(cfg, fresh_server, fresh_client.state, np.arange(10))
     assert round_ == 1 and saved.table("rounds")["round"].tolist() == [1]
