@@ -1,30 +1,34 @@
-"""One command for a GPU machine: install, GPU tests, sync debug, every algorithm and model kind, GPU benchmarks.
+"""The check of a GPU machine: every algorithm and model kind on the GPU against its CPU, GPU benchmarks beside
+the same machine's CPU, the GPU tests, sync debug.
 
-    scripts/gpu_check.sh [--device cuda|cpu] [--wheelhouse DIR] [--out DIR] [--only STAGE[,STAGE...]] [--quick]
-                         [--jobs N] [--time-limit SECONDS] [--budget STAGE=SECONDS]... [--algorithms A,B]
-                         [--models M,N] [--work DIR]
+    scripts/gpu_check.sh [--device cuda|cpu] [--profile lease|rest] [--out DIR] [--only STAGE[,STAGE...]]
+                         [--quick] [--jobs N] [--time-limit SECONDS] [--budget STAGE=SECONDS]...
+                         [--algorithms A,B] [--models M,N] [--wheelhouse DIR] [--work DIR]
 
-Made for a GPU machine that reaches no network and is lent for minutes (docs/how-to/gpus.md, "Checking a GPU
-machine"): every failure should show in one run. The stages, in this order (``--only`` picks some; ``bench``
-is its three parts), each with a time budget (``--budget``) after which its remaining steps are not started and
-a running one is stopped:
+Made for a GPU machine that reaches no network and is lent for minutes: scripts/gpu_lease.sh installs what is
+missing, runs the MPI smoke test and the GPU tests, then this check with ``--profile lease`` (the first command
+of a lease) or ``--profile rest`` (the optional second); docs/how-to/gpus.md, "The lease recipe". The stages
+(``--only`` picks any; ``bench`` is its parts), each with a time budget (the profile's, or ``--budget``) after
+which its remaining steps are not started and a running one is stopped:
 
   install     mpifl's requirements in this interpreter: from ``--wheelhouse`` (scripts/setup.sh with
               MPIFL_INSTALL=current, and pytest-mpi if the wheelhouse has it) when any is missing; always run
   versions    python, torch, CUDA, cuDNN, the GPUs, numpy, mpi4py and the MPI library, mpirun; always run
-  tests       the tests marked ``cuda`` (``pytest -m cuda -rs``), and tests/mpi/test_device_mpi.py on 3 ranks
+  tests       the tests marked ``cuda`` (``pytest -m cuda -v``, stopped by SIGINT so that its JUnit file is
+              written), and tests/mpi/test_device_mpi.py on 3 ranks
   syncs       ``python -m mpifl.training.syncdebug --device DEVICE``
-  algorithms  every algorithm (tests/test_checkpoint.py's configs), 2 rounds on DEVICE with 1 and with 3 ranks
-              sharing it, each twice: exit codes, run to run and 1 vs 3 ranks bitwise, and the difference to the
-              same run on the CPU (PeFLL and pFedHN also with ``server.device`` DEVICE)
-  models      the same for FedAvg with each model kind of the sync check (not linear, char_lstm: they need
-              regression or token data), one client at a time and vectorized
+  algorithms  every algorithm (tests/test_checkpoint.py's configs), 2 rounds on DEVICE on 1 rank twice and on
+              3 ranks sharing it: exit codes, run to run and 1 vs 3 ranks bitwise, and the difference to the same
+              run on the CPU (PeFLL and pFedHN also with ``server.device`` DEVICE); Karula only where POT is
+  models      the same for FedAvg with the profile's model kinds, one client at a time and vectorized
   bench.w2, bench.b1, bench.server
-              benchmarks/bench_w2.py (1, 3, 5 and 9 ranks sharing the GPU), bench_vectorize.py's B1, and
-              bench_pefll_server.py (PeFLL's and pFedHN's server at c = 5, 50, 500 with server.device cpu and cuda)
+              benchmarks/bench_w2.py (the profile's ranks sharing the GPU), bench_vectorize.py's B1, and
+              bench_pefll_server.py (PeFLL's and pFedHN's server with server.device cpu and cuda)
+  bench.w2.cpu, bench.b1.cpu
+              W2 and B1 on this machine's CPU: the baselines for the GPU's seconds per round
 
 ``--device cpu`` is the dry run: everything on the CPU, the benchmarks at tiny sizes, so that the check's own
-failures show before GPU time is spent. ``--quick`` (for its test) runs fewer cases. Written to ``--out``:
+failures show before GPU time is spent; ``--quick`` runs fewer cases (the rehearsal). Written to ``--out``:
 report.md (the device, the failures, then one section per stage: each command, its exit code, its duration and
 its table), gpu_check.json (the numbers behind the tables) and raw.tar.gz (every command's output and the
 configs it ran); all rewritten after every step, so a run killed on the way leaves what it had (SIGTERM and
@@ -61,15 +65,46 @@ from typing import Any, NoReturn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-STAGES = ("tests", "syncs", "algorithms", "models", "bench.w2", "bench.b1", "bench.server")
-GROUPS = {"bench": ("bench.w2", "bench.b1", "bench.server")}
-BUDGETS = {"install": 420, "versions": 60, "tests": 360, "syncs": 120, "algorithms": 480, "models": 300,
-           "bench.w2": 300, "bench.b1": 150, "bench.server": 360}
-"""Seconds per stage: each alone fits one 10-minute command on the GPU machine."""
-REQUIRED = ("numpy", "torch", "mpi4py.MPI", "h5py", "yaml", "ot", "scipy", "sklearn", "matplotlib", "threadpoolctl",
+STAGES = ("tests", "syncs", "algorithms", "models", "bench.w2", "bench.w2.cpu", "bench.b1", "bench.b1.cpu",
+          "bench.server")
+GROUPS = {"bench": tuple(stage for stage in STAGES if stage.startswith("bench."))}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one command of a GPU lease runs, and each stage's budget in seconds on the GPU machine. A lease is 15
+    minutes in all, one command at most 10 (docs/how-to/gpus.md, "The lease recipe"): ``lease`` is the first
+    command's check (scripts/gpu_lease.sh runs the install, the MPI smoke and the GPU tests before it), ``rest``
+    the optional second one. The budgets are estimates made without a GPU; the report says what each took."""
+
+    stages: tuple[str, ...]  # run in this order; --only picks any stage, with its budget here
+    budgets: dict[str, float]
+    models: tuple[str, ...]  # the models stage's model kinds
+    w2_ranks: tuple[int, ...]  # ranks sharing the device in bench.w2
+    cpu_ranks: tuple[int, ...]  # ranks of the CPU baselines bench.w2.cpu and bench.b1.cpu
+
+
+_BUDGETS = {"install": 120, "versions": 30, "tests": 120, "syncs": 25, "algorithms": 90, "models": 35,
+            "bench.w2": 45, "bench.w2.cpu": 40, "bench.b1": 15, "bench.b1.cpu": 15, "bench.server": 45}
+PROFILES = {
+    # every algorithm against the CPU, the CNN kinds (W2's simple_cnn among them) one at a time and vectorized,
+    # W2 and B1 on one rank on the device and on this machine's CPU: 240 s
+    "lease": Profile(stages=("algorithms", "models", "bench.w2", "bench.w2.cpu", "bench.b1", "bench.b1.cpu"),
+                     budgets=_BUDGETS, models=("cnn", "simple_cnn", "resnet20"), w2_ranks=(1,), cpu_ranks=(1,)),
+    # several ranks sharing the GPU (and 9 on the CPU), PeFLL's and pFedHN's server on the GPU, the other model
+    # kinds, the sync check: 195 s
+    "rest": Profile(stages=("bench.w2", "bench.w2.cpu", "bench.server", "models", "syncs"),
+                    budgets={**_BUDGETS, "bench.w2": 80, "bench.w2.cpu": 25, "bench.server": 40, "models": 30,
+                             "syncs": 20},
+                    models=("logistic", "mlp", "lenet", "convnet"), w2_ranks=(3, 5, 9), cpu_ranks=(9,)),
+}
+REQUIRED = ("numpy", "torch", "mpi4py.MPI", "h5py", "yaml", "scipy", "sklearn", "matplotlib", "threadpoolctl",
             "pytest")
-"""What mpifl and its GPU tests import (pyproject's dependencies, and pytest): present, or the install runs."""
-QUICK = {"algorithms": "pfedhn", "models": "cnn"}  # server networks; a CNN one at a time and vectorized
+"""What mpifl and its GPU tests import (pyproject's dependencies but POT, which only Karula needs, and pytest):
+present, or the install runs."""
+QUICK_ALGORITHMS = "pfedhn,karula"
+"""--quick's algorithms (with the profile's first model kind): server networks, and the one algorithm that needs
+POT."""
 TAIL_LINES = 30  # of a failed command's output, in the report
 RAW_FILE_BYTES = 1 << 20  # the end of each raw file that goes into raw.tar.gz
 MIN_SECONDS = 5.0  # a step or job is not started with less of its stage's budget left
@@ -228,10 +263,11 @@ def kill_session(session: int) -> None:
         time.sleep(0.02)
 
 
-def stop(proc: subprocess.Popen, grace: float) -> None:
-    """Stop a command started in a session of its own: SIGTERM to its process group (mpirun passes it on to its
-    ranks), SIGKILL if it has not ended after ``grace`` seconds, and SIGKILL to whatever of its session is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop(proc: subprocess.Popen, grace: float, first: signal.Signals = signal.SIGTERM) -> None:
+    """Stop a command started in a session of its own: ``first`` to its process group (SIGTERM: mpirun passes it
+    on to its ranks; SIGINT: pytest ends its session and writes its JUnit file, which SIGTERM would not), SIGKILL
+    if it has not ended after ``grace`` seconds, and SIGKILL to whatever of its session is left."""
+    for sig in (first, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.killpg(proc.pid, sig)
         try:
@@ -248,11 +284,12 @@ class Check:
     def __init__(self, args: argparse.Namespace, report: Report, work: Path) -> None:
         self.args, self.report, self.work = args, report, work
         self.device: str = args.device
+        self.profile = PROFILES[args.profile]
         self.python = sys.executable
         self.started = time.monotonic()
         self.end = self.started + args.time_limit if args.time_limit else math.inf
         self.env = dict(os.environ)
-        self.running: set[subprocess.Popen] = set()  # the commands running now
+        self.running: dict[subprocess.Popen, signal.Signals] = {}  # the commands running now, each's stop signal
         # Held while a command starts; once ``stopping`` is set (SIGTERM), no thread of the algorithms stage's pool
         # starts another. Re-entrant: the signal handler may interrupt the main thread while it holds it.
         self.starting = threading.RLock()
@@ -279,27 +316,29 @@ class Check:
         words = [os.path.relpath(w, REPO) if w.startswith(str(REPO) + os.sep) else w for w in map(str, cmd)]
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(words)])
 
-    def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None) -> int:
-        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets SIGTERM (mpirun
-        passes it on to its ranks), then its whole session SIGKILL: exit code KILLED."""
+    def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None,
+            interrupt: signal.Signals = signal.SIGTERM) -> int:
+        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets ``interrupt``
+        (see :func:`stop`), then its whole session SIGKILL: exit code KILLED."""
         with open(log, "wb") as out:
             with self.starting:
                 if self.stopping:
                     return KILLED
                 proc = subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                         env={**self.env, **(env or {})}, start_new_session=True)
-                self.running.add(proc)
+                self.running[proc] = interrupt
             try:
                 return proc.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
-                stop(proc, grace=10)
+                stop(proc, grace=10, first=interrupt)
                 out.write(f"\n[gpu_check: stopped at its stage's deadline, exit code {KILLED}]\n".encode())
                 return KILLED
             finally:
-                self.running.discard(proc)
+                self.running.pop(proc, None)
 
     def step(self, stage: str, title: str, cmd: Command, log: Path, deadline: float,
-             env: dict[str, str] | None = None, shown: str | None = None) -> Step:
+             env: dict[str, str] | None = None, shown: str | None = None,
+             interrupt: signal.Signals = signal.SIGTERM) -> Step:
         """Run one command as a step of the report (or record it as not run when the budget is spent); ``shown``:
         how the report writes the command, if not as it is."""
         step = self.report.add(Step(stage, title, shown or self.shown(cmd, env)))
@@ -309,7 +348,7 @@ class Check:
         self.report.save()
         self.say(f"{stage}: {title}: {step.command}")
         began = time.monotonic()
-        step.exit_code = self.run(cmd, log, deadline, env)
+        step.exit_code = self.run(cmd, log, deadline, env, interrupt)
         step.seconds = time.monotonic() - began
         step.status = "ok" if step.exit_code == 0 else "failed"
         if step.exit_code:
@@ -482,12 +521,17 @@ def gpu_test_files() -> list[Path]:
                   if "needs_cuda" in (text := path.read_text()) or "CUDA_ONLY" in text)
 
 
+TEST_TIMEOUT_S = 90  # per test, where pytest-timeout is installed (the GPU image has it): a hung test fails alone
+
+
 def stage_tests(check: Check) -> None:
     deadline = check.deadline("tests")
     junit = check.raw("tests", "junit.xml")
+    per_test = [f"--timeout={TEST_TIMEOUT_S}"] if has_module(check.python, "pytest_timeout") else []
     step = check.step("tests", "the tests marked cuda", [
-        check.python, "-m", "pytest", "-m", "cuda", "-rs", "-q", "--color=no", "-p", "no:cacheprovider",
-        f"--junitxml={junit}", *gpu_test_files()], check.raw("tests", "pytest.log"), deadline)
+        check.python, "-m", "pytest", "-m", "cuda", "-v", "-rfEs", "--color=no", "-p", "no:cacheprovider", *per_test,
+        f"--junitxml={junit}", *gpu_test_files()], check.raw("tests", "pytest.log"), deadline,
+        interrupt=signal.SIGINT)
     if step.status != "not run":
         rows = junit_rows(junit)
         counts = {outcome: sum(row[1] == outcome for row in rows) for outcome in ("passed", "failed", "error",
@@ -500,7 +544,8 @@ def stage_tests(check: Check) -> None:
         step.failures += [f"{name}: {outcome}: {_one_line(message)[:300]}" for name, outcome, _, message in rows
                           if outcome in ("failed", "error")]
         if not rows:
-            step.failures.append("pytest selected no test (-m cuda)")
+            step.failures.append("no test in pytest's JUnit file: none selected (-m cuda), or pytest did not end "
+                                 "its session (the log's end is above)")
     check.done()
     if not has_module(check.python, "pytest_mpi") or not check.mpirun:
         skipped = check.report.add(Step("tests", "tests/mpi/test_device_mpi.py on 3 ranks", status="not run",
@@ -519,10 +564,14 @@ def stage_tests(check: Check) -> None:
 
 def junit_rows(path: Path) -> list[tuple[str, str, float, str]]:
     """(test, outcome, seconds, message) for each test of a pytest JUnit XML file."""
-    if not path.exists():
+    try:
+        cases = list(ElementTree.parse(path).iter("testcase"))
+    except (OSError, ElementTree.ParseError):  # none written (pytest killed), or cut short
         return []
     rows = []
-    for case in ElementTree.parse(path).iter("testcase"):
+    for case in cases:
+        if case.get("name") is None:  # the test that SIGINT interrupted: pytest records it without a name
+            continue
         outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -552,13 +601,14 @@ def stage_syncs(check: Check) -> None:
 
 # -------------------------------------------------------------------------------------- algorithms, model kinds
 
-RUNS = (("cpu", 1, "a"), ("dev", 1, "a"), ("dev", 1, "b"), ("dev", 3, "a"), ("dev", 3, "b"))
-"""Each case's runs: (which config, ranks, repeat); "cpu" is the CPU reference, "dev" the run on --device."""
+RUNS = (("cpu", 1, "a"), ("dev", 1, "a"), ("dev", 1, "b"), ("dev", 3, "a"))
+"""Each case's runs: (which config, ranks, repeat); "cpu" is the CPU reference, "dev" the run on --device. A
+3-rank run bitwise equal to the 1-rank runs is deterministic itself, so it runs once."""
 
 
 @dataclass
 class Case:
-    """One config run on the device (1 and 3 ranks, twice each) and once on the CPU as the reference."""
+    """One config run on the device (on 1 rank twice, on 3 ranks once) and once on the CPU as the reference."""
 
     name: str
     configs: dict[str, Path]  # "cpu" and "dev"
@@ -634,29 +684,25 @@ def within_tolerance(reference: dict[str, Any], other: dict[str, Any]) -> bool:
 
 
 def compare(case: Case) -> list[str]:
-    """Fill ``case.row`` from its results files; the failures it shows."""
+    """Fill ``case.row`` from its results files; the failures it shows. The row gets the comparisons only once all
+    of them are made, so a comparison that raises leaves a row the table can still show."""
     from tests.conftest import deterministic
 
     codes = [case.exit_codes[run] for run in RUNS]
-    row: dict[str, Any] = {"exit codes": " ".join("—" if c is None else str(c) for c in codes)}
-    case.row = row
+    case.row = {"exit codes": " ".join("—" if c is None else str(c) for c in codes)}
     failed = [f"{'cpu' if kind == 'cpu' else 'device'} P{ranks}{tag}" for (kind, ranks, tag), c
               in case.exit_codes.items() if c not in (0, None)]
     if failed:
-        return [f"exit codes {row['exit codes']} (cpu, P1 ×2, P3 ×2): {', '.join(failed)} failed"]
+        return [f"exit codes {case.row['exit codes']} ({RUNS_SHOWN}): {', '.join(failed)} failed"]
     if None in codes:  # not started: the stage's budget was spent (the step says so once)
         return []
     runs = {run: deterministic(case.results[run]) for run in RUNS}
     cpu, p1a = runs["cpu", 1, "a"], runs["dev", 1, "a"]
-    row["P1 run to run"] = bitwise(p1a, runs["dev", 1, "b"])
-    row["P3 run to run"] = bitwise(runs["dev", 3, "a"], runs["dev", 3, "b"])
-    row["P1 vs P3"] = bitwise(p1a, runs["dev", 3, "a"])
-    row["model"] = difference(cpu, p1a, "model/")
-    row["metrics"] = difference(cpu, p1a, "eval/")
-    row["vectorized"] = vectorized_share(case.results["dev", 1, "a"])
-    row["within tolerance"] = within_tolerance(cpu, p1a)
-    failures = [f"{label}: {row[label]}" for label in ("P1 run to run", "P3 run to run", "P1 vs P3")
-                if row[label] != "bitwise"]
+    row = {"P1 run to run": bitwise(p1a, runs["dev", 1, "b"]), "P1 vs P3": bitwise(p1a, runs["dev", 3, "a"]),
+           "model": difference(cpu, p1a, "model/"), "metrics": difference(cpu, p1a, "eval/"),
+           "vectorized": vectorized_share(case.results["dev", 1, "a"]), "within tolerance": within_tolerance(cpu, p1a)}
+    case.row.update(row)
+    failures = [f"{label}: {row[label]}" for label in ("P1 run to run", "P1 vs P3") if row[label] != "bitwise"]
     if not row["within tolerance"]:
         failures.append(f"outside tests/test_device.py's tolerance of the CPU run: model max |Δ| "
                         f"{row['model'][0]:.2g}, metrics max |Δ| {row['metrics'][0]:.2g} ({row['metrics'][2]})")
@@ -672,20 +718,23 @@ def vectorized_share(path: Path) -> float:
     return float(results.table("ranks")["clients_trained_vectorized"].sum() / max(trained, 1))
 
 
+RUNS_SHOWN = "cpu, P1 ×2, P3"  # RUNS, as the report names them
+
+
 def case_table(cases: list[Case], device: str) -> list[str]:
-    head = (f"| case | exit codes (cpu, {device} P1 ×2, P3 ×2) | P1 run to run | P3 run to run | P1 vs P3 | "
+    head = (f"| case | exit codes (cpu, {device} P1 ×2, P3) | P1 run to run | P1 vs P3 | "
             "model vs CPU: max abs, max rel (where) | metrics vs CPU: max abs, max rel (where) | within tolerance | "
             "clients vectorized |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for case in cases:
         row = case.row
         if "model" in row:
             verdict = "yes" if row["within tolerance"] else "NO"
             lines.append(f"| {case.name} | {row['exit codes']} | {_cell(row['P1 run to run'])} | "
-                         f"{_cell(row['P3 run to run'])} | {_cell(row['P1 vs P3'])} | {_worst(row['model'])} | "
-                         f"{_worst(row['metrics'])} | {verdict} | {row['vectorized']:.0%} |")
-        elif row:
-            lines.append(f"| {case.name} | {row['exit codes']} | | | | | | | |")
+                         f"{_cell(row['P1 vs P3'])} | {_worst(row['model'])} | {_worst(row['metrics'])} | "
+                         f"{verdict} | {row['vectorized']:.0%} |")
+        elif row:  # exit codes only: a run failed or was not started, or the comparison raised
+            lines.append(f"| {case.name} | {row['exit codes']} | | | | | | |")
     return lines
 
 
@@ -694,8 +743,10 @@ def _worst(found: tuple[float, float, str]) -> str:
     return f"{absolute:.2g}, {relative:.2g}" + (f" ({where})" if relative > 0 else "")
 
 
-def run_cases(check: Check, stage: str, title: str, cases: list[Case]) -> None:
-    """Every run of ``cases``, ``--jobs`` at a time, each case compared as soon as its runs are done."""
+def run_cases(check: Check, stage: str, title: str, cases: list[Case],
+              unrunnable: dict[str, str] | None = None) -> None:
+    """Every run of ``cases``, ``--jobs`` at a time, each case compared as soon as its runs are done;
+    ``unrunnable``: the cases that cannot run here, each with why (failures of the step)."""
     deadline = check.deadline(stage)
     python_run = [check.python, "-m", "mpifl", "run"]
     job = [*python_run, "CONFIG", "--out", "RUN.h5", "--quiet"]
@@ -706,6 +757,7 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case]) -> None:
                  "(final server state, every evaluation, the rounds' deterministic columns, the ledger); CPU "
                  "differences are the P1 device run's final model and evaluation metrics against the CPU run's; "
                  "the tolerance is tests/test_device.py's."]
+    step.failures += [f"{name}: not run: {why}" for name, why in (unrunnable or {}).items()]
     check.report.save()
     lock = threading.Lock()
     began = time.monotonic()
@@ -762,10 +814,7 @@ def _job_env() -> dict[str, str]:
     """tests/conftest.py's MPI environment (loopback only, root allowed) and tracebacks on failure."""
     from tests.conftest import mpi_env
 
-    env = mpi_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env["MPIFL_DEBUG"] = "1"
-    return env
+    return {**mpi_env(), "MPIFL_DEBUG": "1"}
 
 
 def write_configs(check: Check, stage: str, name: str, config: dict[str, Any]) -> dict[str, Path]:
@@ -789,15 +838,18 @@ def stage_algorithms(check: Check) -> None:
     from tests.conftest import _merge
     from tests.test_checkpoint import CONFIGS
 
-    cases = []
+    cases, unrunnable = [], {}
     for algorithm in check.args.algorithms or known_algorithms():
+        if algorithm == "karula" and not has_module(check.python, "ot"):
+            unrunnable[algorithm] = "POT (module ot), which only Karula needs, is not installed"
+            continue
         config = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 1, "checkpoint_every": 1})
         cases.append(Case(algorithm, write_configs(check, "algorithms", algorithm, config)))
         if get_algorithm(algorithm).server.networks:
             name = f"{algorithm}, server.device {check.device}"
             cases.append(Case(name, write_configs(check, "algorithms", name,
                                                   _merge(config, {"server": {"device": check.device}}))))
-    run_cases(check, "algorithms", f"every algorithm, 2 rounds, on {check.device} against the CPU", cases)
+    run_cases(check, "algorithms", f"every algorithm, 2 rounds, on {check.device} against the CPU", cases, unrunnable)
 
 
 def model_config(kind: str, vectorize: bool) -> dict[str, Any]:
@@ -822,7 +874,7 @@ def model_kinds() -> list[str]:
 
 def stage_models(check: Check) -> None:
     cases = []
-    for kind in check.args.models or model_kinds():
+    for kind in check.args.models or check.profile.models:
         for vectorize, label in ((False, "one at a time"), (True, "vectorized")):
             name = f"{kind}, {label}"
             cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize))))
@@ -832,28 +884,35 @@ def stage_models(check: Check) -> None:
 # ----------------------------------------------------------------------------------------------------- benchmarks
 
 def bench_command(check: Check, stage: str) -> list[str]:
-    """The benchmark's command line: the GPU run's sizes, or tiny ones for the dry run."""
-    gpu, quick = check.device == "cuda", check.args.quick
-    tiny = ["--set", "data.num_clients=20", "--set", "clients_per_round=4"]
-    ranks = ["1"] if quick else (["1", "3", "5", "9"] if gpu else ["1", "3"])
-    if stage == "bench.w2":
-        return ["benchmarks/bench_w2.py", "--device", check.device, "--rounds", "6" if gpu else "2", "--ranks",
-                *ranks, "--vectorize", "false", "true", *([] if gpu else tiny)]
-    if stage == "bench.b1":
-        return ["benchmarks/bench_vectorize.py", "--workloads", "b1", "--device", check.device, "--rounds",
-                "6" if gpu else "2", "--ranks", *ranks[:2], *([] if gpu else tiny)]
-    clients = ["3"] if quick else (["5", "50", "500"] if gpu else ["2", "5"])
+    """The benchmark's command line: the profile's sizes on a GPU machine, tiny ones for the dry run on the CPU
+    (``--quick``: one rank count, at most 3). A ``.cpu`` stage runs on this machine's CPU whatever ``--device``
+    is: the baseline for the device's seconds per round, the loop alone for W2 (``client.vectorize: auto``'s
+    choice for a CNN on the CPU)."""
+    profile, gpu, baseline = check.profile, check.device == "cuda", stage.endswith(".cpu")
+    device = "cpu" if baseline else check.device
+    tiny = [] if gpu else ["--set", "data.num_clients=20", "--set", "clients_per_round=4"]
+    counts = profile.cpu_ranks if baseline else profile.w2_ranks if stage == "bench.w2" else (1,)
+    ranks = [str(min(counts[0], 3))] if check.args.quick else [str(count) for count in counts]
+    if stage.startswith("bench.w2"):
+        return ["benchmarks/bench_w2.py", "--device", device, "--rounds", "3" if gpu and not baseline else "2",
+                "--ranks", *ranks, "--vectorize", *(["false"] if baseline else ["false", "true"]), *tiny]
+    if stage.startswith("bench.b1"):
+        return ["benchmarks/bench_vectorize.py", "--workloads", "b1", "--device", device, "--rounds",
+                "4" if gpu else "2", "--ranks", *ranks, *tiny]
+    clients = ["3"] if check.args.quick else (["5", "50", "200"] if gpu else ["2", "5"])
     return ["benchmarks/bench_pefll_server.py", "--algorithms", "pefll", "pfedhn", "--clients-per-round", *clients,
             "--server-devices", *dict.fromkeys(["cpu", check.device]), "--device", check.device, "--rounds",
-            "4" if gpu else "2", "--set", "client.steps=1"]
+            "3" if gpu else "2", "--set", "client.steps=1"]
 
 
 def stage_bench(check: Check, stage: str) -> None:
-    name = stage.split(".")[1]
+    name = stage.removeprefix("bench.")
     log = check.raw("bench", f"{name}.log")
     server_devices = " and ".join(dict.fromkeys(["cpu", check.device]))
-    titles = {"w2": "W2 (pfl-research's CIFAR-10 shape), loop and vectorized, ranks sharing the device",
-              "b1": "B1, loop and vectorized",
+    titles = {"w2": f"W2 (pfl-research's CIFAR-10 shape) on {check.device}, loop and vectorized, ranks sharing it",
+              "w2.cpu": "W2 on this machine's CPU, the loop: the baseline",
+              "b1": f"B1 on {check.device}, loop and vectorized",
+              "b1.cpu": "B1 on this machine's CPU, loop and vectorized: the baseline",
               "server": f"PeFLL's and pFedHN's server step, server.device {server_devices}"
                         " (clients: 1 local step each)"}
     step = check.step(stage, titles[name], [check.python, *bench_command(check, stage)], log, check.deadline(stage))
@@ -877,39 +936,43 @@ STAGE_RUNNERS: dict[str, Callable[[Check], None]] = {
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = Parser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0],
-                    epilog="What each stage runs and reports: docs/how-to/gpus.md, 'Checking a GPU machine'.")
+                    epilog="What each stage runs and reports: docs/how-to/gpus.md, 'What the check runs'.")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cuda (default), or cpu for the dry run")
+    parser.add_argument("--profile", choices=list(PROFILES), default="lease",
+                        help="lease (default): the first command of a GPU lease; rest: the optional second one")
     parser.add_argument("--wheelhouse", type=Path, metavar="DIR",
                         help="install missing requirements from here, offline")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "gpu_check", metavar="DIR",
                         help="where report.md, gpu_check.json and raw.tar.gz go (default results/gpu_check)")
     parser.add_argument("--work", type=Path, metavar="DIR",
                         help="where the runs' files go (default: a new temporary folder)")
-    parser.add_argument("--only", default=",".join(STAGES), metavar="STAGES",
-                        help=f"stages, comma-separated: {', '.join(STAGES)}, bench (its three parts); default: all")
+    parser.add_argument("--only", metavar="STAGES",
+                        help=f"stages, comma-separated: {', '.join(STAGES)}, bench (its parts); default: the "
+                             "profile's")
     parser.add_argument("--quick", action="store_true",
-                        help=f"algorithms {QUICK['algorithms']}, models {QUICK['models']}, one rank count and the "
-                             "smallest sizes in each benchmark")
+                        help=f"algorithms {QUICK_ALGORITHMS}, the profile's first model kind, one rank count "
+                             "(at most 3) and the smallest sizes in each benchmark (the rehearsal)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
                         help="runs at once in the algorithms and models stages (default: a quarter of the CPUs)")
     parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
                         help="for the whole check (0: no limit)")
     parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
-                        help="a stage's time budget (defaults: " + ", ".join(f"{k} {v}" for k, v in BUDGETS.items())
-                        + ")")
+                        help="a stage's time budget (defaults: the profile's, docs/how-to/gpus.md)")
     parser.add_argument("--algorithms", metavar="NAMES",
                         help="only these algorithms, comma-separated (default: every one)")
     parser.add_argument("--models", metavar="NAMES",
-                        help="only these model kinds, comma-separated (default: every one)")
+                        help="only these model kinds, comma-separated (default: the profile's)")
     args = parser.parse_args(argv)
-    stages = [s for word in args.only.split(",") if word for s in GROUPS.get(word, (word,))]
+    profile = PROFILES[args.profile]
+    only = profile.stages if args.only is None else args.only.split(",")
+    stages = [s for word in only if word for s in GROUPS.get(word, (word,))]
     unknown = [s for s in stages if s not in STAGES]
     if unknown or not stages:
         raise CheckError(f"--only {args.only}: no stage {', '.join(unknown) or '(none given)'}; "
                          f"the stages are {', '.join(STAGES)} and bench")
-    args.stages = [s for s in STAGES if s in stages]
-    args.budgets = dict(BUDGETS)
+    args.stages = [s for s in dict.fromkeys([*profile.stages, *STAGES]) if s in stages]
+    args.budgets = dict(profile.budgets)
     for item in args.budget:
         stage, _, seconds = item.partition("=")
         stage_list = GROUPS.get(stage, (stage,))
@@ -917,9 +980,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
             value = float(seconds)
         except ValueError:
             value = -1
-        if any(s not in BUDGETS for s in stage_list) or value <= 0:
+        if any(s not in profile.budgets for s in stage_list) or value <= 0:
             raise CheckError(f"--budget {item}: give STAGE=SECONDS with SECONDS > 0 and STAGE one of "
-                             f"{', '.join(BUDGETS)} or bench")
+                             f"{', '.join(profile.budgets)} or bench")
         args.budgets.update(dict.fromkeys(stage_list, value))
     if args.jobs < 1 or args.time_limit < 0:
         raise CheckError("--jobs must be at least 1 and --time-limit at least 0")
@@ -927,8 +990,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.wheelhouse = args.wheelhouse.resolve()
         if not args.wheelhouse.is_dir():
             raise CheckError(f"--wheelhouse {args.wheelhouse}: no such folder")
-    args.algorithms = args.algorithms or (QUICK["algorithms"] if args.quick else None)
-    args.models = args.models or (QUICK["models"] if args.quick else None)
+    args.algorithms = args.algorithms or (QUICK_ALGORITHMS if args.quick else None)
+    args.models = args.models or (profile.models[0] if args.quick else None)
     return args
 
 
@@ -966,8 +1029,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         """Killed from outside (the machine's time is up): stop every command, and leave the report saying so."""
         with check.starting:  # a pool thread starting a command finishes starting it, and then starts no other
             check.stopping = True
-        for proc in list(check.running):
-            stop(proc, grace=2)
+        for proc, interrupt in list(check.running.items()):
+            stop(proc, grace=2 if interrupt == signal.SIGTERM else 10, first=interrupt)
         for child in processes(PPID, os.getpid()):  # one started as the signal came, not yet counted as running
             kill_session(child)
         report.stopped = signal.Signals(signum).name

@@ -1,32 +1,40 @@
-"""scripts/gpu_check.sh, the one command for a GPU machine: its dry run (--device cpu --quick) end to end, so that
-the check's own failures show here rather than in the GPU machine's few minutes; its comparisons, its time
-budgets, and its option errors."""
+"""scripts/gpu_check.sh, the check step of a GPU lease: its comparisons, its profiles' time budgets against the
+lease's caps, how it stops what it runs, and its option errors. Its dry run end to end, in an emulation of the GPU
+image, is the lease's rehearsal (tests/test_gpu_lease.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
+import benchmarks.gpu_check
 from benchmarks.gpu_check import (
-    BUDGETS,
     KILLED,
+    PROFILES,
+    RUNS,
+    Case,
     Check,
     Report,
     bitwise,
+    case_table,
+    compare,
     difference,
     gpu_test_files,
+    junit_rows,
+    model_kinds,
     parse,
     within_tolerance,
 )
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, TINY, _merge, mpi_env, run_config
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
@@ -65,11 +73,38 @@ def test_the_gpu_tests_are_the_files_that_mark_them():
     assert {"tests/test_device.py", "tests/test_syncs.py", "tests/algorithms/test_pefll_baselines.py"} <= files
 
 
-def test_the_docs_table_of_stages_has_the_budgets():
-    text = (REPO / "docs" / "how-to" / "gpus.md").read_text().split("## Checking a GPU machine")[1]
-    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and line.rstrip().endswith(" |")]
-    documented = {cells[1].strip(" `"): float(cells[-2]) for cells in rows if cells[-2].strip().isdigit()}
-    assert documented == BUDGETS
+def test_the_docs_table_of_stages_has_the_profiles_budgets():
+    text = (REPO / "docs" / "how-to" / "gpus.md").read_text().split("## What the check runs")[1]
+    rows = [[cell.strip(" `") for cell in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| ") and line.rstrip().endswith(" |")]
+    rows = [cells for cells in rows if cells[-1].isdigit()]
+    for column, profile in ((-2, "lease"), (-1, "rest")):
+        assert {cells[0]: float(cells[column]) for cells in rows} == PROFILES[profile].budgets
+        assert [cells[0] for cells in rows if cells[-3] in (profile, "both")] == sorted(
+            PROFILES[profile].stages, key=[cells[0] for cells in rows].index)
+
+
+def lease_caps(key: str) -> tuple[int, dict[str, int]]:
+    """scripts/gpu_lease.sh's limit and step caps for ``PROFILE/DEVICE``."""
+    script = (REPO / "scripts" / "gpu_lease.sh").read_text()
+    line = re.search(rf"^  {re.escape(key)}\) LIMIT=(\d+).*\n\s+CAP=\(([^)]*)\)", script, re.M)
+    return int(line[1]), {step: int(cap) for step, cap in re.findall(r"\[([\w-]+)\]=(\d+)", line[2])}
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_each_profiles_stages_fit_the_check_step_of_its_lease_command(profile):
+    """A GPU lease command may run 10 minutes and the first is meant for 7: its check step's cap holds the
+    profile's stages, the check's own probes (about 10 s) and the 20 s that gpu_lease.sh keeps for stopping them;
+    the steps' caps fit the command's limit (the last step of the first command takes what is left)."""
+    limit, caps = lease_caps(f"{profile}/cuda")
+    stages = PROFILES[profile].stages
+    assert sum(PROFILES[profile].budgets[stage] for stage in stages) + 10 + 20 <= caps["check"]
+    meant = {"lease": 420, "rest": 270}[profile]
+    assert sum(cap for step, cap in caps.items() if step != "more-tests") <= limit <= meant
+
+
+def test_the_two_profiles_check_every_model_kind():
+    assert sorted(PROFILES["lease"].models + PROFILES["rest"].models) == sorted(model_kinds())
 
 
 def test_a_command_past_its_deadline_is_stopped_with_all_it_started(tmp_path):
@@ -163,38 +198,56 @@ def test_an_interpreter_without_torch_stops_at_the_install_with_setups_line(tmp_
     assert "| torch | ModuleNotFoundError: No module named 'torch' |" in report
 
 
-def test_the_dry_run_runs_every_stage_end_to_end(tmp_path):
-    """`scripts/gpu_check.sh --device cpu --quick`: every stage, on the CPU, with no failure; every step of the
-    report with its command, exit code and duration; the CPU runs bitwise run to run and on 1 vs 3 ranks."""
+def test_pytest_stopped_at_its_deadline_still_writes_its_junit_file(tmp_path):
+    """The tests stage stops pytest with SIGINT (SIGTERM would end it without a JUnit file): the tests that ended
+    are in the file, the one stopped is not."""
+    tests = tmp_path / "test_stopped.py"
+    tests.write_text("import time\n\n\ndef test_quick():\n    pass\n\n\ndef test_slow():\n    time.sleep(300)\n")
+    args = parse(["--device", "cpu", "--out", str(tmp_path)])
+    check = Check(args, Report(tmp_path, tmp_path, "test", "cpu"), tmp_path)
+    junit = tmp_path / "junit.xml"
+    code = check.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={junit}", tests],
+                     tmp_path / "log", time.monotonic() + 15, interrupt=signal.SIGINT)
+    assert code == KILLED
+    assert [(name.split("::")[1], outcome) for name, outcome, _, _ in junit_rows(junit)] == [("test_quick", "passed")]
+
+
+def test_a_comparison_that_raises_leaves_a_row_the_table_shows(tmp_path, monkeypatch):
+    """A comparison that raises (an import that fails, as when an installed package shadowed tests/) fails its case
+    alone: the table still shows the case's exit codes, not a KeyError."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 1})))
+    run_config(config, tmp_path / "run.h5")
+    case = Case("fedavg", {})
+    for run in RUNS:
+        case.exit_codes[run], case.results[run] = 0, tmp_path / "run.h5"
+
+    def shadowed(*_):
+        raise ModuleNotFoundError("No module named 'benchmarks.gpu_check'")
+
+    monkeypatch.setattr(benchmarks.gpu_check, "within_tolerance", shadowed)
+    with pytest.raises(ModuleNotFoundError):
+        compare(case)
+    assert case_table([case], "cuda")[-1] == "| fedavg | 0 0 0 0 | | | | | | |"
+    monkeypatch.undo()
+    assert compare(case) == [] and case_table([case], "cuda")[-1].startswith("| fedavg | 0 0 0 0 | bitwise | bitwise |")
+
+
+def test_installed_packages_named_tests_or_benchmarks_shadow_nothing(tmp_path):
+    """opacus installs a package named ``benchmarks``: tests/ and benchmarks/ are regular packages, so the tests
+    that import from them and the check (whose comparison imports tests.test_device) still find mpifl's."""
+    for name in ("tests", "benchmarks"):
+        (tmp_path / "site" / name).mkdir(parents=True)
+        (tmp_path / "site" / name / "__init__.py").write_text(f'"""an installed package named {name}"""\n')
+    env = {**mpi_env(), "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_check.py",
+                           "-k", "differences_against or bitwise_names"], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:]
     out = tmp_path / "out"
-    proc = gpu_check("--device", "cpu", "--quick", "--jobs", "2", "--out", str(out), "--work", str(tmp_path / "w"))
+    proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--only", "algorithms", "--algorithms", "karula",
+                           "--jobs", "2", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "raw.tar.gz", "report.md"]
-    data = json.loads((out / "gpu_check.json").read_text())
-    assert data["complete"] and data["device"] == "cpu"
-    stages = [step["stage"] for step in data["steps"]]
-    assert stages[:2] == ["install", "versions"]
-    assert {"tests", "syncs", "algorithms", "models", "bench.w2", "bench.b1", "bench.server"} <= set(stages)
-    assert all(step["status"] in ("ok", "not run") and not step["failures"] for step in data["steps"])
-    report = (out / "report.md").read_text()
-    assert "- Failures: 0" in report and "## Failures\n\nNone." in report and "Status: complete" in report
-    tests = next(step for step in data["steps"] if step["title"] == "the tests marked cuda")
-    assert len(tests["data"]["tests"]) > 50  # pytest -m cuda selected the GPU tests; here they are listed skipped
-    syncs = next(step for step in data["steps"] if step["stage"] == "syncs")
-    assert {case[2] for case in syncs["data"]["cases"]} >= {"cnn epochs", "simple_cnn crop_flip", "char_lstm fresh"}
-    for stage, cases in (("algorithms", {"pfedhn", "pfedhn, server.device cpu"}),
-                         ("models", {"cnn, one at a time", "cnn, vectorized"})):
-        rows = next(step for step in data["steps"] if step["stage"] == stage)["data"]["cases"]
-        assert set(rows) == cases
-        for row in rows.values():
-            assert (row["P1 run to run"], row["P3 run to run"], row["P1 vs P3"]) == ("bitwise",) * 3
-            assert row["model"][:2] == [0.0, 0.0] and row["within tolerance"]
-    assert rows["cnn, vectorized"]["vectorized"] == 1.0 and rows["cnn, one at a time"]["vectorized"] == 0.0
-    for stage in ("bench.w2", "bench.b1", "bench.server"):
-        bench = next(step for step in data["steps"] if step["stage"] == stage)
-        assert bench["command"].startswith(sys.executable.replace(str(REPO) + "/", "")) and bench["exit_code"] == 0
-        assert any(line.startswith("| 1 |") or line.startswith("| pefll |") for line in bench["data"]["table"])
-    with tarfile.open(out / "raw.tar.gz") as tar:
-        names = set(tar.getnames())
-    assert {"tests/junit.xml", "syncs/syncdebug.log", "bench/w2.log", "algorithms/configs/pfedhn_cpu.yaml",
-            "models/logs/cnn_vectorized_dev_p3b.log"} <= names
+    row = json.loads((out / "gpu_check.json").read_text())["steps"][-1]["data"]["cases"]["karula"]
+    assert row["within tolerance"] and row["P1 vs P3"] == "bitwise"
