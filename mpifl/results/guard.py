@@ -22,7 +22,8 @@ from pathlib import Path
 
 import h5py
 
-from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain
+from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain, shard_dir
+from mpifl.results.writing import check_writable
 from mpifl.schema import ConfigError
 
 UNFINISHED = ("running", "interrupted", "failed")
@@ -138,18 +139,39 @@ class OutputLock:
             self.fd = -1
 
 
-def claim_results(path: str | Path, resume: bool, overwrite: bool) -> tuple[OutputLock, OutputState]:
-    """Lock results file ``path`` for a run and check that the run may write it (see :func:`refusal`); raises
+class ResultsClaim:
+    """Rank 0's hold on a run's results file, from set-up to the end of the run: the lock, and what the path held
+    before (another run's results, which ``--overwrite`` replaces, checkpoint files and all)."""
+
+    def __init__(self, lock: OutputLock, previous: OutputState, resume: bool):
+        self.lock, self.previous = lock, previous
+        self.replaces_run = previous.kind == "results" and not resume
+
+    def remove_replaced_checkpoints(self) -> None:
+        """The checkpoint files of the run this one replaces, which nothing refers to any more; call it before
+        any rank writes a checkpoint of its own."""
+        if self.replaces_run:
+            for file in shard_dir(self.previous.path).glob("*round*-*.h5*"):
+                file.unlink(missing_ok=True)
+            self.replaces_run = False
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def claim_results(path: str | Path, resume: bool, overwrite: bool) -> ResultsClaim:
+    """Check that a run may write results file ``path`` (writable, and see :func:`refusal`) and lock it; raises
     :class:`ConfigError` (one line) otherwise, leaving the file untouched."""
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts it again: give one of them")
+    check_writable(path)  # first: the lock file is created beside it
     lock = OutputLock.acquire(path)
     state = inspect_output(path)  # under the lock: no other run changes it now
     reason = refusal(state, resume, overwrite)
     if reason is not None:
         lock.release()
         raise ConfigError(reason)
-    return lock, state
+    return ResultsClaim(lock, state, resume)
 
 
 def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite") -> None:

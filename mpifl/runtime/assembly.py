@@ -3,16 +3,32 @@ same checks): before the first collective of training, so bad input fails with o
 
 from __future__ import annotations
 
-from mpifl.algorithms.base import AsynchronousProtocol, RunContext
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.algorithms.base import AsynchronousProtocol, EvalLayout, Protocol, RunContext
 from mpifl.algorithms.state import ClientState
+from mpifl.comm import Placement
 from mpifl.comm.availability import Availability
 from mpifl.comm.network import NetworkModel
-from mpifl.comm.privacy import check_privacy
+from mpifl.comm.privacy import PrivacyAccountant, check_privacy
 from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
 from mpifl.registry import get_algorithm
-from mpifl.runtime.faults import selection_size
+from mpifl.runtime.asynchronous import AsynchronousRounds
+from mpifl.runtime.checkpointer import Checkpointer
+from mpifl.runtime.cohort import CohortSelection
+from mpifl.runtime.evaluation import Evaluation
+from mpifl.runtime.faults import FaultModel, selection_size
+from mpifl.runtime.rank import RankContext
+from mpifl.runtime.recorder import Recorder
+from mpifl.runtime.roundlog import RoundLog
+from mpifl.runtime.simtime import SimulatedTime
+from mpifl.runtime.synchronous import SynchronousRounds
+from mpifl.runtime.visits import Visits
+from mpifl.runtime.walker import PlanWalker
 from mpifl.schema import ConfigError
 
 
@@ -87,3 +103,37 @@ def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
 def wire_format(cfg: RunConfig) -> WireFormat:
     """How this run's messages travel: codecs, differential privacy, secure aggregation."""
     return WireFormat(cfg.compression, cfg.privacy, cfg.secure_aggregation, cfg.secagg, cfg.seed)
+
+
+def assemble(cfg: RunConfig, ctx: RunContext, rank: RankContext, protocol: Protocol, placement: Placement,
+             output: Path, cheap_clients: bool
+             ) -> tuple[PlanWalker, Visits, Checkpointer, Recorder, Evaluation, SynchronousRounds | AsynchronousRounds]:
+    """The parts that move, time, record and save one rank's rounds: its walker, placement of visiting clients,
+    checkpoints, results record, evaluation and the rounds themselves (synchronous or asynchronous)."""
+    layout, size = ctx.layout, rank.transport.size
+    seen = np.flatnonzero(~layout.unseen)
+    samples = protocol.samples_per_round()
+    faults = FaultModel(cfg.faults, cfg.seed)
+    simtime = SimulatedTime(NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed), rank.wire,
+                            samples, protocol.turns)
+    cohorts = CohortSelection(cfg, seen, availability(cfg, layout), faults, simtime, rank.transport)
+    walker = PlanWalker(rank, faults, ctx.sum_weights)
+    asynchronous = isinstance(protocol, AsynchronousProtocol)
+    dynamic = cfg.placement == "dynamic" or cfg.placement == "auto" and cheap_clients
+    visits = Visits(rank, placement, dynamic and size > 2 and not asynchronous, samples)
+    checkpointer = Checkpointer(rank.transport, rank.times, output, cfg.checkpoint_keep)
+    # every model kind on the test split, and on the validation split where the data has one (model selection)
+    splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
+    eval_layout = EvalLayout(protocol.eval_kinds, splits)
+    recorder = Recorder(cfg, layout, eval_layout, output, size, placement.owner)
+    log = RoundLog(rank, recorder, samples)
+    evaluation = Evaluation(rank, layout, eval_layout, cfg.eval_chunk, protocol, walker, recorder)
+    rounds: SynchronousRounds | AsynchronousRounds
+    if isinstance(protocol, AsynchronousProtocol):
+        rounds = AsynchronousRounds(rank, protocol, walker, cohorts, faults, simtime, log)
+    else:
+        accountant = None
+        if cfg.privacy.mode != "off" and rank.server is not None:
+            accountant = PrivacyAccountant(cfg.privacy, len(seen), cfg.clients_per_round, layout.num_clients)
+        rounds = SynchronousRounds(rank, protocol, walker, cohorts, visits, simtime, log, accountant)
+    return walker, visits, checkpointer, recorder, evaluation, rounds

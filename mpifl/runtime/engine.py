@@ -18,39 +18,23 @@ import numpy as np
 import torch
 
 from mpifl.algorithms.base import (
-    AsynchronousProtocol,
     ClientAlgorithm,
-    EvalLayout,
-    RunContext,
     ServerAlgorithm,
     check_handlers,
 )
 from mpifl.comm import Ledger, Placement, Transport
 from mpifl.comm.messages import require
-from mpifl.comm.network import NetworkModel
-from mpifl.comm.privacy import PrivacyAccountant
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm
-from mpifl.results import check_writable, shard_dir
-from mpifl.results.guard import OutputLock, claim_results
-from mpifl.runtime.assembly import availability, check_run, client_state, wire_format
-from mpifl.runtime.asynchronous import AsynchronousRounds
-from mpifl.runtime.checkpointer import Checkpointer
-from mpifl.runtime.cohort import CohortSelection
-from mpifl.runtime.evaluation import Evaluation
-from mpifl.runtime.faults import FaultModel, inject_fault
+from mpifl.results.guard import ResultsClaim, claim_results
+from mpifl.runtime.assembly import assemble, check_run, client_state, wire_format
+from mpifl.runtime.faults import inject_fault
 from mpifl.runtime.progress import Heartbeat
 from mpifl.runtime.rank import RankContext
-from mpifl.runtime.recorder import Recorder
-from mpifl.runtime.roundlog import RoundLog
-from mpifl.runtime.simtime import SimulatedTime
 from mpifl.runtime.stopping import StopRequest
 from mpifl.runtime.store import ClientStore
-from mpifl.runtime.synchronous import SynchronousRounds
 from mpifl.runtime.timing import Profile, RankTimes, rank_summary
-from mpifl.runtime.visits import Visits
-from mpifl.runtime.walker import PlanWalker
 from mpifl.training.device import rank_devices
 
 
@@ -65,8 +49,7 @@ class Engine:
         self.times = RankTimes()
         self.profile = Profile(self.rank) if profile else None
         self.start_round = 1
-        self.output_lock: OutputLock | None = None  # rank 0's, on the results file, from prepare() to the end
-        self.replaces_run = False  # the output holds another run's results (--overwrite): its shards go at the start
+        self.claim: ResultsClaim | None = None  # rank 0's, on the results file, from prepare() to the end
 
     # ----------------------------------------------------------------- preparing
     def prepare(self) -> None:
@@ -80,9 +63,7 @@ class Engine:
         devices = rank_devices(cfg.device, cfg.server.device, self.comm, cfg.allow_tf32, cfg.data_memory_gb * 2**30)
         device = devices.clients
         if self.rank == 0:  # now, not at the first evaluation after training up to it
-            check_writable(self.output)  # first: the claim creates the lock file beside it
-            self.output_lock, previous = claim_results(self.output, self.resume, self.overwrite)
-            self.replaces_run = previous.kind == "results" and not self.resume
+            self.claim = claim_results(self.output, self.resume, self.overwrite)
         dataset = build_federated_dataset(cfg.data, cfg.seed)
         self.layout = layout = dataset.layout
         ctx = dataclasses.replace(check_run(cfg, layout), device=device, server_device=devices.server)
@@ -99,38 +80,11 @@ class Engine:
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
         self.parts = RankContext(Transport(self.comm, self.placement), Ledger(), wire_format(cfg), self.server,
                                  self.client, store, self.times)
-        self._assemble(ctx, self.parts, dataset.cheap_clients)
+        self.walker, self.visits, self.checkpointer, self.recorder, self.evaluation, self.rounds = assemble(
+            cfg, ctx, self.parts, self.protocol, self.placement, self.output, dataset.cheap_clients)
         if self.resume:
             self._resume()
         self.times.setup = time.perf_counter() - started
-
-    def _assemble(self, ctx: RunContext, rank: RankContext, cheap_clients: bool) -> None:
-        """The parts that move, time, record and save the rounds."""
-        cfg, protocol, layout = self.cfg, self.protocol, ctx.layout
-        samples = protocol.samples_per_round()
-        faults = FaultModel(cfg.faults, cfg.seed)
-        simtime = SimulatedTime(NetworkModel.from_config(cfg.network, layout.num_clients, cfg.seed), rank.wire,
-                                samples, protocol.turns)
-        cohorts = CohortSelection(cfg, self.seen, availability(cfg, layout), faults, simtime, rank.transport)
-        self.walker = PlanWalker(rank, faults, ctx.sum_weights)
-        asynchronous = isinstance(protocol, AsynchronousProtocol)
-        dynamic = cfg.placement == "dynamic" or cfg.placement == "auto" and cheap_clients
-        self.visits = Visits(rank, self.placement, dynamic and self.size > 2 and not asynchronous, samples)
-        self.checkpointer = Checkpointer(rank.transport, rank.times, self.output, cfg.checkpoint_keep)
-        # every model kind on the test split, and on the validation split where the data has one (model selection)
-        splits = ("test", "val") if cfg.data.val_fraction > 0 or layout.has_val else ("test",)
-        eval_layout = EvalLayout(protocol.eval_kinds, splits)
-        self.recorder = Recorder(cfg, layout, eval_layout, self.output, self.size, self.placement.owner)
-        log = RoundLog(rank, self.recorder, samples)
-        self.evaluation = Evaluation(rank, layout, eval_layout, cfg.eval_chunk, protocol, self.walker, self.recorder)
-        self.rounds: SynchronousRounds | AsynchronousRounds
-        if isinstance(protocol, AsynchronousProtocol):
-            self.rounds = AsynchronousRounds(rank, protocol, self.walker, cohorts, faults, simtime, log)
-            return
-        accountant = None
-        if cfg.privacy.mode != "off" and rank.server is not None:
-            accountant = PrivacyAccountant(cfg.privacy, len(self.seen), cfg.clients_per_round, layout.num_clients)
-        self.rounds = SynchronousRounds(rank, protocol, self.walker, cohorts, self.visits, simtime, log, accountant)
 
     def _resume(self) -> None:
         """Continue from the checkpoint in the results file: server state on rank 0, the states of the
@@ -151,8 +105,8 @@ class Engine:
         """Every round from the first not yet done; evaluations, checkpoints and results writes as configured.
         Returns ``None`` when the run completed, or the round after which it stopped because ``stop`` was asked
         on some rank (a checkpoint is taken there and the file marked "interrupted")."""
-        if self.replaces_run:
-            self._remove_replaced_shards()
+        if self.claim is not None:
+            self.claim.remove_replaced_checkpoints()
         if self.start_round == 1 and (plan := self.protocol.setup_plan()):  # once, as round 0 (ledger: "setup")
             everyone = np.arange(self.layout.num_clients) if self.protocol.setup_includes_unseen else self.seen
             self.walker.walk(0, "setup", plan, everyone)
@@ -164,7 +118,7 @@ class Engine:
             round_start, parts_before = time.perf_counter(), self.parts.time_parts()
             inject_fault(self.rank, round_)
             self.rounds.train_round(round_)
-            halt = stop is not None and round_ < last and self._anyone_asked(stop)
+            halt = stop is not None and round_ < last and stop.anyone_asked(self.comm)
             evaluation = round_ % self.cfg.eval_every == 0 or round_ == last
             checkpoint = bool(every) and round_ % every == 0 or halt
             if evaluation:
@@ -173,7 +127,7 @@ class Engine:
                 state = self.client.state if self.client else None
                 self.checkpointer.take(round_, self.server, state, self.rounds.checkpointed)
             if self.server is not None:
-                self._report(round_, evaluation and progress, heartbeat)
+                heartbeat.report(round_, self.recorder.progress_line(round_) if evaluation and progress else None)
                 if evaluation or checkpoint:
                     self._write("interrupted" if halt else "running", wait=halt)
             if self.profile is not None:
@@ -189,23 +143,6 @@ class Engine:
         self._release()
         return None
 
-    def _anyone_asked(self, stop: StopRequest) -> bool:
-        """Whether any rank was asked to stop (one small all-reduce: every rank stops after the same round)."""
-        return self.comm.allreduce(int(stop.requested)) > 0 if self.size > 1 else stop.requested
-
-    def _report(self, round_: int, evaluated: bool, heartbeat: Heartbeat) -> None:
-        """Rank 0's progress line after an evaluation, or a heartbeat when one is due."""
-        line = self.recorder.progress_line(round_) if evaluated else heartbeat.line(round_)
-        if line is not None:
-            print(line, flush=True)
-            heartbeat.printed()
-
-    def _remove_replaced_shards(self) -> None:
-        """Rank 0, before the first round (so before any worker writes one): the checkpoint shards of the run
-        this one replaces (``--overwrite``), which nothing refers to any more."""
-        for file in shard_dir(self.output).glob("*round*-*.h5*"):
-            file.unlink(missing_ok=True)
-
     def _release(self) -> None:
         """The end of this rank's part: client state closed, the output's lock given up."""
         if self.client is not None:
@@ -214,8 +151,8 @@ class Engine:
 
     def release_output(self) -> None:
         """Give up the lock on the results file (also after a failed set-up)."""
-        if self.output_lock is not None:
-            self.output_lock.release()
+        if self.claim is not None:
+            self.claim.release()
 
     # ---------------------------------------------------------------- results
     def _write(self, status: str, final: dict[str, dict[str, np.ndarray]] | None = None, wait: bool = False) -> None:

@@ -19,9 +19,13 @@ class Heartbeat:
         self.every_s, self.first_round, self.rounds = every_s, first_round, rounds
         self.started = self.last_line = time.monotonic()
 
-    def printed(self) -> None:
-        """Another progress line (an evaluation's) has just been printed: the next heartbeat is due later."""
-        self.last_line = time.monotonic()
+    def report(self, round_: int, evaluation_line: str | None) -> None:
+        """After ``round_``: print its evaluation's progress line if it has one, else a heartbeat when one is due
+        (the next heartbeat is due ``every_s`` after either)."""
+        line = evaluation_line or self.line(round_)
+        if line is not None:
+            print(line, flush=True)
+            self.last_line = time.monotonic()
 
     def line(self, round_: int) -> str | None:
         """The heartbeat after ``round_``, or ``None`` when none is due."""
