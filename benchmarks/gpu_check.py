@@ -446,7 +446,7 @@ except Exception as exc:
     info["torch_error"] = f"{type(exc).__name__}: {exc}"
 try:
     from mpi4py import MPI
-    info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
+    info["mpi_library"] = MPI.Get_library_version().strip("\0\n ").splitlines()[0]  # Open MPI's ends in a NUL
     info["mpi_standard"] = "%d.%d" % MPI.Get_version()
 except Exception as exc:
     info["mpi_error"] = f"{type(exc).__name__}: {exc}"

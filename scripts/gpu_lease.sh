@@ -84,6 +84,12 @@ began=$SECONDS deadline=$((SECONDS + LIMIT)) failed=0 state="running" CHILD="" C
 started_at=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
 commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "unknown (the tree came without .git)")
 ROWS=()
+if [ "$profile" = lease ]; then
+  EVIDENCE="lease.log (env, install, mpi, the check's progress), pytest.log with junit.xml and junit-more.xml"
+  EVIDENCE+=" (tests, more-tests), check/report.md (check: its own failures and tables)"
+else
+  EVIDENCE="lease.log (env, install, the check's progress), check/report.md (check: its own failures and tables)"
+fi
 
 summary() {  # lease.md, rewritten whole after every change (a killed command leaves the last one)
   {
@@ -92,8 +98,7 @@ summary() {  # lease.md, rewritten whole after every change (a killed command le
     echo "- Status: $state"
     echo "- Started: $started_at; limit $LIMIT s; host $(uname -n), $(nproc) CPUs"
     echo "- Command: \`bash scripts/gpu_lease.sh ${args[*]}\`; commit $commit"
-    echo "- Evidence: lease.log (env, install, mpi, the check's progress), pytest.log with junit.xml and"
-    echo "  junit-more.xml (tests, more-tests), check/report.md (check: its own failures and tables)"
+    echo "- Evidence: $EVIDENCE"
     echo
     echo "| step | what | cap (s) | seconds | exit code | status |"
     echo "|---|---|---|---|---|---|"
