@@ -521,7 +521,7 @@ def gpu_test_files() -> list[Path]:
                   if "needs_cuda" in (text := path.read_text()) or "CUDA_ONLY" in text)
 
 
-TEST_TIMEOUT_S = 90  # per test, where pytest-timeout is installed (the GPU image has it): a hung test fails alone
+TEST_TIMEOUT_S = 60  # per test, where pytest-timeout is installed (the GPU image has it): a hung test fails alone
 
 
 def stage_tests(check: Check) -> None:

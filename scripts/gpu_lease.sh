@@ -259,9 +259,9 @@ print(f"rank {world.rank} of {world.size} on {MPI.Get_processor_name()}: sum of 
 PYTEST=(python3 -c 'import signal, sys, pytest
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(pytest.main())')
-cuda_tests() {  # JUNIT SELECTION: the tests marked cuda, -v, each stopped after 90 s, the step's cap by SIGINT
+cuda_tests() {  # JUNIT SELECTION: the tests marked cuda, -v, each stopped after 60 s, the step's cap by SIGINT
   local per_test=()
-  python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=90)
+  python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=60)
   mapfile -t files < <(grep -rlE --include='test_*.py' 'needs_cuda|CUDA_ONLY' tests | sort)
   capped INT 20 "${PYTEST[@]}" -m cuda -v -rfEs --color=no -p no:cacheprovider "${per_test[@]}" \
     --junitxml="$out/$1" -k "$2" "${files[@]}" >>"$out/pytest.log" 2>&1
