@@ -179,6 +179,17 @@ def test_a_stage_without_time_left_is_reported_not_run(tmp_path):
     assert "- Failures: 1" in report and "**syncs**" in report and "time budget" in report
 
 
+def test_the_tests_stage_selects_the_gpu_tests_and_runs_the_device_test_on_3_ranks(tmp_path):
+    """`--only tests` (the check run alone on a GPU node; a lease runs the tests itself): pytest -m cuda selects
+    the GPU tests, skipped here for want of a GPU and listed from the JUnit file, then the 3-rank device test."""
+    proc = gpu_check("--device", "cpu", "--only", "tests", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert [(s["stage"], s["status"]) for s in steps][2:] == [("tests", "ok"), ("tests", "ok")]
+    rows = steps[2]["data"]["tests"]
+    assert len(rows) > 50 and all(outcome == "skipped" and "CUDA" in message for _, outcome, _, message in rows)
+
+
 def test_an_interpreter_without_torch_stops_at_the_install_with_setups_line(tmp_path):
     """The GPU image's python3 lacking torch: setup.sh (MPIFL_INSTALL=current) refuses in one line, the report
     shows it and what does not import, and nothing else runs."""
