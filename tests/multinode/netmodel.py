@@ -29,17 +29,20 @@ def config(workers: int, rounds: int, server_mbps: float | None) -> dict:
     }
 
 
-def measure(nodes: Nodes, workers: int, rounds: int, server_mbps: float | None, tmp: Path,
-            broadcast: str) -> tuple[float, float]:
-    """Median measured and simulated seconds per round (rounds 2..) of one job on ``workers`` worker nodes."""
-    rate = f"{CLIENT_MBPS}mbit"
+def round_times(nodes: Nodes, workers: int, rounds: int, server_mbps: float | None, tmp: Path, broadcast: str,
+                shaped: bool = True) -> tuple[list[float], float]:
+    """Measured seconds of rounds 2.. of one job on ``workers`` worker nodes (round 1 also sets up), and the
+    simulated seconds per round. ``shaped=False`` leaves every link unshaped: what a round costs apart from
+    its network, on this machine as loaded as it is now."""
+    rate = f"{CLIENT_MBPS}mbit" if shaped else None
     for node in range(2, workers + 2):
         nodes.shape_node(node, rate, rate)
-    server = None if server_mbps is None else f"{server_mbps}mbit"
+    server = None if server_mbps is None or not shaped else f"{server_mbps}mbit"
     nodes.shape_node(1, server, server)
-    path = tmp / f"w{workers}_s{server_mbps}.yaml"
+    name = f"w{workers}_s{server_mbps}" + ("" if shaped else "_unshaped")
+    path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config(workers, rounds, server_mbps)))
-    out = tmp / f"w{workers}_s{server_mbps}.h5"
+    out = tmp / f"{name}.h5"
     # linear: the server sends every copy (the model's broadcast); tree: Open MPI's default choice
     env = {**nodes.env(), "OMPI_MCA_coll_libnbc_ibcast_algorithm": "1" if broadcast == "linear" else "0"}
     job = [sys.executable, "-m", "mpifl", "run", str(path), "--out", str(out), "--quiet"]
@@ -47,8 +50,15 @@ def measure(nodes: Nodes, workers: int, rounds: int, server_mbps: float | None, 
                           timeout=600, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"the job on {workers} worker nodes failed: {proc.stderr[-2000:]}")
-    rounds_table = read_results(out).table("rounds")
-    owners = read_results(out).table("clients")["owner"]
+    results = read_results(out)
+    owners = results.table("clients")["owner"]
     assert sorted(owners.tolist()) == list(range(1, workers + 1)), "each worker must host exactly one client"
-    return (statistics.median(rounds_table["wall_time_s"][1:].tolist()),
-            statistics.median(rounds_table["sim_time_s"][1:].tolist()))
+    rounds_table = results.table("rounds")
+    return rounds_table["wall_time_s"][1:].tolist(), statistics.median(rounds_table["sim_time_s"][1:].tolist())
+
+
+def measure(nodes: Nodes, workers: int, rounds: int, server_mbps: float | None, tmp: Path,
+            broadcast: str) -> tuple[float, float]:
+    """Median measured and simulated seconds per round (rounds 2..) of one job on ``workers`` worker nodes."""
+    measured, simulated = round_times(nodes, workers, rounds, server_mbps, tmp, broadcast)
+    return statistics.median(measured), simulated
