@@ -49,11 +49,12 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; $*"
 
 def peek(path: Path) -> tuple[int, bool]:
     """(rounds completed, has a checkpoint) of a running job's results file, (0, False) before its first
-    write; read without HDF5's file lock, which the writing rank may hold."""
+    write or while a write is under way (a read then fails: "truncated file", "bad heap free list"); read
+    without HDF5's file lock, which the writing rank may hold."""
     try:
         with h5py.File(path, "r", locking=False) as f:
             return int(f.attrs["rounds_completed"]), "checkpoint" in f
-    except (OSError, KeyError):
+    except (OSError, RuntimeError, KeyError):
         return 0, False
 
 
