@@ -18,6 +18,7 @@ import yaml
 from mpifl.cli import main
 from mpifl.results import AppendOnlyFile, ledger_summaries, read_results
 from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.multinode.netns import peek
 from tests.test_checkpoint import kill_job
 
 OLD_LAYOUT = REPO / "tests" / "data" / "results_before_append_only.h5"  # written by mpifl at 4c6c908
@@ -45,18 +46,31 @@ def check_committed(path: Path) -> int:
     return last
 
 
-def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float) -> bool:
-    """Start ``cmd``, wait until it writes ``out`` (the loop has begun: start-up time varies on a loaded machine),
-    then SIGKILL it (every process of it) after a random delay up to ``latest`` seconds; whether it was still
-    running when killed."""
-    before = out.stat().st_mtime_ns if out.exists() else None
+def kill_in_a_random_round(cmd: list[str], out: Path, rng: random.Random, rounds: int, earliest: int = 2) -> bool:
+    """Start ``cmd``, a job of ``rounds`` rounds that writes ``out`` every round, and SIGKILL it (every process of
+    it) at a random moment of a random round beyond those ``out`` already holds: once round ``target`` is in the
+    file, within as long again as round ``target`` took. Aimed by the job's own writes, not by a clock, the kill
+    lands in the running job at whatever pace the machine's load allows. ``target`` (at least ``earliest``) is
+    drawn from the first quarter of the rounds left, so that a series of kills keeps finding a job to kill.
+    Whether the job was still running when killed (False: it ended first, or no round was left to aim at)."""
+    held = peek(out)[0] if out.exists() else 0  # a resumed job redoes the rounds after its checkpoint first
+    first = max(earliest, held + 2)
+    if first > rounds - 1:
+        return False
+    target = first + rng.randrange(max(1, (rounds - first) // 4))
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    timeout = time.monotonic() + 60
-    while job.poll() is None and (not out.exists() or out.stat().st_mtime_ns == before):
-        assert time.monotonic() < timeout, "the job wrote nothing in a minute"
-        time.sleep(0.005)
-    deadline = time.monotonic() + rng.uniform(0, latest)
+    timeout = time.monotonic() + 180  # a hung job's bound, not a pace: a loaded machine starts jobs slowly
+
+    def reached(round_: int) -> float:
+        while job.poll() is None and peek(out)[0] < round_:
+            assert time.monotonic() < timeout, f"the job did not write round {round_} in three minutes"
+            time.sleep(0.002)
+        return time.monotonic()
+
+    before = reached(target - 1)
+    after = reached(target)
+    deadline = after + rng.uniform(0, after - before)
     while time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.002)
     running = job.poll() is None
@@ -64,7 +78,7 @@ def kill_at_random(cmd: list[str], out: Path, rng: random.Random, latest: float)
     return running
 
 
-def kill_and_resume(tmp_path: Path, kills: int, ranks: int, latest: float, seed: int) -> tuple[Path, int]:
+def kill_and_resume(tmp_path: Path, kills: int, ranks: int, seed: int) -> tuple[Path, int]:
     """One file, over and over: run (or resume from its checkpoint, with the results file alone: ``mpifl run
     --resume F.h5``), SIGKILL at a random moment, check what the kill left; then resume to the end in this
     process. Returns the file and how many kills hit a running job."""
@@ -77,7 +91,7 @@ def kill_and_resume(tmp_path: Path, kills: int, ranks: int, latest: float, seed:
         # the results file alone resumes; a killed run without a checkpoint is started again only when told to
         where = ["--resume", str(part)] if with_checkpoint else [str(config), "--out", str(part), "--overwrite"]
         cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", "run", *where, "--quiet"]
-        hits += kill_at_random(cmd, part, rng, latest)
+        hits += kill_in_a_random_round(cmd, part, rng, LOGISTIC["rounds"])
         if part.exists():
             check_committed(part)
         if part.exists() and read_results(part).attrs["status"] == "completed":
@@ -100,19 +114,17 @@ def uninterrupted(full_run) -> dict[str, np.ndarray]:
     return deterministic(full_run)
 
 
-def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, full_run, uninterrupted):
-    """Each kill comes within a quarter of the uninterrupted job's own wall time (its file's wall_time_s, measured
-    on this machine, now), so the first three kills land in a running job on a quiet machine as on a loaded one: a
-    fixed delay outlasted the whole 40-round job on a quiet machine (it takes 1.8 s there, 29 s under CI's load)."""
-    latest = read_results(full_run).attrs["wall_time_s"] / 4
-    part, hits = kill_and_resume(tmp_path, kills=6, ranks=0, latest=latest, seed=1)
-    assert hits >= 3, "too few kills hit a running job: the job is too short for the delays"
+def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    """Each kill is aimed at a round by the job's own writes: delays in seconds, even scaled by an uninterrupted
+    run's wall time, missed the job when the machine's load fell between that run and the kills (2 hits of 6)."""
+    part, hits = kill_and_resume(tmp_path, kills=6, ranks=0, seed=1)
+    assert hits >= 3, "too few kills hit a running job"
     assert check_committed(part) == LOGISTIC["rounds"]
     assert_same(uninterrupted, deterministic(part))
 
 
 def test_sigkill_of_a_three_rank_job_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
-    part, hits = kill_and_resume(tmp_path, kills=2, ranks=3, latest=1.5, seed=2)
+    part, hits = kill_and_resume(tmp_path, kills=2, ranks=3, seed=2)
     assert hits >= 1
     assert check_committed(part) == LOGISTIC["rounds"]
     assert_same(uninterrupted, deterministic(part))

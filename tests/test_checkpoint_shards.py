@@ -6,14 +6,13 @@ import random
 import sys
 from pathlib import Path
 
-import h5py
 import yaml
 
 from mpifl.cli import main
 from mpifl.results import read_results, shard_dir
-from mpifl.state_io import read_client_states
+from mpifl.state_io import manifests, read_client_states
 from tests.conftest import TINY, _merge, assert_same, deterministic, mpirun_cmd, run_mpifl
-from tests.test_append_only import check_committed, kill_at_random
+from tests.test_append_only import check_committed, kill_in_a_random_round
 
 # FedDeper keeps a personal model per client (300k parameters: 1.2 MB each), checkpointed every other round
 STATEFUL = _merge(TINY, {"algorithm": "feddeper", "rounds": 11, "eval_every": 1, "checkpoint_every": 2,
@@ -21,47 +20,58 @@ STATEFUL = _merge(TINY, {"algorithm": "feddeper", "rounds": 11, "eval_every": 1,
                          "client": {"steps": 2}})
 
 
-def complete_checkpoint(path: Path) -> int:
-    """The committed checkpoint's round; every shard it names exists and holds whole client states."""
+def complete_checkpoint(path: Path) -> tuple[int, list[str]]:
+    """The committed checkpoint's round and the files its manifest names ((0, []) without one); every worker's
+    shard it names exists and holds whole client states."""
     saved = read_results(path, checkpoint=True)
     if "checkpoint" not in saved.tables:
-        return 0
+        return 0, []
     states = read_client_states(path)  # one line naming a missing shard; h5py fails on a partial one
     assert states and all(len(s) for s in states.values())
     for clients in states.values():
         for state in clients.values():
             assert state["personal"].size > 250_000
-    return int(saved.table_attrs["checkpoint"]["round"])
+    newest = manifests(saved.tables["checkpoint"])[0][1]
+    return int(saved.table_attrs["checkpoint"]["round"]), sorted(entry["file"] for entry in newest)
+
+
+def files_of(round_: int, workers: int) -> list[str]:
+    """The files of a checkpoint of round ``round_`` taken by a job with ``workers`` workers (ranks 1..): the
+    server's and one shard per worker."""
+    return sorted([f"round{round_}-server.h5", *(f"round{round_}-rank{rank}.h5" for rank in range(1, workers + 1))])
 
 
 def test_killed_while_writing_shards_resumes_bitwise_on_another_rank_count(tmp_path):
+    """Where the kills land decides which checkpoint the 2-rank resume starts from; whichever it is, the resumed
+    file ends bitwise where an uninterrupted run ends and names the files of the last checkpoint taken."""
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(STATEFUL))
     assert main(["run", str(config), "--out", str(tmp_path / "full.h5"), "--quiet"]) == 0
     part = tmp_path / "part.h5"
-    rng, rounds = random.Random(4), []
+    rng, resumed_from, files = random.Random(4), 0, []
     for _ in range(5):
-        resumable = part.exists() and complete_checkpoint(part) > 0
-        where = ["--resume", str(part)] if resumable else ["--out", str(part)]
-        kill_at_random([*mpirun_cmd(3), sys.executable, "-m", "mpifl", "run", str(config), *where, "--quiet"], part,
-                       rng, latest=2.0)
-        if part.exists():
-            check_committed(part)
-            rounds.append(complete_checkpoint(part))
-            if read_results(part).attrs["status"] == "completed":
-                break
-            names = {p.name for p in shard_dir(part).glob("*") if not p.name.startswith(".")}
-            assert len(names) >= 2  # the committed checkpoint's shards (one per worker) at least
-    assert max(rounds) > 0, "no checkpoint was committed before the kills"
+        where = ["--resume", str(part)] if resumed_from else ["--out", str(part)]
+        # the first job dies in round 4 at the earliest, after round 2's checkpoint is written (round 3 is written
+        # after it), so that the 2-rank resume reads 3-rank shards; later kills land anywhere, shard writes included
+        kill_in_a_random_round([*mpirun_cmd(3), sys.executable, "-m", "mpifl", "run", str(config), *where, "--quiet"],
+                               part, rng, STATEFUL["rounds"], earliest=3)
+        check_committed(part)
+        resumed_from, files = complete_checkpoint(part)
+        assert resumed_from > 0 and files == files_of(resumed_from, 2)  # taken by a 3-rank job
+        if read_results(part).attrs["status"] == "completed":
+            break
     proc = run_mpifl(["run", str(config), "--resume", str(part), "--quiet"], ranks=2)  # 1 worker holds them all
     assert proc.returncode == 0, proc.stderr
     assert_same(deterministic(tmp_path / "full.h5"), deterministic(part))
-    with h5py.File(part) as f:
-        manifest = f["checkpoint"]["shards"][()].tobytes().decode()
-        assert f.attrs["world_size"] == 2
-    # round 10's checkpoint, written by two workers, was read by the one worker of the 2-rank resume
-    assert '"rank": 1' in manifest and '"rank": 2' in manifest
-    assert sorted(p.name for p in shard_dir(part).iterdir()) == ["round10-rank1.h5", "round10-rank2.h5"]
+    assert read_results(part).attrs["world_size"] == 2
+    last = STATEFUL["rounds"] - STATEFUL["rounds"] % STATEFUL["checkpoint_every"]
+    # round 10's checkpoint: the 3-rank job's if the kills left it (the resume's one worker read both shards and
+    # took none), else the resume's own, with its one worker's shard
+    expected = files if resumed_from == last else files_of(last, 1)
+    assert complete_checkpoint(part) == (last, expected), resumed_from
+    # the folder holds the files of the checkpoints the results file lists (the newest and those kept), no others
+    listed = manifests(read_results(part, checkpoint=True).tables["checkpoint"])
+    assert sorted(p.name for p in shard_dir(part).iterdir()) == sorted(e["file"] for _, es in listed for e in es)
 
 
 def test_a_missing_shard_is_one_line(tmp_path):
