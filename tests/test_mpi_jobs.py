@@ -1,14 +1,15 @@
 """Whole jobs under a real ``mpirun``: rank-count invariance, one-line errors, aborts, idle server."""
 
 import os
-import time
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
+from mpifl.results import read_results
 from tests.conftest import assert_same, deterministic, run_config, run_mpifl
+from tests.test_append_only import check_committed
 
 
 def mpifl_lines(stderr: str) -> list[str]:
@@ -124,26 +125,26 @@ def test_validate_command(write_config, tmp_path):
 
 
 def test_exception_on_a_worker_aborts_the_job_with_one_message(write_config, tmp_path):
+    """Rank 2 raises at the start of round 3 of 50: the job ends (a job that waited on rank 2 instead would
+    hang to the timeout) with one line naming it, and keeps the last results write that was committed."""
     out = tmp_path / "r.h5"
     env_fault = {"MPIFL_INJECT_FAULT": "2:3"}
     os.environ.update(env_fault)
     try:
-        start = time.monotonic()
-        proc = run_mpifl(["run", str(write_config({"rounds": 50})), "--out", str(out)], ranks=3, timeout=90)
-        elapsed = time.monotonic() - start
+        proc = run_mpifl(["run", str(write_config({"rounds": 50})), "--out", str(out)], ranks=3)
     finally:
         del os.environ["MPIFL_INJECT_FAULT"]
-    assert proc.returncode != 0 and elapsed < 60
-    # the fault struck at the start of round 3; the job ended within 10 s of the last results write
-    assert time.time() - out.stat().st_mtime < 10 + 1
+    assert proc.returncode != 0
     assert mpifl_lines(proc.stderr) == [
-        "mpifl: error: rank 2 of 3 failed: RuntimeError: fault injected by MPIFL_INJECT_FAULT=2:3"
-    ]
-    # The last completed write is intact. Rank 2 raises as soon as round 2's evaluation
-    # ends, so the abort may kill rank 0 while it writes round 2: the atomic rename then
-    # leaves round 1's file, never a torn one.
-    with h5py.File(out) as f:
-        assert f.attrs["status"] == "running" and f.attrs["rounds_completed"] in (1, 2)
+        "mpifl: error: rank 2 of 3 failed: RuntimeError: fault injected by MPIFL_INJECT_FAULT=2:3; no checkpoint was "
+        "taken (checkpoint_every: 0): start again with --overwrite"
+    ], proc.stderr
+    # Rank 0 writes beside the rounds, so the abort may come before its first write committed (no file: a new
+    # file appears only once its first write is whole) or while it writes round 1 or 2: the file then holds the
+    # last committed write, intact, and never a round past the fault.
+    if out.exists():
+        assert check_committed(out) in (1, 2)
+        assert read_results(out).attrs["status"] == "running"
 
 
 def test_idle_server_does_not_spin(write_config, tmp_path):
