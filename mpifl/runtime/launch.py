@@ -115,7 +115,9 @@ def run_job(config_path: str | None, overrides: list[str], output: str | None, o
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    with StopRequest(announce=comm.Get_rank() == 0).installed() as stop:
+    # alone, the signal is announced at once; under a launcher only the stop itself is, at the round's end: Open
+    # MPI's mpirun also sends SIGTERM to the ranks left after a rank's MPI_Abort, which must not promise a checkpoint
+    with StopRequest(announce=comm.Get_size() == 1).installed() as stop:
         return _run_job(comm, config_path, overrides, output, options, stop)
 
 
