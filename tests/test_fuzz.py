@@ -26,7 +26,8 @@ from tests.conftest import REPO, TINY, _merge, run_mpifl
 from tests.data.data_files import write_idx
 
 KEYS = [
-    "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "eval_chunk", "device",
+    "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "checkpoint_keep",
+    "eval_chunk", "device",
     "threads_per_rank", "data_memory_gb", "state_memory_gb", "state_spill_dir", "allow_tf32", "server.device",
     "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
     "data.shards_per_client", "data.unseen_fraction", "data.test_fraction", "data.val_fraction", "data.max_clients",
