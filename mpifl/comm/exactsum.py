@@ -10,21 +10,22 @@ float's bits are bits(C) + q/2^bₖ: the level's integer is read off t's bits (t
 trick, read as an integer). r − q is exact and |r − q| ≤ 2^(bₖ−1), which the next level down cuts the same
 way; the lowest level takes the remainder whole, exact because the window below puts base at or under every
 term's lowest set bit.
-The two lowest levels share one step: fl((C₀ + C₁) − t₁) = C₀ − q₁ exactly (both multiples of 2^(b₀+W), ≤ 53
-bits), so t₀ = fl(r + (C₀ − q₁)). A fold costs 4 numpy passes per level above the lowest two, 5 for those two,
-one for the product and a scan of the row's bits; chunks of ``CHUNK`` entries keep it all in cache
-(benchmarks/bench_exactsum.py: about 3-4x ``acc += w*row`` for two levels).
+The two lowest levels share one step: fl(t₁ − (C₀ + C₁)) = q₁ − C₀ exactly (both multiples of 2^(b₀+W), ≤ 53
+bits), so t₀ = fl(r − (q₁ − C₀)) = fl(r + (C₀ − q₁)) (rounding is symmetric). A fold costs 4 array passes per
+level above the lowest two, 5 for those two, one for the product and a scan of the row's bits; chunks of
+``CHUNK`` entries keep it all in cache (benchmarks/bench_exactsum.py: about 3-4x ``acc += w*row`` for two levels).
 
 Window. A term's bits lie in [lowest, highest): |x| < 2^highest, and x is a multiple of 2^lowest (its ulp).
 Each chunk of a row is scanned (max and smallest nonzero |row|, through the float's bits) before it is folded;
 by monotonicity of rounding, |x| ≤ fl(|w|·max) and ulp(x) ≥ ulp(fl(|w|·min)). The levels cover the window;
 a row outside it adds levels below or above (the grid keeps its positions, so nothing is re-cut).
 
-Bounds. Each term adds at most 2^(W−1) to a level (|x| ≤ 2^(b_top+W−1)). Levels accumulate in uint64, wrapping;
-the bias bits(C) per fold is subtracted when the levels are normalised, which happens every 2^(63−W) folds
-and before export: carries move up (balanced digits, |digit| ≤ 2^(W−1)) into a carry level above the window.
-So the true sums never leave int64: no overflow for any number of terms below 2^50. Terms must satisfy
-|x| < 2^MAX_EXPONENT, so that the total stays finite; beyond it ``add`` raises. NaN and ±inf raise.
+Bounds. Each term adds at most 2^(W−1) to a level (|x| ≤ 2^(b_top+W−1)). Levels accumulate in int64,
+wrapping (two's complement: the bits uint64 would hold); the bias bits(C) per fold is subtracted when the
+levels are normalised, which happens every 2^(63−W) folds and before export: carries move up (balanced
+digits, |digit| ≤ 2^(W−1)) into a carry level above the window. So the true sums never leave int64: no
+overflow for any number of terms below 2^50. Terms must satisfy |x| < 2^MAX_EXPONENT, so that the total stays
+finite; beyond it ``add`` raises. NaN and ±inf raise.
 
 Reduction. All ranks agree on one window (an allreduce of ``Window.maxima()`` with MPI.MAX), re-cut their
 levels onto that window's grid of 48-bit int64 words (``export``: a flat buffer, chunk by chunk, so a
@@ -34,20 +35,37 @@ not overlap, each larger than all below it together. Added from the top they sta
 rounds; that result is the correctly rounded total unless its error is exactly half an ulp and the digits
 left have the error's sign, then it moves one ulp (the end of CPython's ``math.fsum``). Zero is +0.0.
 
-Memory: the accumulator holds levels + 1 (the carry) uint64 per entry, the wire buffer ``words`` int64. The
+Memory: the accumulator holds levels + 1 (the carry) int64 per entry, the wire buffer ``words`` int64. The
 float32 deltas of B1's MLP after local SGD, weighted 1/50, span about 75 bits: 2 levels of W = 50 (24 B per
 entry) and 3 wire words (24 B); deltas log-uniform over 1e-10..1e1 span about 105 bits: 3 levels (32 B).
 The worst case, a float64 subnormal term beside terms near 1, spans 1,074 bits: 22 levels (184 B per entry).
 The float64 result differs from a sequential float64 sum in the last bits where that sum rounded.
+
+Backends. The fold and ``export`` are written once over a few array operations (``_NumpyOps``, ``_TorchOps``:
+add and subtract into a buffer, bit views, bitwise and, max and min, ldexp, zeros), so they run where the rows
+are, with the same bits: numpy on the host, or torch on a tensor's device (CUDA: elementwise float64 and int64
+kernels and reductions only, no atomics; one pass over a whole row, one copy of the wire to the host per
+total). On CPU numpy is the faster fold (torch's int64 add is about 3x numpy's; benchmarks/bench_exactsum.py:
+about 1.4x per fold), so host rows, CPU tensors included, fold with numpy unless a total names ``device="cpu"``.
+``round_sum`` runs on the host, where the reduced wire arrives.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# An array of a total's backend: a numpy array, or a torch tensor on the total's device. The algorithm is written
+# once against both (their shared operators and the few operations of ``_NumpyOps`` and ``_TorchOps``).
+Array = Any
 
 WIDTH = 50  # bits per level of a rank's accumulator
 WIRE_WIDTH = 48  # bits per word of the reduced buffer: 2^(64-48) - 1 ranks can add their words without overflow
@@ -58,9 +76,173 @@ CHUNK = 1 << 16  # entries cut at a time: the temporaries stay in the CPU's cach
 FOLDS_PER_NORMALISATION = 2 ** (63 - WIDTH)
 _EMPTY_BOUND = 1 << 30
 
-# row dtype -> (unsigned view, bits of |value|, bits of +inf)
-_BITS = {np.dtype(np.float32): (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
-         np.dtype(np.float64): (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000)}
+# row kind -> (signed view of its bits, bits of |value|, bits of +inf); |value|'s bits are never negative
+_BITS: dict[np.dtype, tuple[np.dtype, int, int]] = {
+    np.dtype(np.float32): (np.dtype(np.int32), 0x7FFF_FFFF, 0x7F80_0000),
+    np.dtype(np.float64): (np.dtype(np.int64), 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000)}
+
+
+def _wrapped(value: int) -> int:
+    """``value`` modulo 2^64 as a signed int64: adding it to an int64 level adds ``value`` modulo 2^64, as the
+    levels wrap (two's complement, the bits uint64 would hold)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def _is_tensor(row: object) -> bool:
+    """Whether ``row`` is a torch tensor (without importing torch: a tensor exists only if torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(row, torch.Tensor)
+
+
+class _NumpyOps:
+    """The fold's array operations on host numpy arrays: single-threaded, ``CHUNK`` entries at a time so that the
+    temporaries stay in cache. The faster fold on CPU (benchmarks/bench_exactsum.py), so CPU tensors use it too."""
+
+    name = "numpy"
+    add = staticmethod(np.add)
+    subtract = staticmethod(np.subtract)
+    bitwise_and = staticmethod(np.bitwise_and)
+
+    def span(self, size: int) -> int:
+        """Entries folded at a time."""
+        return CHUNK
+
+    def zeros(self, *shape: int) -> Array:
+        return np.zeros(shape, dtype=np.int64)
+
+    def empty(self, size: int, dtype: np.dtype) -> Array:
+        return np.empty(size, dtype=dtype)
+
+    def row(self, row: Any) -> Array:
+        """``row`` as a contiguous host array, float16 widened (exactly) to float32. A CPU tensor is shared, not
+        copied; a tensor on another device is copied to the host."""
+        if _is_tensor(row):
+            row = row.detach().cpu().numpy()
+        row = np.ascontiguousarray(row)
+        return row.astype(np.float32) if row.dtype == np.float16 else row
+
+    def kind(self, row: Array) -> np.dtype:
+        return row.dtype
+
+    def view(self, array: Array, dtype: np.dtype) -> Array:
+        return array.view(dtype)
+
+    def weighted(self, row: Array, weight: float, out: Array) -> None:
+        np.multiply(row, weight, out=out, dtype=np.float64)
+
+    def max(self, array: Array) -> int:
+        return int(np.maximum.reduce(array))
+
+    def smallest_nonzero(self, bits: Array, magnitude: int) -> int:
+        """The least positive entry of ``bits`` (some is positive, none negative); ``bits`` is overwritten."""
+        unsigned = bits.view(np.dtype(f"u{bits.itemsize}"))
+        np.subtract(unsigned, unsigned.dtype.type(1), out=unsigned)  # zeros wrap round to the largest value
+        return int(np.minimum.reduce(unsigned)) + 1
+
+    def ldexp(self, digits: Array, exponent: int, out: Array) -> None:
+        np.ldexp(digits, np.int32(exponent), out=out, dtype=np.float64)  # int32: numpy's fast loop
+
+    def any(self, array: Array) -> bool:
+        return bool(array.any())
+
+    def nbytes(self, array: Array) -> int:
+        return array.nbytes
+
+    def host(self, array: Array) -> np.ndarray:
+        return array
+
+
+class _TorchOps:
+    """The same operations with torch on ``device``, elementwise (deterministic on CUDA: no atomics). torch lacks
+    uint64, but int64 adds wrap with the same bits, so the levels are int64 on both backends. On CUDA a whole row
+    is one span: the passes are bound by memory bandwidth, and each reduction there waits for the device."""
+
+    def __init__(self, device: str | torch.device):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+        self.name = f"torch-{self.device.type}"
+        self.dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                       np.dtype(np.float64): torch.float64}
+        self.kinds: dict[Any, np.dtype] = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+    def span(self, size: int) -> int:
+        return CHUNK if self.device.type == "cpu" else max(size, 1)
+
+    def zeros(self, *shape: int) -> Array:
+        return self.torch.zeros(shape, dtype=self.torch.int64, device=self.device)
+
+    def empty(self, size: int, dtype: np.dtype) -> Array:
+        return self.torch.empty(size, dtype=self.dtypes[np.dtype(dtype)], device=self.device)
+
+    def row(self, row: Any) -> Array:
+        """``row`` as a contiguous tensor on the device, float16 and bfloat16 widened (exactly) to float32."""
+        torch = self.torch
+        row = row.detach() if _is_tensor(row) else torch.from_numpy(np.ascontiguousarray(row))
+        row = row.to(self.device)
+        return (row.float() if row.dtype in (torch.float16, torch.bfloat16) else row).contiguous()
+
+    def kind(self, row: Array) -> np.dtype | None:
+        return self.kinds.get(row.dtype)
+
+    def view(self, array: Array, dtype: np.dtype) -> Array:
+        return array.view(self.dtypes[np.dtype(dtype)])
+
+    def add(self, a: Array, b: Array | float, out: Array) -> None:
+        self.torch.add(a, b, out=out)
+
+    def subtract(self, a: Array, b: Array | float, out: Array) -> None:
+        self.torch.sub(a, b, out=out)
+
+    def bitwise_and(self, a: Array, b: int, out: Array) -> None:
+        self.torch.bitwise_and(a, b, out=out)
+
+    def weighted(self, row: Array, weight: float, out: Array) -> None:
+        """fl64(weight·row): a float32 row is widened first (torch would multiply it in float32)."""
+        if row.dtype == self.torch.float64:
+            self.torch.mul(row, weight, out=out)
+        else:
+            out.copy_(row)
+            out.mul_(weight)
+
+    def max(self, array: Array) -> int:
+        return int(array.max())
+
+    def smallest_nonzero(self, bits: Array, magnitude: int) -> int:
+        """As numpy's, without unsigned types: zeros become −1 and then, masked, the largest magnitude."""
+        self.torch.sub(bits, 1, out=bits)
+        self.torch.bitwise_and(bits, magnitude, out=bits)
+        return int(bits.min()) + 1
+
+    def ldexp(self, digits: Array, exponent: int, out: Array) -> None:
+        """np.ldexp's bits for int64 digits below 2^53: scaling by a power of two is exact unless the result is
+        subnormal, and then one multiplication rounds it; below 2^−1022 the digits first go to 2^−1022's multiples
+        (exactly: |d|·2^−1022 has no bit under float64's smallest unit), so that the scale is never zero."""
+        out.copy_(digits)  # exact: |digit| < 2^53
+        if exponent >= -1022:
+            out.mul_(math.ldexp(1.0, exponent))
+        else:
+            out.mul_(math.ldexp(1.0, -1022)).mul_(math.ldexp(1.0, exponent + 1022))
+
+    def any(self, array: Array) -> bool:
+        return bool(array.any())
+
+    def nbytes(self, array: Array) -> int:
+        return array.numel() * array.element_size()
+
+    def host(self, array: Array) -> np.ndarray:
+        return array.cpu().numpy()
+
+
+Ops = _NumpyOps | _TorchOps
+
+
+def _ops_for(device: str | torch.device | None, row: object) -> Ops:
+    """The backend for ``device`` (see ``ExactSum``); with none, the one for ``row``'s device."""
+    if device is None:
+        on_device = _is_tensor(row) and row.device.type != "cpu"  # type: ignore[attr-defined]
+        return _TorchOps(row.device) if on_device else _NumpyOps()  # type: ignore[attr-defined]
+    return _NumpyOps() if device == "numpy" else _TorchOps(device)
 
 
 @dataclass(frozen=True)
@@ -130,26 +312,26 @@ class _Grid:
         return [int(np.float64(c).view(np.uint64)) for c in self.constants]
 
 
-def _cut(x: np.ndarray, scratch: np.ndarray, levels: np.ndarray, constants: list[float], top: int) -> None:
+def _cut(ops: Ops, x: Array, scratch: Array, levels: Array, constants: list[float], top: int) -> None:
     """Add the digits of the float64 terms ``x`` (|x| ≤ 2^(unit(top) + 51), multiples of 2^unit(0)) to
-    ``levels[0..top]`` (uint64, biased by bits(C) per call); ``x`` is overwritten."""
-    view = scratch.view(np.uint64)
+    ``levels[0..top]`` (int64, wrapping, biased by bits(C) per call); ``x`` is overwritten."""
+    view = ops.view(scratch, np.dtype(np.int64))
     for k in range(top, 1, -1):
-        np.add(x, constants[k], out=scratch)
-        np.add(levels[k], view, out=levels[k])
-        np.subtract(scratch, constants[k], out=scratch)
-        np.subtract(x, scratch, out=x)
+        ops.add(x, constants[k], out=scratch)
+        ops.add(levels[k], view, out=levels[k])
+        ops.subtract(scratch, constants[k], out=scratch)
+        ops.subtract(x, scratch, out=x)
     if top == 0:
-        np.add(x, constants[0], out=scratch)
+        ops.add(x, constants[0], out=scratch)
     else:
-        np.add(x, constants[1], out=scratch)
-        np.add(levels[1], view, out=levels[1])
-        np.subtract(constants[0] + constants[1], scratch, out=scratch)
-        np.add(x, scratch, out=scratch)
-    np.add(levels[0], view, out=levels[0])
+        ops.add(x, constants[1], out=scratch)
+        ops.add(levels[1], view, out=levels[1])
+        ops.subtract(scratch, constants[0] + constants[1], out=scratch)  # q₁ − C₀, exactly
+        ops.subtract(x, scratch, out=scratch)  # fl(r + (C₀ − q₁)): rounding is symmetric
+    ops.add(levels[0], view, out=levels[0])
 
 
-def _carry(digits: np.ndarray, width: int, balanced: bool) -> None:
+def _carry(digits: Array, width: int, balanced: bool) -> None:
     """Move every level's excess over ``width`` bits up (int64 levels, the last takes what is left): balanced
     digits lie in [−2^(width−1), 2^(width−1)), the others in [0, 2^width)."""
     half = 1 << (width - 1) if balanced else 0
@@ -159,30 +341,31 @@ def _carry(digits: np.ndarray, width: int, balanced: bool) -> None:
         digits[k + 1] += carry
 
 
-def _chunk_window(row: np.ndarray, weight: float, bits: np.ndarray) -> Window:
-    """The window of fl(weight·row) for one chunk (``bits``: scratch of the row's unsigned type)."""
-    unsigned, magnitude, infinity = _BITS[row.dtype]
+def _chunk_window(ops: Ops, row: Array, kind: np.dtype, weight: float, bits: Array) -> Window:
+    """The window of fl(weight·row) for one chunk of ``kind`` (``bits``: scratch of its signed bits type)."""
+    signed, magnitude, infinity = _BITS[kind]
     bits = bits[: len(row)]
-    np.bitwise_and(row.view(unsigned), unsigned(magnitude), out=bits)
-    top = int(np.maximum.reduce(bits))
+    ops.bitwise_and(ops.view(row, signed), magnitude, out=bits)
+    top = ops.max(bits)
     if top >= infinity:
         raise ValueError("exact sum: the row holds NaN or ±inf; non-finite values must be screened out first")
     if top == 0:
         return EMPTY
-    np.subtract(bits, unsigned(1), out=bits)  # zeros wrap round to the largest value
-    low = int(np.minimum.reduce(bits)) + 1
-    largest = abs(weight) * float(unsigned(top).view(row.dtype))
+    low = ops.smallest_nonzero(bits, magnitude)
+    largest = abs(weight) * float(signed.type(top).view(kind))
     if largest >= math.ldexp(1.0, MAX_EXPONENT):
         raise ValueError(f"exact sum: a term weight·row of {largest:.3g} is out of range (|term| < 2**{MAX_EXPONENT})")
     if largest == 0.0:
         return EMPTY
-    smallest = abs(weight) * float(unsigned(low).view(row.dtype))
+    smallest = abs(weight) * float(signed.type(low).view(kind))
     lowest = LOWEST if smallest == 0.0 else max(math.frexp(smallest)[1] - 53, LOWEST)
     return Window(lowest, math.frexp(largest)[1])
 
 
-def _chunks(size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
+def _chunks(size: int, step: int | None = None) -> list[tuple[int, int]]:
+    """[start, stop) of each ``step`` entries (``CHUNK`` by default: the wire's blocks)."""
+    step = CHUNK if step is None else step
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
 class ExactSum:
@@ -197,69 +380,100 @@ class ExactSum:
         summed = np.empty_like(wire) if rank == 0 else None
         comm.Reduce(wire, summed, op=MPI.SUM, root=0)
         result = round_sum(summed, agreed)  # rank 0: float64, the same bits on any ranks
+
+    ``device`` says where the fold runs, with the same bits everywhere: ``None`` follows the first row (torch on
+    a tensor's GPU; numpy for numpy arrays and CPU tensors, the faster fold on CPU), ``"numpy"`` numpy on the host,
+    a torch device (``"cpu"``, ``"cuda:0"``) torch ops there. Rows elsewhere are copied to it; ``export`` returns
+    host numpy words whichever it is (one copy per total).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, device: str | torch.device | None = None):
         self.size = size
+        self.device = device
         self.window = EMPTY  # the union of the folded terms' windows
         self._grid: _Grid | None = None
-        self._levels = np.zeros((0, size), dtype=np.uint64)
+        self._ops: Ops | None = None  # chosen by the first row unless ``device`` names it
+        self._levels: Array = None  # (levels + 1) × size int64, with the grid
         self._folds = 0  # adds since the levels were last normalised (each left one bias in every level)
         self._failed = False
-        chunk = min(CHUNK, size)
-        self._x = np.empty(chunk)
-        self._scratch = np.empty(chunk)
+        self._x: Array = None
+        self._scratch: Array = None
+        self._bits: dict[np.dtype, Array] = {}  # scratch for the window scan, per row kind
 
     @property
     def nbytes(self) -> int:
-        return self._levels.nbytes
+        return 0 if self._levels is None or self._ops is None else self._ops.nbytes(self._levels)
 
-    def add(self, row: np.ndarray, weight: float = 1.0) -> None:
+    @property
+    def backend(self) -> str | None:
+        """Where the fold runs ("numpy", "torch-cpu", "torch-cuda"); ``None`` until a row chose it."""
+        return None if self._ops is None else self._ops.name
+
+    def add(self, row: Array, weight: float = 1.0) -> None:
         """Fold weight·row (each product rounded to float64 once) into the total. A row that raises part-way
         (NaN, ±inf, out of range) leaves the total unusable: screen rows first."""
         if self._failed:
             raise RuntimeError("exact sum: an earlier add failed part-way, so this total is incomplete")
-        row = self._checked(row)
+        row, kind = self._checked(row)
         weight = float(weight)
         if not math.isfinite(weight):
             raise ValueError(f"exact sum: weight {weight} is not finite")
         if weight == 0.0:
             return
-        bits = np.empty(len(self._x), dtype=_BITS[row.dtype][0])
+        ops = self._ops_or_raise
+        if kind not in self._bits:
+            self._bits[kind] = ops.empty(len(self._x), _BITS[kind][0])
+        bits = self._bits[kind]
+        spans = self._spans()
         if self._grid is None:
             window = EMPTY
-            for start, stop in _chunks(self.size):
-                window = window.union(_chunk_window(row[start:stop], weight, bits))
+            for start, stop in spans:
+                window = window.union(_chunk_window(ops, row[start:stop], kind, weight, bits))
             if window.empty:
                 return
             self._grid = _Grid.fitting(window, WIDTH)
-            self._levels = np.zeros((self._grid.levels + 1, self.size), dtype=np.uint64)
+            self._levels = ops.zeros(self._grid.levels + 1, self.size)
         self._failed = True  # until the whole row is in
-        for start, stop in _chunks(self.size):
+        for start, stop in spans:
             chunk = row[start:stop]
-            window = _chunk_window(chunk, weight, bits)
+            window = _chunk_window(ops, chunk, kind, weight, bits)
             if not self.window.covers(window):
                 if not self._grid.window.covers(window):
                     self._widen(window, start)
                 self.window = self.window.union(window)
-            x = self._x[: len(chunk)]
-            np.multiply(chunk, weight, out=x, dtype=np.float64)
-            _cut(x, self._scratch[: len(chunk)], self._levels[:, start:stop],
+            x = self._x[: stop - start]
+            ops.weighted(chunk, weight, out=x)
+            _cut(ops, x, self._scratch[: stop - start], self._levels[:, start:stop],
                  self._grid.constants, self._grid.levels - 1)
         self._folds += 1
         self._failed = False
         if self._folds >= FOLDS_PER_NORMALISATION:
             self._normalise()
 
-    def _checked(self, row: np.ndarray) -> np.ndarray:
-        row = np.ascontiguousarray(row)
-        if row.shape != (self.size,):
-            raise ValueError(f"exact sum: a row of shape {row.shape} does not match the total's {(self.size,)}")
-        if row.dtype == np.float16:
-            row = row.astype(np.float32)
-        if row.dtype not in _BITS:
+    def _checked(self, row: Array) -> tuple[Array, np.dtype]:
+        """``row`` on the backend (chosen now if not yet), float16 widened, and its kind; shape and kind checked."""
+        if self._ops is None:
+            self._ops = _ops_for(self.device, row)
+            span = min(self._ops.span(self.size), self.size)
+            self._x = self._ops.empty(span, np.dtype(np.float64))
+            self._scratch = self._ops.empty(span, np.dtype(np.float64))
+        row = self._ops.row(row)
+        if tuple(row.shape) != (self.size,):
+            raise ValueError(f"exact sum: a row of shape {tuple(row.shape)} does not match the total's {(self.size,)}")
+        kind = self._ops.kind(row)
+        if kind is None or kind not in _BITS:
             raise TypeError(f"exact sum: rows must be float16, float32 or float64, not {row.dtype}")
-        return row
+        return row, kind
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """The entries folded at a time: ``CHUNK`` on CPU (whole blocks of the wire), the whole row on a GPU."""
+        return _chunks(self.size, self._ops_or_raise.span(self.size))
+
+    @property
+    def _ops_or_raise(self) -> Ops:
+        if self._ops is None:
+            raise RuntimeError("exact sum: no row chose a backend yet")
+        return self._ops
 
     @property
     def _grid_or_raise(self) -> _Grid:
@@ -280,78 +494,87 @@ class ExactSum:
             self._bias_done(done, 1)  # ...and its bias goes back in on the new levels
             return
         wider = _Grid(grid.base - below * grid.width, grid.levels + below + above, grid.width)
-        levels = np.zeros((wider.levels + 1, self.size), dtype=np.uint64)
+        levels = self._ops_or_raise.zeros(wider.levels + 1, self.size)
         levels[below : below + grid.levels + 1] = self._levels
         biases = wider.biases
         for k in [*range(below), *range(below + grid.levels, wider.levels)]:  # new levels, and the old carry
-            levels[k] += np.uint64(self._folds * biases[k] % 2**64)
-            levels[k, :done] += np.uint64(biases[k])
+            levels[k] += _wrapped(self._folds * biases[k])
+            levels[k, :done] += _wrapped(biases[k])
         self._grid, self._levels = wider, levels
 
     def _bias_done(self, done: int, sign: int) -> None:
         """Add (or take out) one bias in every data level of the first ``done`` entries."""
         grid = self._grid_or_raise
-        biases = np.array([sign * bias % 2**64 for bias in grid.biases[: grid.levels]], dtype=np.uint64)
-        self._levels[: grid.levels, :done] += biases[:, None]
+        for k, bias in enumerate(grid.biases[: grid.levels]):
+            self._levels[k, :done] += _wrapped(sign * bias)
 
-    def _unbiased_chunk(self, start: int, stop: int) -> np.ndarray:
+    def _unbiased_chunk(self, start: int, stop: int) -> Array:
         """The levels of entries [start, stop) as int64 digits, biases removed."""
         grid = self._grid_or_raise
-        digits = self._levels[:, start:stop].view(np.int64)
+        digits = self._levels[:, start:stop]
         for k, bias in enumerate(grid.biases[: grid.levels]):
-            digits[k] -= np.int64(np.uint64(self._folds * bias % 2**64).view(np.int64))
+            digits[k] -= _wrapped(self._folds * bias)
         return digits
 
     def _normalise(self) -> None:
         """Remove the biases and carry every level down to a balanced digit, the excess into the carry level."""
         if self._grid is None:
             return
-        for start, stop in _chunks(self.size):
+        for start, stop in self._spans():
             _carry(self._unbiased_chunk(start, stop), self._grid.width, balanced=True)
         self._folds = 0
 
-    def _recut(self, start: int, stop: int, grid: _Grid, out: np.ndarray) -> None:
+    def _recut(self, start: int, stop: int, grid: _Grid, out: Array) -> None:
         """Entries [start, stop) re-cut onto ``grid`` into ``out`` (int64, levels × entries): balanced digits.
         Each normalised level is an exact float64 (|digit| ≤ 2^(W−1), the carry's below 2^53), a multiple of
         its unit (or of the window's lowest bit, at level 0), cut into the levels of ``grid`` it can reach."""
-        source = self._grid_or_raise
+        source, ops = self._grid_or_raise, self._ops_or_raise
         out[:] = 0
-        cuts = np.zeros(grid.levels + 1, dtype=np.int64)  # cuts that added a bias to each level of ``grid``
+        cuts = [0] * (grid.levels + 1)  # cuts that added a bias to each level of ``grid``
         x, scratch = self._x[: stop - start], self._scratch[: stop - start]
-        for k, digits in enumerate(self._levels[:, start:stop].view(np.int64)):
-            if not digits.any():
+        for k, digits in enumerate(self._levels[:, start:stop]):
+            if not ops.any(digits):
                 continue
             bottom = min(max(0, (source.unit(k) - grid.base) // grid.width), grid.levels)
             reach = -(-(source.unit(k) + source.width - 52 - grid.base) // grid.width)  # unit + 51 ≥ |x|'s bits
             top = grid.levels if k == source.levels else min(max(bottom, reach), grid.levels)
-            np.ldexp(digits, np.int32(source.unit(k)), out=x, dtype=np.float64)  # int32: numpy's fast loop
-            _cut(x, scratch, out[bottom : top + 1].view(np.uint64), grid.constants[bottom : top + 1], top - bottom)
-            cuts[bottom : top + 1] += 1
+            ops.ldexp(digits, source.unit(k), out=x)
+            _cut(ops, x, scratch, out[bottom : top + 1], grid.constants[bottom : top + 1], top - bottom)
+            for level in range(bottom, top + 1):
+                cuts[level] += 1
         for k, bias in enumerate(grid.biases):
-            out[k] -= np.int64(np.uint64(int(cuts[k]) * bias % 2**64).view(np.int64))
+            out[k] -= _wrapped(cuts[k] * bias)
         _carry(out, grid.width, balanced=True)
 
     def _regrid(self, grid: _Grid) -> None:
         self._normalise()
-        levels = np.empty((grid.levels + 1, self.size), dtype=np.int64)
-        for start, stop in _chunks(self.size):
+        levels = self._ops_or_raise.zeros(grid.levels + 1, self.size)
+        for start, stop in self._spans():
             self._recut(start, stop, grid, levels[:, start:stop])
-        self._grid, self._levels = grid, levels.view(np.uint64)
+        self._grid, self._levels = grid, levels
 
     def export(self, window: Window) -> np.ndarray:
-        """The total as a flat int64 buffer on the grid of ``window`` (the union of every rank's window), for an
-        MPI.SUM reduction; ``round_sum`` turns the sum into float64. Each block of ``CHUNK`` entries holds its
+        """The total as a flat host int64 buffer on the grid of ``window`` (the union of every rank's window), for
+        an MPI.SUM reduction; ``round_sum`` turns the sum into float64. Each block of ``CHUNK`` entries holds its
         ``words(window)`` words per entry together, so the buffer may be split at any multiple of
         ``CHUNK * words(window)`` (a reduce-scatter over entries). The total stays as it was: folding may go on."""
         if not window.covers(self.window):
             raise ValueError(f"exact sum: the agreed window {window} does not cover this rank's {self.window}")
         grid = _wire_grid(window)
-        wire = np.zeros(self.size * (grid.levels + 1), dtype=np.int64)
-        if self._grid is not None:
-            self._normalise()
-            for start, stop in _chunks(self.size):
+        if self._grid is None:
+            return np.zeros(self.size * (grid.levels + 1), dtype=np.int64)
+        ops = self._ops_or_raise
+        wire = ops.zeros(self.size * (grid.levels + 1))
+        self._normalise()
+        for start, stop in self._spans():
+            if stop - start <= CHUNK:  # one block of the wire: cut straight into it
                 self._recut(start, stop, grid, _block(wire, grid, start, stop))
-        return wire
+                continue
+            recut = ops.zeros(grid.levels + 1, stop - start)  # several (a GPU's whole row): laid out after
+            self._recut(start, stop, grid, recut)
+            for first, last in _chunks(stop - start):
+                _block(wire, grid, start + first, start + last)[...] = recut[:, first:last]
+        return ops.host(wire)
 
 
 def _wire_grid(window: Window) -> _Grid:
@@ -363,7 +586,7 @@ def words(window: Window) -> int:
     return _wire_grid(window).levels + 1
 
 
-def _block(wire: np.ndarray, grid: _Grid, start: int, stop: int) -> np.ndarray:
+def _block(wire: Array, grid: _Grid, start: int, stop: int) -> Array:
     """The words of entries [start, stop) (one chunk) of a wire buffer, levels × entries."""
     return wire[start * (grid.levels + 1) : stop * (grid.levels + 1)].reshape(grid.levels + 1, stop - start)
 
@@ -410,9 +633,9 @@ def _round_block(wire: np.ndarray, grid: _Grid) -> np.ndarray:
     return total + step * ((step == twice) & same_sign)
 
 
-def exact_sum(rows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+def exact_sum(rows: Array, weights: Array | None = None, device: str | torch.device | None = None) -> np.ndarray:
     """Σᵢ weights[i]·rows[i], exact and rounded once, in one process: what the reduction gives on any ranks."""
-    total = ExactSum(rows.shape[1])
+    total = ExactSum(rows.shape[1], device)
     for i, row in enumerate(rows):
         total.add(row, 1.0 if weights is None else weights[i])
     return round_sum(total.export(total.window), total.window)

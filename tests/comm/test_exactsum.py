@@ -1,5 +1,6 @@
 """Exact sums: bitwise the correctly rounded Σ wᵢ·rowᵢ (checked with Python's exact rationals) for any order,
-any grouping over simulated ranks, adversarial magnitudes, the bounds, and one clear error for bad input."""
+any grouping over simulated ranks, adversarial magnitudes, the bounds, and one clear error for bad input; on
+every backend (numpy, torch on the CPU, torch on CUDA where there is one), with the same wire words."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +27,29 @@ from mpifl.comm.exactsum import (
 )
 
 TINY = 5e-324  # the smallest subnormal
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = {"numpy": "numpy", "torch-cpu": "cpu", "torch-cuda": "cuda"}  # backend -> ExactSum's device
+BACKENDS = ["numpy", "torch-cpu", pytest.param("torch-cuda", marks=CUDA)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """Each test that takes it runs on every backend, its rows given as that backend's arrays."""
+    return request.param
+
+
+def on(backend: str, rows: np.ndarray):
+    """``rows`` as the backend's arrays: numpy, or a tensor on the backend's device."""
+    return rows if backend == "numpy" else torch.from_numpy(np.ascontiguousarray(rows)).to(DEVICES[backend])
+
+
+def new_total(size: int, backend: str = "numpy") -> ExactSum:
+    return ExactSum(size, device=DEVICES[backend])
+
+
+def summed(rows: np.ndarray, weights=None, backend: str = "numpy") -> np.ndarray:
+    """``exact_sum`` on ``backend``."""
+    return exact_sum(on(backend, rows), weights, device=DEVICES[backend])
 
 
 def reference(rows: np.ndarray, weights) -> np.ndarray:
@@ -41,12 +66,12 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype == np.float64 and np.array_equal(a.view(np.int64), b.view(np.int64))
 
 
-def over_ranks(rows: np.ndarray, weights, groups: list[list[int]]) -> np.ndarray:
+def over_ranks(rows: np.ndarray, weights, groups: list[list[int]], backend: str = "numpy") -> np.ndarray:
     """What the reduction computes: each group of rows is one rank's total; the ranks agree on a window
     (MPI.MAX of the maxima), export, and their int64 buffers are added (MPI.SUM), then rounded once."""
-    totals = []
+    totals, rows = [], on(backend, rows)
     for group in groups:
-        total = ExactSum(rows.shape[1])
+        total = new_total(rows.shape[1], backend)
         for i in group:
             total.add(rows[i], weights[i])
         totals.append(total)
@@ -69,20 +94,21 @@ def adversarial_rows(rng: np.random.Generator, count: int, size: int) -> np.ndar
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_matches_the_exact_rational_sum_rounded_once(seed):
+def test_matches_the_exact_rational_sum_rounded_once(seed, backend):
     rng = np.random.default_rng(seed)
     rows = adversarial_rows(rng, 7, 40)
     weights = 10.0 ** rng.uniform(-4, 4, 7) * rng.choice([-1.0, 1.0], 7)
-    assert same_bits(exact_sum(rows, weights), reference(rows, weights))
+    assert same_bits(summed(rows, weights, backend), reference(rows, weights))
 
 
-def test_float32_rows_are_weighted_in_float64():
-    """Each term is fl64(w·row), not fl32: 0.1·3.3f in float32 would round differently."""
+def test_float32_rows_are_weighted_in_float64(backend):
+    """Each term is fl64(w·row), not fl32: 0.1·3.3f in float32 would round differently (torch would, were the
+    row not widened first)."""
     row = np.array([3.3, 1e-30, 7e30], dtype=np.float32)
-    assert same_bits(exact_sum(row[None], [0.1]), 0.1 * row.astype(np.float64))
+    assert same_bits(summed(row[None], [0.1], backend), 0.1 * row.astype(np.float64))
 
 
-def test_rounding_ties_go_to_even_and_the_sticky_bit_breaks_them():
+def test_rounding_ties_go_to_even_and_the_sticky_bit_breaks_them(backend):
     one_ulp = 2.0**-52
     cases = {  # terms → the correctly rounded sum, by hand
         (1.0, 2.0**-53): 1.0,  # halfway between 1 and 1 + ulp: the even one
@@ -96,13 +122,14 @@ def test_rounding_ties_go_to_even_and_the_sticky_bit_breaks_them():
         (-0.0, -0.0): 0.0,  # a zero total is +0.0
     }
     for terms, expected in cases.items():
-        got = exact_sum(np.array(terms)[:, None])[0]
+        got = summed(np.array(terms)[:, None], backend=backend)[0]
         assert math.copysign(1, got) == math.copysign(1, expected) and got == expected, (terms, got)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_any_order_and_grouping_over_ranks_gives_the_same_bits(data):
+def test_any_order_and_grouping_over_ranks_gives_the_same_bits(backend, data):
     finite = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e30, max_value=1e30, allow_subnormal=True)
     count = data.draw(st.integers(1, 8), label="rows")
     size = data.draw(st.integers(1, 5), label="size")
@@ -113,10 +140,10 @@ def test_any_order_and_grouping_over_ranks_gives_the_same_bits(data):
     order = data.draw(st.permutations(range(count)), label="order")
     ranks = data.draw(st.integers(1, 4), label="ranks")
     groups = [[i for k, i in enumerate(order) if k % ranks == r] for r in range(ranks)]
-    assert same_bits(over_ranks(rows, weights, groups), expected)
+    assert same_bits(over_ranks(rows, weights, groups, backend), expected)
 
 
-def test_groupings_of_many_rows_agree_bitwise(monkeypatch):
+def test_groupings_of_many_rows_agree_bitwise(monkeypatch, backend):
     """Several chunks per row (a small CHUNK), windows that differ per rank (one rank sees only the tiny
     rows), ranks with nothing folded."""
     monkeypatch.setattr(exactsum, "CHUNK", 8)
@@ -129,36 +156,37 @@ def test_groupings_of_many_rows_agree_bitwise(monkeypatch):
     random.Random(3).shuffle(shuffled)
     for groups in ([list(range(12))], [shuffled], [[5, 6, 7], [0, 1, 2, 3, 4, 8, 9, 10, 11], []],
                    [shuffled[0::3], shuffled[1::3], shuffled[2::3], []], [[i] for i in reversed(range(12))]):
-        assert same_bits(over_ranks(rows, weights, groups), expected), groups
+        assert same_bits(over_ranks(rows, weights, groups, backend), expected), groups
 
 
-def test_rows_outside_the_levels_add_levels_mid_row(monkeypatch):
+def test_rows_outside_the_levels_add_levels_mid_row(monkeypatch, backend):
     """The first row sets the levels; later chunks far above and far below (down to subnormals, which re-cut
-    the levels onto float64's smallest unit) widen them part-way through a row."""
+    the levels onto float64's smallest unit) widen them part-way through a row (on CUDA a row is one chunk)."""
     monkeypatch.setattr(exactsum, "CHUNK", 4)
     rows = np.ones((4, 12))
     rows[1, 4:8] = 1e250
     rows[2, 8:] = 1e-200
     rows[3, 5] = TINY
     rows[3, 9] = 3e-310
-    total = ExactSum(12)
-    for row in rows:
+    total = new_total(12, backend)
+    for row in on(backend, rows):
         total.add(row, 0.75)
     assert total.window.lowest == -1074 and total._grid_or_raise.base == -1074
     assert same_bits(round_sum(total.export(total.window), total.window), reference(rows, [0.75] * 4))
 
 
-def test_a_tie_is_broken_by_a_bit_at_any_distance_below_it():
+def test_a_tie_is_broken_by_a_bit_at_any_distance_below_it(backend):
     """1 + 2^-53 is a tie; one more bit 2^-k, for every k down to float64's last, decides it (whichever level
-    and digit that bit lands in)."""
-    for k in range(54, 1075):
+    and digit that bit lands in: torch, slower per call, takes every third k, which still meets every bit of
+    a level)."""
+    for k in range(54, 1075, 1 if backend == "numpy" else 3):
         for sign in (1.0, -1.0):
             terms = np.array([[sign], [sign * 2.0**-53], [sign * 2.0**-k]])
-            assert exact_sum(terms)[0] == sign * (1.0 + 2.0**-52), k
-            assert exact_sum(terms, [1.0, 1.0, -1.0])[0] == sign * 1.0, k
+            assert summed(terms, backend=backend)[0] == sign * (1.0 + 2.0**-52), k
+            assert summed(terms, [1.0, 1.0, -1.0], backend)[0] == sign * 1.0, k
 
 
-def test_no_level_overflows_when_every_term_fills_every_level():
+def test_no_level_overflows_when_every_term_fills_every_level(backend):
     """Terms that put the largest digit, 2^(W−1), into every level (a subnormal pins the levels to float64's
     smallest unit, so the level boundaries −1074 + 50k are known), folded 2·FOLDS_PER_NORMALISATION + 3 times
     (twice the carries must move up, else the levels wrap past 2^63), and that total added over MAX_RANKS
@@ -168,9 +196,9 @@ def test_no_level_overflows_when_every_term_fills_every_level():
     top = 2.0 ** (-1074 + 6 * width - 1) * (1 - 2.0**-53)  # rounds to 2^(W−1) units of the top level
     row = np.array([TINY, *below_boundaries, top, -top])
     folds = 2 * FOLDS_PER_NORMALISATION + 3
-    total = ExactSum(len(row))
+    total, device_row = new_total(len(row), backend), on(backend, row)
     for _ in range(folds):
-        total.add(row)
+        total.add(device_row)
     assert total._grid_or_raise.base == -1074 and total._grid_or_raise.levels == 6
     wire = total.export(total.window)
     for copies in (folds, folds * MAX_RANKS):
@@ -178,20 +206,20 @@ def test_no_level_overflows_when_every_term_fills_every_level():
         assert same_bits(round_sum(wire * (copies // folds), total.window), expected), copies
 
 
-def test_terms_up_to_the_range_limit_sum_exactly():
+def test_terms_up_to_the_range_limit_sum_exactly(backend):
     largest = 2.0**MAX_EXPONENT - 2.0 ** (MAX_EXPONENT - 53)
     rows = np.array([[largest, -largest, largest], [largest, largest, -TINY]])
-    assert same_bits(exact_sum(rows, [1.0, 1.0]), np.array([2 * largest, 0.0, largest]))
+    assert same_bits(summed(rows, [1.0, 1.0], backend), np.array([2 * largest, 0.0, largest]))
 
 
-def test_the_wire_buffer_splits_at_whole_chunks(monkeypatch):
+def test_the_wire_buffer_splits_at_whole_chunks(monkeypatch, backend):
     """A reduce-scatter may hand each rank a block of whole chunks: rounding the blocks apart gives the
     whole's bits."""
     monkeypatch.setattr(exactsum, "CHUNK", 4)
     rng = np.random.default_rng(5)
     rows = adversarial_rows(rng, 3, 10)
-    total = ExactSum(10)
-    for row in rows:
+    total = new_total(10, backend)
+    for row in on(backend, rows):
         total.add(row, 0.5)
     wire, per = total.export(total.window), words(total.window)
     whole = round_sum(wire, total.window)
@@ -199,21 +227,21 @@ def test_the_wire_buffer_splits_at_whole_chunks(monkeypatch):
     assert same_bits(np.concatenate(parts), whole) and same_bits(whole, reference(rows, [0.5] * 3))
 
 
-def test_nothing_folded_exports_zeros_and_an_empty_window():
-    total = ExactSum(3)
-    total.add(np.zeros(3, dtype=np.float32), 2.0)
-    total.add(np.ones(3), 0.0)
+def test_nothing_folded_exports_zeros_and_an_empty_window(backend):
+    total = new_total(3, backend)
+    total.add(on(backend, np.zeros(3, dtype=np.float32)), 2.0)
+    total.add(on(backend, np.ones(3)), 0.0)
     assert total.window.empty and total.nbytes == 0
     assert same_bits(round_sum(total.export(total.window), total.window), np.zeros(3))
 
 
-def test_the_accumulator_is_small_for_typical_model_deltas():
+def test_the_accumulator_is_small_for_typical_model_deltas(backend):
     """Float32 deltas of 1e-10..1e1 weighted by 1e-3 (91 bits): two levels and the carry (24 bytes per entry)."""
     rng = np.random.default_rng(0)
     row = (rng.choice([-1.0, 1.0], 1000) * 10.0 ** rng.uniform(-10, 1, 1000)).astype(np.float32)
     row[:2] = [1e-10, 9.9]
-    total = ExactSum(1000)
-    total.add(row, 1e-3)
+    total = new_total(1000, backend)
+    total.add(on(backend, row), 1e-3)
     assert total.nbytes == 24 * 1000 and words(total.window) == 3
 
 
@@ -226,25 +254,141 @@ def test_the_accumulator_is_small_for_typical_model_deltas():
     (np.array([1, 2]), 1.0, TypeError, "float16, float32 or float64"),
     (np.ones(3), 1.0, ValueError, "does not match"),
 ])
-def test_bad_rows_raise_one_clear_error(row, weight, error, match):
+def test_bad_rows_raise_one_clear_error(row, weight, error, match, backend):
     with pytest.raises(error, match=match):
-        ExactSum(2).add(row, weight)
+        new_total(2, backend).add(on(backend, row), weight)
 
 
-def test_a_row_that_fails_part_way_leaves_the_total_unusable(monkeypatch):
+def test_a_row_that_fails_part_way_leaves_the_total_unusable(monkeypatch, backend):
     monkeypatch.setattr(exactsum, "CHUNK", 2)
-    total = ExactSum(4)
-    total.add(np.ones(4))
+    total = new_total(4, backend)
+    total.add(on(backend, np.ones(4)))
     with pytest.raises(ValueError, match="NaN"):
-        total.add(np.array([1.0, 1.0, 1.0, np.nan]))
+        total.add(on(backend, np.array([1.0, 1.0, 1.0, np.nan])))
     with pytest.raises(RuntimeError, match="incomplete"):
-        total.add(np.ones(4))
+        total.add(on(backend, np.ones(4)))
 
 
-def test_an_agreed_window_must_cover_every_rank():
-    total = ExactSum(2)
-    total.add(np.array([1.0, 1e-20]))
+def test_an_agreed_window_must_cover_every_rank(backend):
+    total = new_total(2, backend)
+    total.add(on(backend, np.array([1.0, 1e-20])))
     with pytest.raises(ValueError, match="does not cover"):
         total.export(Window(-60, 1))
     with pytest.raises(ValueError, match="words per entry"):
         round_sum(np.zeros(5, dtype=np.int64), total.window)
+
+
+def comparison_rows(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rows and weights that take the fold down each of its paths: float16/32/64 rows, subnormals of each type,
+    huge and tiny weights, a first row that sets few levels and later rows that widen them below and above
+    part-way, and a float64 subnormal that re-cuts them onto float64's smallest unit."""
+    cases = {}
+    for dtype in (np.float16, np.float32, np.float64):
+        info = np.finfo(dtype)
+        rows = (rng.standard_normal((6, 37)) * 10.0 ** rng.uniform(-3, 3, (6, 37))).astype(dtype)
+        rows[1, 3], rows[2, 20] = info.smallest_subnormal, -info.smallest_subnormal
+        rows[3, 36] = min(float(info.max) / 4, 2.0**800)  # the type's largest, or as large as the range allows
+        rows[4] = 0
+        cases[f"{np.dtype(dtype).name}, mixed weights"] = (rows, 10.0 ** rng.uniform(-5, 5, 6) * rng.choice([-1, 1], 6))
+    huge = adversarial_rows(rng, 5, 37)
+    huge[:, 3] = np.minimum(huge[:, 3], 2.0**600)  # the weights below would take 2**900 out of range
+    cases["adversarial, huge and tiny weights"] = (huge, np.array([2.0**250, 1e-250, -3e100, 7e-300, 1.0]))
+    widening = np.ones((5, 37))
+    widening[1, 9:17] = 1e200  # above the first row's levels, part-way through a row
+    widening[2, 20:28] = 1e-100  # below them
+    widening[3, 30] = TINY  # below float64's smallest unit's reach: re-cut onto it
+    widening[4, :5] = -1e-300
+    cases["widening below, above and re-cut"] = (widening, np.array([0.5, -1.25, 3.0, 1.0, 1e-8]))
+    return cases
+
+
+def backend_wire(rows: np.ndarray, weights: np.ndarray, backend: str, window: Window | None = None):
+    total = new_total(rows.shape[1], backend)
+    for row, weight in zip(on(backend, rows), weights):
+        total.add(row, weight)
+    return total, total.export(total.window if window is None else window)
+
+
+@pytest.mark.parametrize("chunk", [8, 1 << 16])
+@pytest.mark.parametrize("backend", ["torch-cpu", "torch-cpu, whole rows", pytest.param("torch-cuda", marks=CUDA)])
+def test_torch_and_numpy_give_the_same_wire_words_and_sums(monkeypatch, backend, chunk):
+    """Word for word the same wire buffers (and so the same rounded sums, the exact ones) from numpy and torch
+    totals, with several chunks per row or one; "whole rows" folds each row in one span as on a GPU, which lays
+    the wire's blocks out after the cut."""
+    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    if backend.endswith("whole rows"):
+        monkeypatch.setattr(exactsum._TorchOps, "span", lambda self, size: max(size, 1))
+        backend = "torch-cpu"
+    rng = np.random.default_rng(4)
+    for name, (rows, weights) in comparison_rows(rng).items():
+        expected_total, expected_wire = backend_wire(rows, weights, "numpy")
+        total, wire = backend_wire(rows, weights, backend)
+        assert total.backend == backend and total.window == expected_total.window, name
+        assert total.nbytes == expected_total.nbytes, name
+        assert isinstance(wire, np.ndarray) and wire.dtype == np.int64 and np.array_equal(wire, expected_wire), name
+        low, high = expected_total.window.lowest, expected_total.window.highest
+        wider = Window(max(low - 77, exactsum.LOWEST), min(high + 130, MAX_EXPONENT))  # as another rank's
+        assert np.array_equal(backend_wire(rows, weights, backend, wider)[1],
+                              backend_wire(rows, weights, "numpy", wider)[1]), name
+        result = round_sum(wire, total.window)
+        exact = reference(rows.astype(np.float64), weights)
+        assert same_bits(result, exact) and same_bits(round_sum(expected_wire, total.window), exact), name
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch-cpu", pytest.param("torch-cuda", marks=CUDA)])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_every_backend_rejects_non_finite_rows(backend, bad, dtype):
+    row = np.ones(5, dtype=dtype)
+    row[3] = bad
+    with pytest.raises(ValueError, match="NaN or ±inf"):
+        new_total(5, backend).add(on(backend, row), 0.5)
+
+
+def test_torch_ldexp_gives_numpy_bits_down_to_and_below_the_smallest_unit():
+    """Power-of-two scaling is exact unless the result is subnormal; there both round once, to nearest even
+    (odd digits, and exponents below −1074 where most bits are lost)."""
+    rng = np.random.default_rng(8)
+    digits = np.concatenate([rng.integers(-(2**53) + 1, 2**53, 200), [0, 1, -1, 3, -3, 2**52 + 1, -(2**53) + 1]])
+    ops = exactsum._TorchOps("cpu")
+    out = torch.empty(len(digits), dtype=torch.float64)
+    for exponent in [*range(-1140, -1000), *range(-60, 61, 7), 900, 960]:
+        ops.ldexp(torch.from_numpy(digits), exponent, out)
+        expected = np.ldexp(digits.astype(np.float64), exponent)
+        assert np.array_equal(out.numpy().view(np.int64), expected.view(np.int64)), exponent
+
+
+def test_the_backend_follows_the_first_row_unless_named():
+    """Numpy folds numpy rows and CPU tensors (the faster fold on CPU: benchmarks/bench_exactsum.py), sharing a
+    CPU tensor's memory; a named device wins; a tensor on a GPU picks torch there (below, where there is one)."""
+    row = np.arange(4.0)
+    for first, device, expected in [(row, None, "numpy"), (torch.from_numpy(row), None, "numpy"),
+                                    (row, "cpu", "torch-cpu"), (torch.from_numpy(row), "numpy", "numpy")]:
+        total = ExactSum(4, device)
+        assert total.backend is None
+        total.add(first, 2.0)
+        total.add(torch.from_numpy(row) if isinstance(first, np.ndarray) else row, 2.0)  # the other kind, too
+        assert total.backend == expected
+        assert same_bits(round_sum(total.export(total.window), total.window), 4.0 * row)
+    tensor = torch.arange(4.0, dtype=torch.float64, requires_grad=True)
+    assert exactsum._NumpyOps().row(tensor).base is not None  # a view of the tensor's memory, not a copy
+
+
+def test_torch_rows_in_half_precisions_are_widened_exactly():
+    row = torch.tensor([1.5, -3e-3, 6e4, 2.0**-24], dtype=torch.float16)
+    for half in (row, row.to(torch.bfloat16)):
+        assert same_bits(exact_sum(half[None], [0.1], device="cpu"),
+                         0.1 * half.to(torch.float64).numpy())
+
+
+@CUDA
+def test_a_cuda_row_folds_on_its_device_and_exports_to_the_host():
+    rng = np.random.default_rng(6)
+    rows = adversarial_rows(rng, 4, 50)
+    total = ExactSum(50)
+    for row in torch.from_numpy(rows).cuda():
+        total.add(row, 0.3)
+    assert total.backend == "torch-cuda" and total._levels.is_cuda
+    wire = total.export(total.window)
+    assert isinstance(wire, np.ndarray)
+    assert same_bits(round_sum(wire, total.window), reference(rows, [0.3] * 4))

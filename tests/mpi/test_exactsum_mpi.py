@@ -1,9 +1,10 @@
 """Exact sums over a real communicator (``mpirun -n 3 python -m pytest --with-mpi tests/mpi/test_exactsum_mpi.py``):
 however the rows are spread over the ranks and ordered on each, one MPI.SUM of the int64 buffers gives the
-correctly rounded exact total, bit for bit."""
+correctly rounded exact total, bit for bit, whether the ranks fold with numpy or with torch (here on the CPU)."""
 
 import numpy as np
 import pytest
+import torch
 
 from mpifl.comm import exactsum
 from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
@@ -33,26 +34,29 @@ def data(monkeypatch):
     return rows, rng.uniform(-3, 3, ROWS)
 
 
-def local_total(comm, rows, weights, mine) -> tuple[ExactSum, Window]:
+def local_total(comm, rows, weights, mine, device="numpy") -> tuple[ExactSum, Window]:
     from mpi4py import MPI
 
-    total = ExactSum(SIZE)
+    if device == "mixed":  # odd ranks torch, even ones numpy: their words add up all the same
+        device = ("numpy", "cpu")[comm.Get_rank() % 2]
+    total = ExactSum(SIZE, device)
     for i in mine:
-        total.add(rows[i], weights[i])
+        total.add(rows[i] if device == "numpy" else torch.from_numpy(rows[i]).to(device), weights[i])
     maxima = total.window.maxima()
     comm.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
     return total, Window.from_maxima(maxima)
 
 
 @pytest.mark.mpi(min_size=3)
-def test_any_spread_over_ranks_reduces_to_the_same_bits(data):
+@pytest.mark.parametrize("device", ["numpy", "cpu", "mixed"])
+def test_any_spread_over_ranks_reduces_to_the_same_bits(data, device):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rows, weights = data
     results = {}
     for name, spread in spreads(comm.Get_size()).items():
-        total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()])
+        total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()], device)
         wire = total.export(agreed)
         summed = np.empty_like(wire) if comm.Get_rank() == 0 else None
         comm.Ireduce(wire, summed, op=MPI.SUM, root=0).Wait()
@@ -65,14 +69,15 @@ def test_any_spread_over_ranks_reduces_to_the_same_bits(data):
 
 
 @pytest.mark.mpi(min_size=3)
-def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data):
+@pytest.mark.parametrize("device", ["numpy", "cpu", "mixed"])
+def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data, device):
     """Each rank reduces and rounds a block of whole chunks; rank 0 gathers the float64 blocks."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rows, weights = data
     spread = spreads(comm.Get_size())["random, shuffled"]
-    total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()])
+    total, agreed = local_total(comm, rows, weights, spread[comm.Get_rank()], device)
     wire, per = total.export(agreed), words(agreed)
     chunks = np.array_split(np.arange(-(-SIZE // CHUNK)), comm.Get_size())
     entries = [min(SIZE, CHUNK * (c[-1] + 1)) - CHUNK * c[0] if len(c) else 0 for c in chunks]
