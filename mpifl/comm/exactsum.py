@@ -577,6 +577,21 @@ class ExactSum:
         return ops.host(wire)
 
 
+    def rounded(self) -> np.ndarray:
+        """This total alone rounded to float64 (host numpy): ``round_sum(export(window), window)``'s bits without
+        the re-cut onto the wire's grid, for a job whose sum never leaves the rank (one rank). The accumulator's
+        normalised levels are balanced digits of ``WIDTH`` bits, which ``_round_block`` rounds as it does the
+        wire's ``WIRE_WIDTH``-bit words."""
+        if self._grid is None:
+            return np.zeros(self.size)
+        self._normalise()
+        levels = self._ops_or_raise.host(self._levels)  # one copy from a GPU
+        out = np.empty(self.size)
+        for start, stop in _chunks(self.size):
+            out[start:stop] = _round_block(levels[:, start:stop], self._grid)
+        return out
+
+
 def _wire_grid(window: Window) -> _Grid:
     return _Grid.fitting(window, WIRE_WIDTH, slack_below=False)
 
@@ -638,4 +653,4 @@ def exact_sum(rows: Array, weights: Array | None = None, device: str | torch.dev
     total = ExactSum(rows.shape[1], device)
     for i, row in enumerate(rows):
         total.add(row, 1.0 if weights is None else weights[i])
-    return round_sum(total.export(total.window), total.window)
+    return total.rounded()

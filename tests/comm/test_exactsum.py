@@ -335,6 +335,22 @@ def test_torch_and_numpy_give_the_same_wire_words_and_sums(monkeypatch, backend,
         assert same_bits(result, exact) and same_bits(round_sum(expected_wire, total.window), exact), name
 
 
+@pytest.mark.parametrize("chunk", [8, 1 << 16])
+def test_a_total_rounded_where_it_is_equals_its_exported_wire_rounded(monkeypatch, backend, chunk):
+    """``rounded`` (one rank: no re-cut onto the wire's grid) gives the bits of ``round_sum`` of the export, on the
+    fold's own grid of 50-bit levels, for every path of the fold, totals normalised or not, and both are exact."""
+    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    rng = np.random.default_rng(9)
+    cases = comparison_rows(rng)
+    cases["adversarial"] = (adversarial_rows(rng, 7, 40), 10.0 ** rng.uniform(-4, 4, 7) * rng.choice([-1.0, 1.0], 7))
+    for name, (rows, weights) in cases.items():
+        total, wire = backend_wire(rows, weights, backend)
+        rounded = total.rounded()
+        assert same_bits(rounded, round_sum(wire, total.window)), name
+        assert same_bits(rounded, reference(rows.astype(np.float64), weights)), name
+    assert same_bits(new_total(5, backend).rounded(), np.zeros(5))
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch-cpu", pytest.param("torch-cuda", marks=CUDA)])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
