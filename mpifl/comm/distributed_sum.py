@@ -3,7 +3,8 @@
 Each rank folds its clients' weighted rows into exact totals (:class:`~mpifl.comm.exactsum.ExactSum`, one per group)
 as they finish, and keeps copies of those rows while they are few. Then, a collective:
 
-1. the ranks agree on one window of bits and learn the most terms any rank kept (one all-reduce of three int64);
+1. the ranks agree on one window of bits and learn the most terms any rank kept and folded (one all-reduce of four
+   int64): the folded count bounds the sum's terms, which sizes the wire (a word less for fewer than 2^15 terms);
 2. where every rank's kept rows are fewer bytes than the totals' wire words, the rows travel (a gather of bytes)
    and rank 0 folds them into exact totals of its own; otherwise each rank exports its totals onto the window and
    one reduce of int64 words (MPI.SUM, associative) adds them on rank 0;
@@ -31,8 +32,9 @@ from mpifl.comm.transport import Transport
 KEEP_BYTES_PER_ENTRY = 32
 """A worker keeps its accepted clients' rows of a summed message beside its exact totals while they take at most
 this many bytes per entry (8 float32 rows). When every worker's kept rows are fewer bytes than the totals' wire
-words (24 per entry for a typical float32 update), the rows travel instead and rank 0 folds them itself: the same
-bits, as the sum is exact, and a deployment's own traffic where a worker hosts a client or two of the round."""
+words (16 per entry for a typical float32 update of a cohort under 2^15 clients), the rows travel instead and rank
+0 folds them itself: the same bits, as the sum is exact, and a deployment's own traffic where a worker hosts a
+client or two of the round."""
 
 _UNKEPT = 1 << 40  # the kept-terms count of a rank that stopped keeping: more than any words would pay for
 _TERM_HEADER = 16  # a travelling term's weight and group, two float64, ahead of the rows
@@ -72,16 +74,18 @@ class DistributedSum:
         window = Window()
         for part in self.totals:
             window = window.union(part.window)
-        agreement = np.append(window.maxima(), len(self.kept) if self.kept is not None else _UNKEPT)
+        most = max(part.terms for part in self.totals)
+        agreement = np.append(window.maxima(), [len(self.kept) if self.kept is not None else _UNKEPT, most])
         agreement = self.transport.allreduce_max(round_, f"{self.msg.name}_window", agreement)
-        agreed = Window.from_maxima(agreement[:2])
-        if int(agreement[2]) * self.msg.itemsize < words(agreed) * 8:
+        agreed, terms = Window.from_maxima(agreement[:2]), int(agreement[3]) * self.transport.size
+        if int(agreement[2]) * self.msg.itemsize < words(agreed, terms) * 8:
             return self._total_of_terms(round_)
-        wire = self._timed(lambda: _joined([part.export(agreed) for part in self.totals]))
+        wire = self._timed(lambda: _joined([part.export(agreed, terms) for part in self.totals]))
         summed = self.transport.reduce_words(round_, self.msg.name, wire)
         if summed is None:
             return None
-        return self._timed(lambda: _rows([round_sum(wire, agreed) for wire in np.split(summed, len(self.totals))]))
+        return self._timed(lambda: _rows([round_sum(part, agreed, terms)
+                                          for part in np.split(summed, len(self.totals))]))
 
     def _total_of_terms(self, round_: int) -> np.ndarray | None:
         """The cheap way: each rank's kept terms (weight and group of each, then its rows in ``msg``'s dtype)

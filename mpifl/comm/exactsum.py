@@ -30,14 +30,18 @@ finite; beyond it ``add`` raises. NaN and ±inf raise.
 Reduction. All ranks agree on one window (an allreduce of ``Window.maxima()`` with MPI.MAX), re-cut their
 levels onto that window's grid of 48-bit int64 words (``export``: a flat buffer, chunk by chunk, so a
 reduce-scatter over whole chunks works as well as a reduce), and MPI.SUM adds them: balanced digits of at most
-2^47 each leave room for ``MAX_RANKS`` ranks. ``round_sum`` carries the sum to balanced digits: exact floats that do
-not overlap, each larger than all below it together. Added from the top they stay exact until one addition
-rounds; that result is the correctly rounded total unless its error is exactly half an ulp and the digits
-left have the error's sign, then it moves one ulp (the end of CPython's ``math.fsum``). Zero is +0.0.
+2^47 each leave room for ``MAX_RANKS`` ranks. The carries of the top word travel in a word of their own, unless
+the ranks agree that the sum has fewer than ``FEW_TERMS`` (2^15) terms in all: then the top word takes them
+(|top| < 2^15·2^47 plus a rounding per rank), one word per entry less. ``round_sum`` carries the sum to balanced
+digits: exact floats that do not overlap, each larger than all below it together. Added from the top they stay
+exact until one addition rounds; that result is the correctly rounded total unless its error is exactly half an
+ulp and the digits left have the error's sign, then it moves one ulp (the end of CPython's ``math.fsum``). Zero
+is +0.0.
 
 Memory: the accumulator holds levels + 1 (the carry) int64 per entry, the wire buffer ``words`` int64. The
 float32 deltas of B1's MLP after local SGD, weighted 1/50, span about 75 bits: 2 levels of W = 50 (24 B per
-entry) and 3 wire words (24 B); deltas log-uniform over 1e-10..1e1 span about 105 bits: 3 levels (32 B).
+entry) and 3 wire words (24 B; 2 words, 16 B, with fewer than 2^15 terms); deltas log-uniform over 1e-10..1e1
+span about 105 bits: 3 levels (32 B).
 The worst case, a float64 subnormal term beside terms near 1, spans 1,074 bits: 22 levels (184 B per entry).
 The float64 result differs from a sequential float64 sum in the last bits where that sum rounded.
 
@@ -74,6 +78,8 @@ MAX_EXPONENT = 900  # every term must have |x| < 2**900 (so that 2**50 of them s
 LOWEST = -1074  # float64's smallest unit (a subnormal's ulp)
 CHUNK = 1 << 16  # entries cut at a time: the temporaries stay in the CPU's cache
 FOLDS_PER_NORMALISATION = 2 ** (63 - WIDTH)
+ANY_TERMS = 2**50  # the most terms a sum may have (the carries of any fewer fit in int64)
+FEW_TERMS = 2 ** (63 - WIRE_WIDTH)  # fewer terms than this in all: the wire's top word takes their carries
 _EMPTY_BOUND = 1 << 30
 
 # row kind -> (signed view of its bits, bits of |value|, bits of +inf); |value|'s bits are never negative
@@ -395,6 +401,7 @@ class ExactSum:
         self._ops: Ops | None = None  # chosen by the first row unless ``device`` names it
         self._levels: Array = None  # (levels + 1) × size int64, with the grid
         self._folds = 0  # adds since the levels were last normalised (each left one bias in every level)
+        self.terms = 0  # rows folded (with a nonzero weight)
         self._failed = False
         self._x: Array = None
         self._scratch: Array = None
@@ -446,6 +453,7 @@ class ExactSum:
             _cut(ops, x, self._scratch[: stop - start], self._levels[:, start:stop],
                  self._grid.constants, self._grid.levels - 1)
         self._folds += 1
+        self.terms += 1
         self._failed = False
         if self._folds >= FOLDS_PER_NORMALISATION:
             self._normalise()
@@ -553,29 +561,37 @@ class ExactSum:
             self._recut(start, stop, grid, levels[:, start:stop])
         self._grid, self._levels = grid, levels
 
-    def export(self, window: Window) -> np.ndarray:
+    def export(self, window: Window, terms: int = ANY_TERMS) -> np.ndarray:
         """The total as a flat host int64 buffer on the grid of ``window`` (the union of every rank's window), for
-        an MPI.SUM reduction; ``round_sum`` turns the sum into float64. Each block of ``CHUNK`` entries holds its
-        ``words(window)`` words per entry together, so the buffer may be split at any multiple of
-        ``CHUNK * words(window)`` (a reduce-scatter over entries). The total stays as it was: folding may go on."""
+        an MPI.SUM reduction; ``round_sum`` turns the sum into float64. ``terms``: at most how many rows every total
+        of the reduction holds together (the ranks agree on it); with fewer than ``FEW_TERMS`` the top word takes
+        the carries and the carry word is left out. Each block of ``CHUNK`` entries holds its ``words(window,
+        terms)`` words per entry together, so the buffer may be split at any multiple of ``CHUNK * words`` (a
+        reduce-scatter over entries). The total stays as it was: folding may go on."""
         if not window.covers(self.window):
             raise ValueError(f"exact sum: the agreed window {window} does not cover this rank's {self.window}")
-        grid = _wire_grid(window)
+        if self.terms > terms:
+            raise ValueError(f"exact sum: this total holds {self.terms} terms, more than the {terms} agreed")
+        wire = _Wire.of(window, terms)
         if self._grid is None:
-            return np.zeros(self.size * (grid.levels + 1), dtype=np.int64)
+            return np.zeros(self.size * wire.words, dtype=np.int64)
         ops = self._ops_or_raise
-        wire = ops.zeros(self.size * (grid.levels + 1))
+        out = ops.zeros(self.size * wire.words)
         self._normalise()
+        recut = None
         for start, stop in self._spans():
-            if stop - start <= CHUNK:  # one block of the wire: cut straight into it
-                self._recut(start, stop, grid, _block(wire, grid, start, stop))
+            if stop - start <= CHUNK and wire.carried:  # one block of the wire as the re-cut leaves it
+                self._recut(start, stop, wire.grid, wire.block(out, start, stop))
                 continue
-            recut = ops.zeros(grid.levels + 1, stop - start)  # several (a GPU's whole row): laid out after
-            self._recut(start, stop, grid, recut)
-            for first, last in _chunks(stop - start):
-                _block(wire, grid, start + first, start + last)[...] = recut[:, first:last]
-        return ops.host(wire)
-
+            if recut is None:
+                recut = ops.zeros(wire.grid.levels + 1, stop - start)
+            cut = recut[:, : stop - start]
+            self._recut(start, stop, wire.grid, cut)
+            if not wire.carried:  # few terms: the carry joins the top word, exactly (|top| < FEW_TERMS·2^(W−1))
+                cut[-2] += cut[-1] * 2**WIRE_WIDTH
+            for first, last in _chunks(stop - start):  # laid out in blocks of CHUNK entries
+                wire.block(out, start + first, start + last)[...] = cut[: wire.words, first:last]
+        return ops.host(out)
 
     def rounded(self) -> np.ndarray:
         """This total alone rounded to float64 (host numpy): ``round_sum(export(window), window)``'s bits without
@@ -592,40 +608,55 @@ class ExactSum:
         return out
 
 
-def _wire_grid(window: Window) -> _Grid:
-    return _Grid.fitting(window, WIRE_WIDTH, slack_below=False)
+@dataclass(frozen=True)
+class _Wire:
+    """The reduced buffer's layout for a window and a bound on the terms: the window's grid of ``WIRE_WIDTH``-bit
+    words (the re-cut also uses its carry level) and how many words an entry takes."""
+
+    grid: _Grid
+    words: int
+
+    @classmethod
+    def of(cls, window: Window, terms: int) -> _Wire:
+        grid = _Grid.fitting(window, WIRE_WIDTH, slack_below=False)
+        return cls(grid, grid.levels + (terms >= FEW_TERMS))
+
+    @property
+    def carried(self) -> bool:
+        """Whether the carries travel in a word of their own (else in the top word)."""
+        return self.words > self.grid.levels
+
+    def block(self, wire: Array, start: int, stop: int) -> Array:
+        """The words of entries [start, stop) (one chunk) of a wire buffer, words × entries."""
+        return wire[start * self.words : stop * self.words].reshape(self.words, stop - start)
 
 
-def words(window: Window) -> int:
-    """int64 words per entry in the wire buffer of ``window``."""
-    return _wire_grid(window).levels + 1
+def words(window: Window, terms: int = ANY_TERMS) -> int:
+    """int64 words per entry in the wire buffer of ``window`` for a sum of at most ``terms`` rows."""
+    return _Wire.of(window, terms).words
 
 
-def _block(wire: Array, grid: _Grid, start: int, stop: int) -> Array:
-    """The words of entries [start, stop) (one chunk) of a wire buffer, levels × entries."""
-    return wire[start * (grid.levels + 1) : stop * (grid.levels + 1)].reshape(grid.levels + 1, stop - start)
-
-
-def round_sum(wire: np.ndarray, window: Window) -> np.ndarray:
+def round_sum(wire: np.ndarray, window: Window, terms: int = ANY_TERMS) -> np.ndarray:
     """The float64 nearest (ties to even) to each exact total held by ``wire``: the MPI.SUM of every rank's
-    ``export(window)``, or a part of it that starts at a multiple of ``CHUNK * words(window)``."""
-    grid = _wire_grid(window)
-    if wire.ndim != 1 or len(wire) % (grid.levels + 1):
-        raise ValueError(f"exact sum: a wire buffer of shape {wire.shape} does not hold {words(window)} words "
+    ``export(window, terms)``, or a part of it that starts at a multiple of ``CHUNK * words(window, terms)``."""
+    layout = _Wire.of(window, terms)
+    if wire.ndim != 1 or len(wire) % layout.words:
+        raise ValueError(f"exact sum: a wire buffer of shape {wire.shape} does not hold {layout.words} words "
                          "per entry")
-    entries = len(wire) // (grid.levels + 1)
+    entries = len(wire) // layout.words
     out = np.empty(entries)
     for start, stop in _chunks(entries):
-        out[start:stop] = _round_block(_block(wire, grid, start, stop), grid)
+        out[start:stop] = _round_block(layout.block(wire, start, stop), layout.grid)
     return out
 
 
 def _round_block(wire: np.ndarray, grid: _Grid) -> np.ndarray:
-    """``round_sum`` of one block (levels × entries). Balanced digits (|d| ≤ 2^(w−1), one spare level on top so
-    that every digit is below 2^53) are exact floats that do not overlap, and each dominates the sum of those
-    below it. They are added from the top, exactly, until an addition rounds (CPython's ``math.fsum`` ends the
-    same way): that sum is the answer unless its rounding error is exactly half an ulp and the digits left
-    over have the error's sign, which moves it one ulp further. Masks are 0/1 factors: no branches."""
+    """``round_sum`` of one block (words × entries; a top word that took the carries holds less than
+    ``FEW_TERMS``·2^(w−1), so adding 2^(w−1) to it stays in int64). Balanced digits (|d| ≤ 2^(w−1), one spare
+    level on top so that every digit is below 2^53) are exact floats that do not overlap, and each dominates the
+    sum of those below it. They are added from the top, exactly, until an addition rounds (CPython's ``math.fsum``
+    ends the same way): that sum is the answer unless its rounding error is exactly half an ulp and the digits
+    left over have the error's sign, which moves it one ulp further. Masks are 0/1 factors: no branches."""
     digits = np.zeros((len(wire) + 1, wire.shape[1]), dtype=np.int64)
     digits[:-1] = wire
     _carry(digits, grid.width, balanced=True)

@@ -206,6 +206,42 @@ def test_no_level_overflows_when_every_term_fills_every_level(backend):
         assert same_bits(round_sum(wire * (copies // folds), total.window), expected), copies
 
 
+def test_fewer_than_few_terms_travel_without_a_carry_word_and_still_sum_exactly(backend):
+    """With fewer than FEW_TERMS terms in all, the top word takes the carries: one word less per entry, and the
+    largest terms (every level full, the top near the window's top) summed FEW_TERMS − 1 times over many
+    simulated ranks stay exact; a total holding more terms than agreed refuses to export."""
+    width = exactsum.WIDTH
+    row = np.array([TINY, *[2.0 ** (-1074 + width * k - 1) for k in range(1, 6)],
+                    2.0 ** (-1074 + 6 * width - 1) * (1 - 2.0**-53), -(2.0 ** (-1074 + 6 * width - 1))])
+    folds = 5
+    total, device_row = new_total(len(row), backend), on(backend, row)
+    for _ in range(folds):
+        total.add(device_row)
+    few, ranks = exactsum.FEW_TERMS - 1, (exactsum.FEW_TERMS - 1) // folds
+    assert words(total.window, few) == words(total.window) - 1 == words(total.window, exactsum.FEW_TERMS) - 1
+    wire = total.export(total.window, few)
+    assert len(wire) == len(row) * words(total.window, few)
+    for copies in (1, ranks):
+        expected = np.array([float(Fraction(x) * folds * copies) for x in row])
+        assert same_bits(round_sum(wire * copies, total.window, few), expected), copies
+    assert same_bits(round_sum(wire, total.window, few), round_sum(total.export(total.window), total.window))
+    with pytest.raises(ValueError, match="5 terms, more than the 4 agreed"):
+        total.export(total.window, 4)
+
+
+def test_a_typical_delta_cohort_travels_in_two_words():
+    """W2's case: float32 deltas weighted 1/50 span about 75 bits, 2 words of 48 bits for a cohort of 50 (3 with
+    a carry word, for up to 2^50 terms), with the same bits."""
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((50, 200)) * 1e-3).astype(np.float32)
+    total = new_total(200)
+    for row in rows:
+        total.add(row, 1 / 50)
+    assert words(total.window, 50) == 2 and words(total.window) == 3
+    assert same_bits(round_sum(total.export(total.window, 50), total.window, 50),
+                     reference(rows.astype(np.float64), [1 / 50] * 50))
+
+
 def test_terms_up_to_the_range_limit_sum_exactly(backend):
     largest = 2.0**MAX_EXPONENT - 2.0 ** (MAX_EXPONENT - 53)
     rows = np.array([[largest, -largest, largest], [largest, largest, -TINY]])
@@ -221,10 +257,11 @@ def test_the_wire_buffer_splits_at_whole_chunks(monkeypatch, backend):
     total = new_total(10, backend)
     for row in on(backend, rows):
         total.add(row, 0.5)
-    wire, per = total.export(total.window), words(total.window)
-    whole = round_sum(wire, total.window)
-    parts = [round_sum(wire[start * per : (start + 4) * per], total.window) for start in (0, 4, 8)]
-    assert same_bits(np.concatenate(parts), whole) and same_bits(whole, reference(rows, [0.5] * 3))
+    for terms in (exactsum.ANY_TERMS, 3):  # with a carry word, and with the top word taking the carries
+        wire, per = total.export(total.window, terms), words(total.window, terms)
+        whole = round_sum(wire, total.window, terms)
+        parts = [round_sum(wire[start * per : (start + 4) * per], total.window, terms) for start in (0, 4, 8)]
+        assert same_bits(np.concatenate(parts), whole) and same_bits(whole, reference(rows, [0.5] * 3))
 
 
 def test_nothing_folded_exports_zeros_and_an_empty_window(backend):

@@ -119,7 +119,7 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
         assert ops == ({"gatherv"} if few else {"reduce"})
         moved = {(name, op): nbytes for _, name, op, nbytes, _ in transport.physical.rows}
-        assert moved[("delta_window", "allreduce")] == 3 * 8  # lowest and highest level, most terms kept
+        assert moved[("delta_window", "allreduce")] == 4 * 8  # lowest and highest bit, most terms kept and folded
         if few:  # each term: its weight and group (two float64), then its row
             assert moved[("delta_sizes", "gather")] == 8
             assert moved[("delta", "gatherv")] == 2 * workers * (16 + SIZE * 8)
