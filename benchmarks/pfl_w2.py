@@ -1,6 +1,7 @@
 """Workload W2 in pfl-research (Apple's ``pfl`` package), to time it beside mpifl on one machine.
 
-    python benchmarks/pfl_w2.py [--rounds 1500] [--device cpu|cuda] [--threads 1] [--set KEY=VALUE ...] [--write]
+    python benchmarks/pfl_w2.py [--rounds 1500] [--device cpu|cuda] [--threads 1] [--processes 1]
+                                [--config configs/w2.yaml] [--set KEY=VALUE ...] [--check] [--times PATH] [--write]
 
 The workload of configs/w2.yaml (and of benchmarks/bench_w2.py): the same clients, built by mpifl's own data
 code from the same config and seed (synthetic class-conditional images, or CIFAR-10 with the same ``--set``
@@ -8,7 +9,26 @@ options), the same ``simple_cnn`` module and initial weights, and pfl's FedAvg (
 users per central iteration, 1 local epoch of batch 10 with local SGD at lr 0.1, central SGD at lr 1.0, users
 weighted equally (``WeightByUser``), central evaluation every 10 iterations on the pooled test splits of all
 clients (batch 10,000). Every user's data is put on the device once, before training, as mpifl's ranks stage
-their clients' data. One process: pfl's multi-worker mode (torchrun) is not used.
+their clients' data.
+
+``--processes N`` (N > 1) runs pfl's own distributed simulation: the script starts itself again under
+``torchrun --standalone --nproc_per_node N`` (``python -m torch.distributed.run``, from the same venv), pfl joins
+the processes in a gloo process group (``TORCHELASTIC_RUN_ID`` in the environment), and each process trains
+every N-th user of the cohort (its share of the 50, ``--threads`` torch threads each), then pfl sums the
+processes' deltas with one ``all_reduce`` a round. Every process builds all the clients and the model from the
+same config and seed, and numpy's global seed is set to the config's seed before pfl draws its random states
+(pfl's workers agree only if it is the same on each), so the cohorts are the same users as in one process
+(round r: users 50(r-1) .. 50r-1 of pfl's ``minimize_reuse`` cycle; with 2 processes the even ones on rank 0,
+the odd ones on rank 1). Rank 0 times and reports. This is how to set pfl-research beside mpifl on P ranks:
+mpifl's P = 3 (1 server + 2 workers) against ``--processes 2``. With ``--device cuda`` each process takes
+``cuda:LOCAL_RANK`` (one process a GPU; pfl uses NCCL there).
+
+``--check`` prints, on every process, the digests of the training data and of the initial weights, the users
+the process trained each round, and the final weights' norm and update norm: the same digests and the union of
+the users across 1 and N processes, and final norms that agree to rounding (the order of the sum differs), show
+the same work. ``--times PATH`` writes rank 0's seconds of every iteration and the median as JSON (for
+``benchmarks/compare_w2.py``). ``--config`` runs another FedAvg config of mpifl's (W1: ``configs/b1.yaml``);
+``server.weighting: samples`` is pfl's ``WeightByDatapoints``.
 
 pfl-research is optional and no dependency of mpifl. It pins dp-accounting < 0.6 and packaging < 26, so it goes
 into a venv of its own, with a CPU torch installed first so that pip does not pull a CUDA build:
@@ -16,6 +36,7 @@ into a venv of its own, with a CPU torch installed first so that pip does not pu
     python3 -m venv /tmp/pfl-venv && /tmp/pfl-venv/bin/pip install torch==2.13.0+cpu \\
         && /tmp/pfl-venv/bin/pip install pfl==0.6.0 && /tmp/pfl-venv/bin/pip install -e .
     /tmp/pfl-venv/bin/python benchmarks/pfl_w2.py --rounds 5
+    /tmp/pfl-venv/bin/python benchmarks/pfl_w2.py --rounds 5 --processes 2
 
 Reported: the median seconds of a central iteration (2..R, those that evaluate excluded) and the run's seconds
 per iteration, everything included.
@@ -24,10 +45,13 @@ per iteration, everything included.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import numpy as np
 from common import REPO, heading, job_options, record
@@ -44,31 +68,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (mpifl's threads_per_rank)")
-    job_options(parser, "config overrides of configs/w2.yaml, as mpifl run --set")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="pfl worker processes (torchrun); each trains its share of the cohort")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "w2.yaml",
+                        help="the mpifl FedAvg config to run (W1: configs/b1.yaml)")
+    parser.add_argument("--check", action="store_true",
+                        help="print every process's data and weight digests and the users it trained")
+    parser.add_argument("--times", type=Path, metavar="PATH", help="write rank 0's seconds per iteration as JSON")
+    job_options(parser, "config overrides of the config, as mpifl run --set")
     args = parser.parse_args()
     try:
         pfl_version = version("pfl")
     except PackageNotFoundError:
         print(MISSING, file=sys.stderr)
         sys.exit(2)
-    os.environ["PFL_PYTORCH_DEVICE"] = args.device  # read by pfl when it picks its device
+    if args.processes > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # start again under torchrun
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc_per_node={args.processes}", __file__, *sys.argv[1:]])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    if world != args.processes:
+        sys.exit(f"pfl_w2: {world} processes started, --processes {args.processes} asked")
+    device = args.device if args.device == "cpu" or world == 1 else f"cuda:{os.environ['LOCAL_RANK']}"
+    os.environ["PFL_PYTORCH_DEVICE"] = device  # read by pfl when it picks its device
     import torch
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(REPO / "configs" / "w2.yaml", [f"rounds={args.rounds}", *args.overrides])
+    cfg = load_config(args.config, [f"rounds={args.rounds}", *args.overrides])
     began = time.perf_counter()
-    times = run(cfg, torch.device(args.device))
+    times = run(cfg, torch.device(device), args.check)
     total = time.perf_counter() - began
+    if rank:
+        return
     training = [t for i, t in enumerate(times) if i > 0 and i % cfg.eval_every]
     median = float(np.median(training or times))
     load = os.getloadavg()[0]
-    print(f"pfl {pfl_version}: {median:.3f} s/iteration (median), {total / args.rounds:.3f} s/iteration for the "
-          f"whole run, load average {load:.1f}", flush=True)
+    print(f"pfl {pfl_version}, {world} process{'es' if world > 1 else ''}: {median:.3f} s/iteration (median), "
+          f"{total / args.rounds:.3f} s/iteration for the whole run, load average {load:.1f}", flush=True)
+    if args.times:
+        args.times.write_text(json.dumps({"times": times, "median": median, "run": total / args.rounds}))
+    name = "W2" if args.config.name == "w2.yaml" else args.config.name
     record([
-        heading(f"W2 in pfl-research {pfl_version}, FederatedAveraging, simple_cnn, device {args.device}"),
+        heading(f"{name} in pfl-research {pfl_version}, FederatedAveraging, {cfg.model.name}, device {args.device}, "
+                f"{world} process{'es' if world > 1 else ''}"),
         "",
-        f"`python benchmarks/pfl_w2.py --rounds {args.rounds} --device {args.device} --threads {args.threads}`"
-        + "".join(f" --set {o}" for o in args.overrides),
+        f"`python benchmarks/pfl_w2.py --rounds {args.rounds} --device {args.device} --threads {args.threads}"
+        + (f" --processes {world}" if world > 1 else "")
+        + ("" if name == "W2" else f" --config {args.config}")
+        + "".join(f" --set {o}" for o in args.overrides) + "`",
         "",
         "| median s/iteration (2..R, no evaluation) | run s/iteration (set-up and evaluation included) | "
         "load average (1 min) at the end |",
@@ -77,12 +124,21 @@ def main() -> None:
     ], args.write)
 
 
-def run(cfg, device) -> list[float]:  # noqa: ANN001 - a RunConfig and a torch.device
-    """Train ``cfg``'s W2 in pfl; each central iteration's seconds."""
+def digest(tensors) -> str:  # noqa: ANN001 - torch tensors
+    """The first 12 hex digits of the sha256 of ``tensors``' bytes, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def run(cfg, device, check: bool = False) -> list[float]:  # noqa: ANN001 - a RunConfig and a torch.device
+    """Train ``cfg``'s W2 in pfl; each central iteration's seconds (on this process: all of them wait for the
+    round's ``all_reduce``). ``check``: print this process's digests and users."""
     import torch
     import torch.nn.functional as F
     from pfl.aggregate.simulate import SimulatedBackend
-    from pfl.aggregate.weighting import WeightByUser
+    from pfl.aggregate.weighting import WeightByDatapoints, WeightByUser
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.callback.base import TrainingProcessCallback
     from pfl.callback.central_evaluation import CentralEvaluationCallback
@@ -127,19 +183,37 @@ def run(cfg, device) -> list[float]:  # noqa: ANN001 - a RunConfig and a torch.d
             now = time.perf_counter()
             self.times.append(now - self.last)
             self.last = now
+            if check:
+                print(f"pfl rank {rank}/{world}: iteration {central_iteration + 1} trained users {trained}",
+                      flush=True)
+                trained.clear()
             return False, Metrics()
 
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     data = build_federated_dataset(cfg.data, cfg.seed)
     splits = data.load_clients(range(cfg.data.num_clients))
     users = {c: [torch.from_numpy(s.x_train).to(device), torch.from_numpy(s.y_train).to(device)]
              for c, s in splits.items()}
     central = Dataset(raw_data=[torch.from_numpy(np.concatenate([s.x_test for s in splits.values()])).to(device),
                                 torch.from_numpy(np.concatenate([s.y_test for s in splits.values()])).to(device)])
-    federated = FederatedDataset.from_slices(users, get_user_sampler("minimize_reuse", list(users)))
+    trained: list[int] = []
+
+    def user_dataset(user_id: int) -> Dataset:  # FederatedDataset.from_slices's, noting the users trained
+        trained.append(int(user_id))
+        return Dataset(users[user_id], user_id=user_id)
+
+    np.random.seed(cfg.seed)  # pfl's random states (sampler seeds, overshoot) are drawn from numpy's global one
+    federated = FederatedDataset(user_dataset, get_user_sampler("minimize_reuse", list(users)))
     module = Classifier(build_model(cfg.model, data.layout, cfg.seed)).to(device)
+    initial = [p.detach().clone() for p in module.parameters()]
+    if check:
+        print(f"pfl rank {rank}/{world}: {torch.get_num_threads()} torch thread(s), device {device}, "
+              f"{len(users)} users, data {digest(t for u in users.values() for t in u)}, "
+              f"{sum(p.numel() for p in initial):,} parameters, initial weights {digest(initial)}", flush=True)
     model = PyTorchModel(model=module, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(module.parameters(), cfg.server.lr))
-    backend = SimulatedBackend(training_data=federated, val_data=None, postprocessors=[WeightByUser()])
+    weighting = WeightByUser() if cfg.server.weighting == "uniform" else WeightByDatapoints()
+    backend = SimulatedBackend(training_data=federated, val_data=None, postprocessors=[weighting])
     stopwatch = Stopwatch()
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(central_num_iterations=cfg.rounds, evaluation_frequency=cfg.eval_every,
@@ -150,6 +224,11 @@ def run(cfg, device) -> list[float]:  # noqa: ANN001 - a RunConfig and a torch.d
         model_eval_params=NNEvalHyperParams(local_batch_size=10_000),
         callbacks=[CentralEvaluationCallback(central, model_eval_params=NNEvalHyperParams(local_batch_size=10_000),
                                              frequency=cfg.eval_every), stopwatch])
+    if check:
+        final = [p.detach() for p in module.parameters()]
+        norm = float(torch.sqrt(sum((p.double() ** 2).sum() for p in final)))
+        step = float(torch.sqrt(sum(((p.double() - q.double()) ** 2).sum() for p, q in zip(final, initial))))
+        print(f"pfl rank {rank}/{world}: final weights norm {norm:.9g}, update norm {step:.9g}", flush=True)
     return stopwatch.times
 
 
