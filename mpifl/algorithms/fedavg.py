@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
@@ -122,7 +123,7 @@ class DeltaClient(ClientToolkit):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.start: dict[int, np.ndarray] = {}
-        self.deltas: dict[int, np.ndarray] = {}
+        self.deltas: dict[int, np.ndarray | torch.Tensor] = {}  # a tensor on a GPU (FedAvgClient.compute)
         self.global_params: np.ndarray | None = None
 
     def handlers(self) -> Mapping[Message, Handler]:
@@ -135,7 +136,7 @@ class DeltaClient(ClientToolkit):
     def receive_evaluated(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.global_params = row
 
-    def send_delta(self, step: StepContext, client: int) -> np.ndarray:
+    def send_delta(self, step: StepContext, client: int) -> np.ndarray | torch.Tensor:
         return self.deltas.pop(client)
 
 
@@ -155,10 +156,12 @@ class FedAvgClient(DeltaClient):
         return self.vectorizer_if(cpu_default=cls.grad_hook is FedAvgClient.grad_hook)
 
     def compute(self, step: StepContext, client: int) -> None:
+        """Local SGD from the received start; the delta stays on a GPU (the fold runs there), on the host else."""
         start = self.start.pop(client)
         self.workspace.load(start)
+        origin = self.workspace.params.clone() if self.workspace.params.is_cuda else None
         self.train_workspace(step, client, self.grad_hook(client, start))
-        self.deltas[client] = self.workspace.numpy() - start
+        self.deltas[client] = self.workspace.numpy() - start if origin is None else self.workspace.params - origin
         self.after_training(client)
 
     def after_training(self, client: int) -> None:

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
+from mpifl.comm.exactsum import Array, ExactSum, Window, host_copy, round_sum, words
 from mpifl.comm.messages import Message
 from mpifl.comm.transport import Transport
 
@@ -59,11 +59,12 @@ class DistributedSum:
         # copies of the folded terms, while few (KEEP_BYTES_PER_ENTRY); only with more than one rank can they travel
         self.kept: list[Term] | None = [] if transport.size > 1 else None
 
-    def add(self, row: np.ndarray, weight: float, group: int) -> None:
-        """Fold one accepted client's ``weight``·``row`` into ``group``'s total (and keep it while few)."""
+    def add(self, row: Array, weight: float, group: int) -> None:
+        """Fold one accepted client's ``weight``·``row`` into ``group``'s total (and keep it while few): a numpy
+        row, or a tensor on its device, where the total then folds it (``ExactSum``'s backends)."""
         self.totals[group].add(row, weight)
         if self.kept is not None:
-            self.kept.append(Term(row.copy(), weight, group))
+            self.kept.append(Term(host_copy(row), weight, group))
             if len(self.kept) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
                 self.kept = None
 

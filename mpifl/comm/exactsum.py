@@ -100,6 +100,11 @@ def _is_tensor(row: object) -> bool:
     return torch is not None and isinstance(row, torch.Tensor)
 
 
+def host_copy(row: Array) -> np.ndarray:
+    """A copy of ``row`` in host memory, whether a numpy array or a tensor on any device."""
+    return row.detach().cpu().numpy().copy() if _is_tensor(row) else np.array(row)
+
+
 class _NumpyOps:
     """The fold's array operations on host numpy arrays: single-threaded, ``CHUNK`` entries at a time so that the
     temporaries stay in cache. The faster fold on CPU (benchmarks/bench_exactsum.py), so CPU tensors use it too."""

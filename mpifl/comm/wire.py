@@ -98,10 +98,14 @@ class WireFormat:
         return msg.nbytes if codec is None else codec.encoded_nbytes(msg.numel)
 
     # ------------------------------------------------------------------ uploads
+    def changes_uploads(self, msg: Message) -> bool:
+        """Whether :meth:`client_upload` changes ``msg``'s rows (clipping and local noise of an update)."""
+        return msg.update and self.privacy.mode != "off"
+
     def client_upload(self, msg: Message, round_: int, client: int, row: np.ndarray
                       ) -> np.ndarray:
         """A client's row of ``msg`` as it leaves the client, before encoding: clipped and (local DP) noised."""
-        if not msg.update or self.privacy.mode == "off":
+        if not self.changes_uploads(msg):
             return row
         row = clip_update(row, self.privacy.clip)
         if self.privacy.mode == "local":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from mpifl.algorithms.base import Stage, StepContext
 from mpifl.comm import LocalCompute, Message, Step, Transport
@@ -23,6 +24,7 @@ from mpifl.comm.messages import SumWeights, require
 from mpifl.comm.wire import BROADCAST
 from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.rank import RankContext
+from mpifl.training.device import host_numpy
 
 FOLD_CHUNK = 16
 """A local step followed by an upload runs this many clients at a time, each client's rows sent (and a summed
@@ -211,18 +213,23 @@ class PlanWalker:
         return outbox
 
     def _client_rows(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
-                     i: int, outbox: _Outbox) -> list[np.ndarray]:
+                     i: int, outbox: _Outbox) -> list[Any]:
         """The ``i``-th local client's rows of ``group`` as the server will read them (decoded), kept in
         ``outbox`` as they travel (a summed message's only until it is folded), and whether each is finite."""
         client, c = require(self.client, "the client side"), int(now.local[i])
-        seen = []
+        seen: list[Any] = []
         for j, msg in enumerate(group):
             start = time.perf_counter()
-            row = np.asarray(self.wire.client_upload(msg, round_, c, client.send(msg, step, c)), dtype=msg.dtype)
+            row = self._leaving(msg, round_, c, client.send(msg, step, c))
             now.seconds[i] += self._charge_compute(start)
-            if now.corrupt[i] and row.dtype.kind == "f":
+            floating = row.is_floating_point() if isinstance(row, torch.Tensor) else row.dtype.kind == "f"
+            if now.corrupt[i] and floating:
                 row = np.full(msg.numel, np.nan, dtype=msg.dtype)  # faults.corrupt: this upload arrives broken
             read = row.reshape(msg.numel)
+            if isinstance(read, torch.Tensor):  # a summed row on its device: screened and folded there
+                outbox.finite[i, j] = stage != "train" or bool(torch.isfinite(read).all())
+                seen.append(read)
+                continue
             if self.wire.codec(msg) is not None:
                 start = time.perf_counter()
                 blob = self._encode_upload(msg, round_, c, read)
@@ -238,7 +245,18 @@ class PlanWalker:
             seen.append(read)
         return seen
 
-    def _fold(self, group: list[Message], client: int, seen: list[np.ndarray], weights: list[float],
+    def _leaving(self, msg: Message, round_: int, client: int, sent: np.ndarray | torch.Tensor
+                 ) -> np.ndarray | torch.Tensor:
+        """A client's row as it leaves the client. A summed row that the wire leaves as it is (no codec, no local
+        privacy) stays a tensor on its device, so a GPU worker folds it there and moves one total per round;
+        any other row comes to the host."""
+        if isinstance(sent, torch.Tensor):
+            if msg.summed is not None and self.wire.codec(msg) is None and not self.wire.changes_uploads(msg):
+                return sent.detach()
+            sent = host_numpy(sent.detach())
+        return np.asarray(self.wire.client_upload(msg, round_, client, sent), dtype=msg.dtype)
+
+    def _fold(self, group: list[Message], client: int, seen: list[Any], weights: list[float],
               outbox: _Outbox) -> None:
         """Add an accepted client's rows of the summed messages to this rank's exact totals."""
         start = time.perf_counter()

@@ -1,0 +1,59 @@
+"""A client's summed rows may leave it as torch tensors (a GPU worker's deltas stay on its device, where the exact
+sum folds them: ``PlanWalker._leaving``): such rows are screened and folded as tensors, any other (a codec, local
+privacy) comes to the host first, and every result is bitwise FedAvg's with numpy rows, on 1 and 3 ranks. On the
+CPU a plug-in stands in for the GPU's FedAvgClient, which hands over ``params - start`` as a CUDA tensor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, assert_same, deterministic, mpi_env, mpirun_cmd
+
+TENSOR_ROWS = """import torch
+from mpifl.algorithms.fedavg import FedAvgClient, FedAvgServer
+
+
+class TensorDeltaClient(FedAvgClient):
+    def send_delta(self, step, client):  # still tied to autograd: numpy cannot read it, the walker must take tensors
+        return torch.from_numpy(super().send_delta(step, client).copy()).requires_grad_()
+
+
+ALGORITHM = (None, FedAvgServer, TensorDeltaClient)
+"""
+
+BASE = {"algorithm": "fedavg", "rounds": 3, "clients_per_round": 5, "seed": 4, "eval_every": 3,
+        "data": {"dataset": "digits", "num_clients": 8}, "model": {"name": "mlp", "hidden": [16]},
+        "client": {"lr": 0.05, "steps": 3, "batch_size": 16}}
+WIRES = {  # name: (config, rank counts)
+    "on the device": ({"faults": {"corrupt": 0.3}}, (1, 3)),  # broken uploads: host NaN rows, screened out
+    "through a codec": ({"compression": {"up": {"codec": "topk", "fraction": 0.2}}}, (1,)),
+    "with local privacy": ({"privacy": {"mode": "local", "clip": 0.5, "noise_multiplier": 0.3}}, (1,)),
+}
+
+
+def run(config: dict, out: Path, ranks: int, plugins: Path) -> Path:
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(config))
+    env = {**mpi_env(), "PYTHONPATH": f"{plugins}{os.pathsep}{REPO}"}
+    cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(path), "--out",
+                                                      str(out), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_tensor_rows_give_fedavgs_bits_on_1_and_3_ranks(tmp_path, wire):
+    (tmp_path / "tensor_rows.py").write_text(TENSOR_ROWS)
+    change, rank_counts = WIRES[wire]
+    config = {**BASE, **change}
+    expected = deterministic(run(config, tmp_path / "numpy.h5", 1, tmp_path))
+    for ranks in rank_counts:
+        got = run({**config, "algorithm": "tensor_rows:ALGORITHM"}, tmp_path / f"tensor{ranks}.h5", ranks, tmp_path)
+        assert_same(deterministic(got), expected)
