@@ -1,6 +1,6 @@
 """scripts/fedals_horizon.py, which makes the FedALS 20,000-step table and plot (docs/papers/fedals_feddeper.md),
-on a two-seed miniature of its sweep (12 evaluations a run): the paper's metric is the mean of each run's last 10, with mean ±
-2·SE over seeds, and FedAvg's accuracy at FedALS's whole-run bytes."""
+on a two-seed miniature of its sweep (12 evaluations a run): the paper's metric is the mean of each run's last 10
+evaluations, with mean ± 2·SE over seeds, and FedAvg's accuracy at FedALS's whole-run bytes."""
 
 from __future__ import annotations
 
