@@ -69,6 +69,38 @@ def test_flat_gradient_equals_autograd():
     assert torch.equal(flat.grads, expected)
 
 
+class _Unreached(torch.nn.Module):
+    """simple_cnn beside a parameter the loss never reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = build_model(ModelConfig(name="simple_cnn"), layout((3, 32, 32)), seed=2)
+        self.unused = torch.nn.Parameter(torch.tensor([1.5, -0.25]))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_descend_is_the_flat_sgd_step_bit_for_bit():
+    """FlatModel.descend (the step on autograd's own gradients) lands on the bits of compute_gradient and then
+    params.add_(grads, alpha=-lr), step after step; an unreached parameter keeps its value, and the flat
+    gradient buffer works again afterwards."""
+    flat, ref = FlatModel(_Unreached()), FlatModel(_Unreached())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(10, 3, 32, 32, generator=gen), torch.randint(0, 10, (10,), generator=gen)
+        flat.descend(loss_fn(flat.module(x), y), 0.1)
+        ref.compute_gradient(loss_fn(ref.module(x), y))
+        with torch.no_grad():
+            ref.params.add_(ref.grads, alpha=-0.1)
+        assert torch.equal(flat.params.view(torch.int32), ref.params.view(torch.int32))
+    assert flat.module.unused.tolist() == [1.5, -0.25]
+    flat.compute_gradient(loss_fn(flat.module(x), y))
+    ref.compute_gradient(loss_fn(ref.module(x), y))
+    assert torch.equal(flat.grads, ref.grads)
+
+
 @pytest.mark.parametrize("name", ["linear", "mlp"])
 def test_regression_model_outputs_one_value_per_sample(name):
     model = build_model(ModelConfig(name=name), layout((5,), 0, "regression"), seed=0)

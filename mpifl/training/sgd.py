@@ -76,15 +76,21 @@ def local_sgd(
         momentum = None
     elif momentum is None:
         momentum = torch.zeros_like(params)
+    # nothing needs the gradient as one vector: step on autograd's own tensors (FlatModel.descend, same bits)
+    plain = (grad_hook is None and momentum is None and cfg.clip_norm is None and not cfg.weight_decay
+             and params.numel() == model.numel)
     loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
     done = 0
     for xb, yb in training_batches(x, y, cfg, generator, steps):
         loss = loss_fn(model.module(xb), yb)
-        model.compute_gradient(loss)
         loss_sum += loss.detach()
-        if grad_hook is not None:
-            grad_hook(model.params, model.grads)
-        sgd_step(params, grads, momentum, lr, cfg)
+        if plain:
+            model.descend(loss, lr)
+        else:
+            model.compute_gradient(loss)
+            if grad_hook is not None:
+                grad_hook(model.params, model.grads)
+            sgd_step(params, grads, momentum, lr, cfg)
         done += 1
     return TrainStats(done, loss_sum)
 
