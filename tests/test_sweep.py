@@ -4,6 +4,7 @@ import csv
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -306,3 +307,30 @@ def test_report_of_unrelated_runs_counts_each_seed_once_and_groups_by_config(wri
                          f"{runs / 'c.h5'}.")
     labels = [line.get_label() for line in plot([str(runs)], str(tmp_path / "fig.png")).axes[0].lines]
     assert {label.split(": ")[0] for label in labels} == {"client.lr=0.1 (1 seed)", "client.lr=0.3 (2 seeds)"}
+
+
+def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them(write_config, tmp_path):
+    """A sweep still under way (or stopped) holds runs at an early round; mixing them into the seeds' mean would
+    report a number no finished run has. The table counts completed runs only and names the others."""
+    from mpi4py import MPI
+
+    from mpifl.registry import load_config
+    from mpifl.runtime.engine import Engine
+    from mpifl.runtime.stopping import StopRequest
+
+    runs = tmp_path / "runs"
+    config = write_config({"rounds": 2})
+    for seed in (0, 1):
+        assert main(["run", str(config), "--out", str(runs / f"a,seed={seed}.h5"), "--set", f"seed={seed}",
+                     "--quiet"]) == 0
+    stopped = Engine(load_config(config, ["seed=2"]), MPI.COMM_SELF, runs / "a,seed=2.h5")
+    stopped.prepare()
+    asked = StopRequest(announce=False)
+    asked.signum = signal.SIGTERM  # as Slurm's time limit, before the first round ends: it stops after round 1
+    assert stopped.run(progress=False, stop=asked) == 1
+    summary = aggregate(str(runs))
+    (row,) = summary["rows"]
+    assert (row["seeds"], row["files"]) == (2, [str(runs / "a,seed=0.h5"), str(runs / "a,seed=1.h5")])
+    assert summary["text"].splitlines()[-1] == (
+        f"Left out, as not finished (a rerun of the sweep resumes them): {runs / 'a,seed=2.h5'} (interrupted, 1 of 2 "
+        "rounds).")

@@ -4,7 +4,7 @@ written as ``summary.md`` and ``summary.csv``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +118,15 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     """Mean ± 2·SE over seeds of every group of runs in ``directory`` (:func:`group_runs`): one row per group,
     named by the config keys that differ between groups; test accuracies at each run's best-validation and at
     its final evaluation side by side (the ``select`` one first; ``n/a`` where no run recorded validation
-    accuracy), the algorithm's diagnostics and the logical training MB at the ``select`` one. Writes the table as
-    ``summary.md``, and every number (:func:`_run_metrics`: plain names at ``select``) as ``summary.csv``."""
+    accuracy), the algorithm's diagnostics and the logical training MB at the ``select`` one; completed runs only
+    (the others are listed under the table). Writes the table as ``summary.md``, and every number
+    (:func:`_run_metrics`: plain names at ``select``) as ``summary.csv``."""
     import csv
 
     groups, varying = group_runs([directory])
+    unfinished = [(path, res) for group in groups for path, res in group.runs if not _completed(res)]
+    groups = [replace(group, runs=[run for run in group.runs if _completed(run[1])]) for group in groups]
+    groups = [group for group in groups if group.runs]  # a variant none of whose runs has finished: no row yet
     per_group = [[_run_metrics(res, select) for _, res in group.runs] for group in groups]
     names = set().union(*(m for runs in per_group for m in runs))
     plain = sorted(n for n in names if "@" not in n and n not in ("round", "train_MB")) + ["round", "train_MB"]
@@ -156,6 +160,10 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     repeats = [str(path) for group in groups for path in group.repeats]
     if repeats:
         md += ["", f"Left out, as repeats of a seed already counted (same config and seed): {', '.join(repeats)}."]
+    if unfinished:
+        listed = ", ".join(f"{path} ({res.attrs.get('status')}, {int(res.attrs.get('rounds_completed', 0))} of "
+                           f"{res.config.get('rounds')} rounds)" for path, res in unfinished)
+        md += ["", f"Left out, as not finished (a rerun of the sweep resumes them): {listed}."]
     text = "\n".join(md)
     (Path(directory) / "summary.md").write_text(text + "\n")
     with open(Path(directory) / "summary.csv", "w", newline="") as f:
@@ -164,6 +172,12 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         for row in rows:
             writer.writerow([row[k] for k in (*varying, "seeds")] + [v for m in (*plain, *both) for v in row[m]])
     return {"rows": rows, "text": text, "varying": varying, "selection": select}
+
+
+def _completed(res: Results) -> bool:
+    """Whether a run finished: a stopped, failed or still running one would mix an early round into the seeds'
+    mean."""
+    return res.attrs.get("status") == "completed"
 
 
 def _mean_2se_cell(stats: tuple[float, float], form: str, n: int, seeds: int) -> str:
