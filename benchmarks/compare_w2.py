@@ -57,13 +57,16 @@ def pfl_median(args: argparse.Namespace, workload: str, processes: int, tmp: Pat
         cmd += ["--config", str(CONFIGS["w1"]), "--set", f"eval_every={args.rounds}"]
     else:
         cmd += ["--device", args.device, *(x for o in args.overrides for x in ("--set", o))]
-    times.unlink(missing_ok=True)
-    with open(log, "w") as out:  # pfl prints every iteration's metrics: kept out of the table's way
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    if done.returncode:
+    for attempt in (1, 2):  # once more after a failure: its torchrun processes now and then abort
+        times.unlink(missing_ok=True)
+        with open(log, "w") as out:  # pfl prints every iteration's metrics: kept out of the table's way
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        if not done.returncode:
+            return float(json.loads(times.read_text())["median"])
         print(log.read_text()[-4000:])
-        raise SystemExit(f"compare_w2: pfl-research failed ({' '.join(cmd)}), exit status {done.returncode}")
-    return float(json.loads(times.read_text())["median"])
+        print(f"compare_w2: pfl-research failed ({' '.join(cmd)}), exit status {done.returncode}"
+              + (", running it once more" if attempt == 1 else ""), flush=True)
+    raise SystemExit("compare_w2: pfl-research failed twice")
 
 
 def mpifl_median(args: argparse.Namespace, workload: str, ranks: int, tmp: Path) -> float:
