@@ -84,9 +84,10 @@ class FlatModel:
         """Plain SGD's step, params −= lr·∇loss, on autograd's fresh gradients: no pass writing them into the
         flat buffer, which nothing reads when no hook, clipping, weight decay or momentum needs one vector (W2's
         simple_cnn: about 1.3 ms a batch). Bitwise the step of :meth:`compute_gradient` then
-        ``params.add_(grads, alpha=-lr)`` (the same kernel on each parameter's span): that path's ``g + 0``
-        turns a −0 gradient into +0, which can matter only to a parameter that is itself −0, and adding never
-        makes a −0 from a +0. The flat buffer is left stale; :meth:`compute_gradient` rewrites it."""
+        ``params.add_(grads, alpha=-lr)`` (the same kernel on each parameter's span), with one exception: that
+        path's ``g + 0`` turns a −0 gradient into +0, so a parameter that is exactly −0 (adding never makes one
+        from +0; a start decoded from an underflowing fp16 can hold one) with a gradient of exactly −0 ends +0
+        here and −0 there, the same value. The flat buffer is left stale; :meth:`compute_gradient` rewrites it."""
         for p in self._trained:
             p.grad = None
         loss.backward()
