@@ -222,10 +222,18 @@ def test_pytest_stopped_at_its_deadline_still_writes_its_junit_file(tmp_path):
     args = parse(["--device", "cpu", "--out", str(tmp_path)])
     check = Check(args, Report(tmp_path, tmp_path, "test", "cpu"), tmp_path)
     junit = tmp_path / "junit.xml"
-    code = check.run([*pytest_run, f"--junitxml={junit}", tests], tmp_path / "log",
-                     time.monotonic() + 2 * startup + 5, interrupt=signal.SIGINT)
-    assert code == KILLED
-    assert [(name.split("::")[1], outcome) for name, outcome, _, _ in junit_rows(junit)] == [("test_quick", "passed")]
+    # gpu_check's main handles SIGINT itself, so what it starts gets SIGINT at its default; a test session started
+    # in the background (nohup, &) ignores SIGINT, and its children would inherit that
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = check.run([*pytest_run, f"--junitxml={junit}", tests], tmp_path / "log",
+                         time.monotonic() + 2 * startup + 5, interrupt=signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    log = (tmp_path / "log").read_text()[-2000:]  # what the stopped pytest printed, should this fail again
+    assert code == KILLED, log
+    rows = [(name.split("::")[1], outcome) for name, outcome, _, _ in junit_rows(junit)]
+    assert rows == [("test_quick", "passed")], log
 
 
 def test_a_comparison_that_raises_leaves_a_row_the_table_shows(tmp_path, monkeypatch):
