@@ -105,13 +105,13 @@ def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
 
 
 def test_clients_with_unequal_step_counts_train_in_separate_groups():
-    """8, 16 and 12 samples in batches of 8: 1, 2 and 2 steps; each client's steps and update are its own (as
-    trained alone in the kernel, and within rounding of the loop)."""
+    """8, 16 and 16 samples in batches of 8: 1, 2 and 2 steps, the last two in one group; each client's steps
+    and update are its own (as trained alone in the kernel, and within rounding of the loop)."""
     torch.set_num_threads(1)
     flat = FlatModel(build_model(ModelConfig(name="mlp", hidden=(8,)), layout((6,)), seed=0))
     start = flat.numpy().copy()
     loss_fn = torch.nn.CrossEntropyLoss()
-    xs, ys = clients((6,), (8, 16, 12))
+    xs, ys = clients((6,), (8, 16, 16))
     cfg = ClientConfig(lr=0.1, batch_size=8)
     trainer = VectorizedSGD(flat, loss_fn, cfg)
     result = train(trainer, start, xs, ys, [0, 1, 2], cfg)

@@ -174,9 +174,9 @@ class FedAvgClient(DeltaClient):
             return super().compute_clients(step, clients)
         starts = {int(c): self.start.pop(int(c)) for c in clients}
         hooks = {c: self.grad_hook(c, start) for c, start in starts.items()}
-        trained, seconds = self.train_together(self.vectorizer, step, starts, hooks)
-        for client, start in starts.items():
-            self.deltas[client] = trained[client] - start
+        deltas, seconds = self.train_together(self.vectorizer, step, starts, hooks, delta=True)
+        for client in starts:
+            self.deltas[client] = deltas[client]
             self.after_training(client)
         return seconds
 

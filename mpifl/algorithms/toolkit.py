@@ -111,17 +111,19 @@ class ClientToolkit(ClientAlgorithm):
 
     def train_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
                        hooks: Mapping[int, GradHook | None] | None = None, config: ClientConfig | None = None,
-                       purpose: int = 0) -> tuple[dict[int, np.ndarray], np.ndarray]:
+                       purpose: int = 0, delta: bool = False) -> tuple[dict[int, np.ndarray | torch.Tensor], np.ndarray]:
         """Local SGD of several clients from ``starts`` through the kernel, each as :meth:`train_workspace` trains
-        it alone (its generator keyed by ``purpose``, its gradient hook, its mean loss in :attr:`round_losses`);
-        their final parameters in host memory (views on the CPU), and each one's seconds."""
+        it alone (its generator keyed by ``purpose``, its gradient hook, its mean loss in :attr:`round_losses`,
+        all losses read in one copy); their final parameters in host memory (views on the CPU), and each one's
+        seconds. With ``delta``, final − start instead, left on a GPU as rows of one device tensor (a summed
+        upload is screened and folded there), host views on the CPU."""
         seed, clients = self.ctx.cfg.seed, list(starts)
         runs = [ClientRun(starts[c], self.data[c].x_train, self.data[c].y_train,
                           client_generator(seed, step.round, c, purpose), None if hooks is None else hooks[c])
                 for c in clients]
-        result = vectorizer.train(runs, config or self.ctx.cfg.client)
-        for k, client in enumerate(clients):
-            self.round_losses[client] = result.stats[k].mean_loss
+        result = vectorizer.train(runs, config or self.ctx.cfg.client, delta=delta)
+        self.round_losses.update(zip(clients, result.mean_losses().tolist()))
         self.trained_together += len(clients)
-        rows = host_numpy(result.params)  # one copy from a GPU
+        on_device = delta and result.params.device.type != "cpu"
+        rows = result.params if on_device else host_numpy(result.params)  # one copy from a GPU
         return {c: rows[k] for k, c in enumerate(clients)}, result.seconds

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -97,9 +97,8 @@ def local_sgd(
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """A client's batches for one round, drawn on the host and moved to its device in one copy: sample
-    indices of every step end to end (step k's are ``rows[bounds[k] : bounds[k + 1]]``), and with
-    ``crop_flip`` each sample's crop offsets and flip."""
+    """A client's batches for one round, drawn on the host: sample indices of every step end to end (step k's
+    are ``rows[bounds[k] : bounds[k + 1]]``), and with ``crop_flip`` each sample's crop offsets and flip."""
 
     rows: torch.Tensor
     bounds: list[int]
@@ -108,31 +107,46 @@ class BatchPlan:
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Each step's batch size: clients with equal sizes can share every step's batched call."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
 
-def batch_plan(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None,
-               device: torch.device | str = "cpu") -> BatchPlan:
-    """The round's :func:`batch_schedule` and ``crop_flip`` draws, in the order the step loop used to draw
-    them (a pass's permutation, then each of its batches' crops), so a client's batches are bitwise what
-    they were; then one host→device copy (pinned and asynchronous on a GPU)."""
+    def to(self, device: torch.device | str) -> BatchPlan:
+        """The plan on ``device`` in one copy (pinned and asynchronous on a GPU)."""
+        if torch.device(device).type == "cpu":
+            return self
+        packed = self.rows[:, None] if self.crops is None else torch.cat([self.rows[:, None], self.crops], dim=1)
+        packed = to_device(packed, device)
+        return BatchPlan(packed[:, 0], self.bounds, packed[:, 1:] if self.crops is not None else None)
+
+
+def batch_plan(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None) -> BatchPlan:
+    """The round's :func:`batch_schedule` and ``crop_flip`` draws on the host, in the order the step loop used to
+    draw them (a pass's permutation, then each of its batches' crops), so a client's batches are bitwise what
+    they were."""
     batches, crops = [], []
     for idx in batch_schedule(n, cfg, generator, steps):
         batches.append(idx)
         if cfg.augment == "crop_flip":
             crops.append(draw_crops(len(idx), generator))
     bounds = np.cumsum([0] + [len(b) for b in batches]).tolist()
-    packed = torch.cat(batches)[:, None] if batches else torch.zeros((0, 1), dtype=torch.int64)
-    if crops:
-        packed = torch.cat([packed, torch.cat(crops)], dim=1)
-    if torch.device(device).type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return BatchPlan(packed[:, 0], bounds, packed[:, 1:] if crops else None)
+    rows = torch.cat(batches) if batches else torch.zeros(0, dtype=torch.int64)
+    return BatchPlan(rows, bounds, torch.cat(crops) if crops else None)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``: itself on the CPU, else one pinned asynchronous copy (no wait for the GPU)."""
+    if torch.device(device).type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def training_batches(x: torch.Tensor, y: torch.Tensor, cfg: ClientConfig, generator: torch.Generator,
                      steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each local step's batch (:func:`batch_plan`), augmented as ``cfg.augment`` says (shared by
     algorithms with their own loop). The plan is drawn at the first batch asked for."""
-    plan = batch_plan(len(x), cfg, generator, steps, x.device)
+    plan = batch_plan(len(x), cfg, generator, steps).to(x.device)
     for start, end in zip(plan.bounds, plan.bounds[1:]):
         rows = plan.rows[start:end]
         xb = x[rows]
@@ -245,6 +259,20 @@ def sgd_step(
         momentum.mul_(cfg.momentum).add_(grads)
         grads = momentum
     params.add_(grads, alpha=-lr)
+
+
+@torch.no_grad()
+def batched_sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float,
+                     cfg: ClientConfig) -> None:
+    """:func:`sgd_step` on every row of ``params`` ([rows, numel]) at once, each row's bits those of the step on
+    that row alone: the updates are elementwise, and each row's clip factor comes from its own norm."""
+    if cfg.clip_norm is not None:
+        factors = torch.stack([clip_factor(l2_norm(row), cfg.clip_norm) for row in grads])
+        grads.mul_(factors.to(grads.dtype)[:, None])
+        clipped = replace(cfg, clip_norm=None)
+        sgd_step(params, grads, momentum, lr, clipped)
+        return
+    sgd_step(params, grads, momentum, lr, cfg)
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

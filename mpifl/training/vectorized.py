@@ -1,10 +1,17 @@
-"""Local SGD of several clients as one computation (``torch.func.vmap``).
+"""Local SGD of many clients as one batched program on the rank's device (``torch.func.vmap``).
 
-Clients that take equally many local steps are trained together: their parameters stacked as rows, one
-vmapped gradient per step for the rows whose batches have the same shape (only a pass's short last batch
-differs). Everything else stays per client: where it starts, its batch order and augmentation (drawn from its
-own generator), its reported loss, its gradient hook (FedProx's proximal term, SCAFFOLD's correction),
-clipping and the optimizer step on its row.
+Clients whose batches have the same sizes at every step (equally many samples, or ``client.steps``) are trained
+together as rows of one parameter matrix, on the device from start to end:
+
+* their training data concatenated on the device once per call, and one index tensor for all their steps'
+  batches (each client's batch order and augmentation drawn on the host from its own generator, in the loop's
+  order, so schedules stay bitwise), moved in one copy;
+* the start model copied up once however many clients share it (FedAvg's broadcast), expanded on the device;
+* each step one vmapped gradient per call of rows, then clipping, weight decay, momentum and the SGD step on the
+  whole block (elementwise, so each row's bits are those of the step on that row alone); a client's gradient
+  hook (FedProx's proximal term, SCAFFOLD's correction) on its own row;
+* the losses summed on the device, read by the caller once for all clients; the final parameters left on the
+  device (:class:`KernelResult`), so a GPU worker's deltas never visit the host one by one.
 
 A client's update must not depend on which clients share its rank, or results would change with the rank
 count. So with the kernel on, every client of the algorithm goes through it, a group of one included, and on
@@ -35,7 +42,9 @@ from torch.func import functional_call, grad, vmap
 
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import GradHook, TrainStats, planned_steps, sgd_step, training_batches
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import (BatchPlan, GradHook, TrainStats, apply_crops, batch_plan, batched_sgd_step,
+                                to_device)
 
 DENSE_MODELS = ("linear", "logistic", "mlp")
 # no buffers (BatchNorm keeps no running statistics) and no randomness in the forward pass
@@ -71,9 +80,20 @@ class ClientRun:
 
 @dataclass(frozen=True)
 class KernelResult:
+    """What :meth:`VectorizedSGD.train` leaves, on the training device: nothing here has been read."""
+
     params: torch.Tensor  # each run's final parameters, one row per run in the order given
-    stats: list[TrainStats]
+    loss_sums: torch.Tensor  # float64 [runs]: each run's Σ of its steps' losses
+    steps: np.ndarray  # int64 [runs]: the local steps each run took
     seconds: np.ndarray  # each run's equal share of its group's time
+
+    @property
+    def stats(self) -> list[TrainStats]:
+        return [TrainStats(int(s), total) for s, total in zip(self.steps, self.loss_sums)]
+
+    def mean_losses(self) -> np.ndarray:
+        """Every run's mean training loss, in one device→host copy."""
+        return host_numpy(self.loss_sums) / np.maximum(self.steps, 1)
 
 
 class VectorizedSGD:
@@ -87,97 +107,134 @@ class VectorizedSGD:
         count_matters = model.device.type != "cpu" or any(isinstance(m, batched) for m in module.modules())
         self.chunk: int | None = cfg.vectorize_chunk if count_matters else None  # rows of every call, if fixed
 
-        def loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
             params = {name: part.view(shape) for name, part, shape in zip(names, flat.split(sizes), shapes)}
             out = functional_call(module, params, (x,))
-            return loss_fn(out, y), out.detach()
+            value = loss_fn(out, y)
+            return value, (value.detach(), out.detach())
 
         self.kernel: Callable = vmap(grad(loss, has_aux=True))
 
-    def train(self, runs: Sequence[ClientRun], cfg: ClientConfig, steps: int | None = None) -> KernelResult:
-        """Local SGD of every run (``steps`` batches if given, else ``cfg``'s, as :func:`local_sgd`): runs with
-        equally many steps together."""
-        if not runs:
-            return KernelResult(torch.empty(0, self.model.numel, device=self.model.device), [], np.empty(0))
-        counts = [planned_steps(len(run.x), cfg, steps) for run in runs]
-        params = torch.from_numpy(np.stack([run.start for run in runs])).to(self.model.device)
-        stats: list[TrainStats] = [TrainStats(0, torch.zeros((), dtype=torch.float64))] * len(runs)
+    def train(self, runs: Sequence[ClientRun], cfg: ClientConfig, steps: int | None = None, delta: bool = False
+              ) -> KernelResult:
+        """Local SGD of every run (``steps`` batches if given, else ``cfg``'s, as :func:`local_sgd`): runs whose
+        batch sizes agree at every step together. With ``delta`` each row is final − start (computed on the
+        device: a float32 difference has the same bits wherever it is computed)."""
+        device = self.model.device
+        plans = [batch_plan(len(run.x), cfg, run.generator, steps) for run in runs]  # each from its own generator
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for k, plan in enumerate(plans):
+            groups.setdefault(plan.sizes, []).append(k)
+        params = torch.empty(len(runs), self.model.numel, device=device)
+        loss_sums = torch.zeros(len(runs), dtype=torch.float64, device=device)
         seconds = np.empty(len(runs))
         with self._threads():
-            for count in dict.fromkeys(counts):
-                members = [k for k, c in enumerate(counts) if c == count]
+            for members in groups.values():
                 began = time.perf_counter()
-                rows = params[members] if len(members) < len(runs) else params
-                group_stats = self._train_group(rows, [runs[k] for k in members], cfg, steps)
-                if rows is not params:
-                    params[members] = rows
-                for k, s in zip(members, group_stats):
-                    stats[k] = s
+                rows, sums = self._train_group([runs[k] for k in members], [plans[k] for k in members], cfg, delta)
+                if len(members) == len(runs):  # one group: its rows are the result, no copy
+                    params, loss_sums = rows, sums
+                else:
+                    where = torch.tensor(members, device=device)
+                    params.index_copy_(0, where, rows)
+                    loss_sums.index_copy_(0, where, sums)
                 seconds[members] = (time.perf_counter() - began) / len(members)
-        return KernelResult(params, stats, seconds)
+        return KernelResult(params, loss_sums, np.array([len(plan) for plan in plans], dtype=np.int64), seconds)
 
     def full_gradients(self, starts: Sequence[np.ndarray], xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
                        ) -> tuple[torch.Tensor, list[float]]:
-        """Each client's gradient of its mean loss over all of ``x`` at its start (rows), and that loss (FedSGD)."""
-        params = torch.from_numpy(np.stack(starts)).to(self.model.device)
+        """Each client's gradient of its mean loss over all of ``x`` at its start (rows), and that loss (FedSGD):
+        clients with equally many samples in calls of their own."""
+        params, _ = self._stack_starts(starts, list(range(len(starts))))
+        grads = torch.empty_like(params)
+        losses = torch.empty(len(starts), dtype=torch.float64, device=params.device)
+        sizes: dict[int, list[int]] = {}
+        for k, x in enumerate(xs):
+            sizes.setdefault(len(x), []).append(k)
         with self._threads():
-            grads, losses = self._gradients(params, list(zip(xs, ys)))
-        return grads, [float(loss) for loss in losses]
+            for members in sizes.values():
+                order = self._padded(len(members))
+                rows = [members[j] for j in order]
+                for call in self._calls(len(rows)):
+                    block = [rows[j] for j in range(call.start, call.stop)]
+                    g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]),
+                                                     torch.stack([ys[k] for k in block]))
+                    losses[block] = self._losses(loss, outputs, torch.stack([ys[k] for k in block])).double()
+                    grads[block] = g
+        return grads, host_numpy(losses).tolist()
 
-    def _train_group(self, params: torch.Tensor, runs: Sequence[ClientRun], cfg: ClientConfig,
-                     steps: int | None) -> list[TrainStats]:
-        """Local SGD of ``runs`` (equally many steps) on the rows of ``params``, in place."""
+    def _train_group(self, runs: Sequence[ClientRun], plans: Sequence[BatchPlan], cfg: ClientConfig, delta: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local SGD of ``runs`` (the same batch sizes at every step): their final parameters (or, with ``delta``,
+        final − start) and loss sums."""
+        device = self.model.device
+        order = self._padded(len(runs))  # the rows: the runs, then copies that pad the last call
+        x = torch.cat([run.x for run in runs]) if len(runs) > 1 else runs[0].x
+        y = torch.cat([run.y for run in runs]) if len(runs) > 1 else runs[0].y
+        offsets = np.cumsum([0] + [len(run.x) for run in runs])
+        samples = to_device(torch.stack([plans[k].rows + int(offsets[k]) for k in order]), device)
+        crops = None
+        if plans[0].crops is not None:
+            crops = to_device(torch.stack([plans[k].crops for k in order]), device)  # type: ignore[misc]
+        params, starts = self._stack_starts([run.start for run in runs], order)
         momentum = torch.zeros_like(params) if cfg.momentum else None
-        loss_sums = torch.zeros(len(runs), dtype=torch.float64, device=params.device)
-        clients = [training_batches(run.x, run.y, cfg, run.generator, steps) for run in runs]
-        done = 0
-        for batches in zip(*clients):  # each client draws its batches (and augmentation) from its own generator
-            grads, losses = self._gradients(params, batches)
-            with torch.no_grad():
-                loss_sums += torch.stack(losses)
-            for k, run in enumerate(runs):
-                if run.hook is not None:
-                    run.hook(params[k], grads[k])
-                sgd_step(params[k], grads[k], None if momentum is None else momentum[k], cfg.lr, cfg)
-            done += 1
-        return [TrainStats(done, s) for s in loss_sums]  # each loss read once, when the client reports it
-
-    def _gradients(self, params: torch.Tensor, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Each row's gradient at its batch and its loss (computed alone: a vmapped mean may round differently).
-        Rows whose batches have one shape share calls; with a fixed chunk every call has exactly that many rows."""
-        shapes: dict[tuple[int, ...], list[int]] = {}
-        for k, (xb, _) in enumerate(batches):
-            shapes.setdefault(tuple(xb.shape), []).append(k)
-        grads: torch.Tensor | None = None
-        losses: list[torch.Tensor] = [torch.empty(0)] * len(batches)
-        for rows in shapes.values():
-            for call in self._calls(rows):
-                whole = call == list(range(len(batches)))
-                xb = torch.stack([batches[k][0] for k in call])
-                yb = torch.stack([batches[k][1] for k in call])
-                g, outputs = self.kernel(params if whole else params[call], xb, yb)
+        loss_sums = torch.zeros(len(order), dtype=torch.float64, device=device)
+        bounds = plans[0].bounds
+        for first, last in zip(bounds, bounds[1:]):
+            for call in self._calls(len(order)):
+                rows = samples[call, first:last]
+                xb = x[rows]
+                if crops is not None:
+                    xb = apply_crops(xb.flatten(0, 1), crops[call, first:last].flatten(0, 1)).view_as(xb)
+                yb = y[rows]
+                g, (loss, outputs) = self.kernel(params[call], xb, yb)
                 with torch.no_grad():
-                    for j, k in enumerate(dict.fromkeys(call)):  # padding repeats a member: its first row counts
-                        losses[k] = self.loss_fn(outputs[j], yb[j])
-                if whole:
-                    return g, losses
-                if grads is None:
-                    grads = torch.empty_like(params)
-                real = list(dict.fromkeys(call))
-                grads[real] = g[: len(real)]
-        assert grads is not None
-        return grads, losses
+                    loss_sums[call] += self._losses(loss, outputs, yb)
+                    for j in range(call.start, min(call.stop, len(runs))):
+                        hook = runs[order[j]].hook
+                        if hook is not None:
+                            hook(params[j], g[j - call.start])
+                    batched_sgd_step(params[call], g, None if momentum is None else momentum[call], cfg.lr, cfg)
+        if delta:
+            params.sub_(starts())
+        return params[: len(runs)], loss_sums[: len(runs)]
 
-    def _calls(self, rows: list[int]) -> Iterator[list[int]]:
-        """The rows of each call: all at once, or chunks of exactly ``self.chunk`` (the last padded by repeating
-        its first row)."""
-        if self.chunk is None:
-            yield rows
-            return
-        for start in range(0, len(rows), self.chunk):
-            part = rows[start : start + self.chunk]
-            yield part + [part[0]] * (self.chunk - len(part))
+    def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """Each row's loss. With a fixed call shape (convolutions, GPUs: within rounding of the loop anyway) the
+        vmapped loss the gradient came from; without (dense layers on the CPU, bitwise the loop) each row's loss
+        computed alone, as the loop computes it (a vmapped mean rounds differently)."""
+        if self.chunk is not None:
+            return vmapped
+        return torch.stack([self.loss_fn(out, target) for out, target in zip(outputs, yb)])
+
+    def _stack_starts(self, starts: Sequence[np.ndarray], order: Sequence[int]
+                      ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """The rows' start parameters on the device ([len(order), numel]), and what gives the starts again (as a
+        tensor that broadcasts against them): each distinct start copied up once (a broadcast model, which every
+        client's start is a view of, once for all)."""
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}
+        which = [distinct.setdefault((starts[k].ctypes.data, starts[k].strides), len(distinct)) for k in order]
+        firsts = {index: order[j] for j, index in reversed(list(enumerate(which)))}
+        host = torch.from_numpy(np.stack([starts[firsts[i]] for i in range(len(distinct))]))
+        unique = to_device(host, self.model.device)
+        if len(distinct) == 1:
+            return unique.expand(len(order), -1).clone(), lambda: unique
+        index = to_device(torch.tensor(which), self.model.device)
+        return unique[index], lambda: unique[index]
+
+    def _padded(self, count: int) -> list[int]:
+        """Which run each row trains: every run once, then, with a fixed chunk, copies of the last call's first
+        run up to a whole number of chunks (their results are dropped)."""
+        if self.chunk is None or count % self.chunk == 0:
+            return list(range(count))
+        last = count - count % self.chunk
+        return list(range(count)) + [last] * (self.chunk - count % self.chunk)
+
+    def _calls(self, rows: int) -> list[slice]:
+        """The rows of each call: all at once, or consecutive blocks of exactly ``self.chunk``."""
+        step = self.chunk or rows
+        return [slice(start, start + step) for start in range(0, rows, step)]
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
