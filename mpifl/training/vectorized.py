@@ -201,10 +201,10 @@ class VectorizedSGD:
         return params[: len(runs)], loss_sums[: len(runs)]
 
     def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        """Each row's loss. With a fixed call shape (convolutions, GPUs: within rounding of the loop anyway) the
-        vmapped loss the gradient came from; without (dense layers on the CPU, bitwise the loop) each row's loss
-        computed alone, as the loop computes it (a vmapped mean rounds differently)."""
-        if self.chunk is not None:
+        """Each row's loss: on a GPU the vmapped loss the gradient came from (one call for all rows); on the CPU
+        each row's computed alone, as the loop computes it, which keeps every CPU result's bits (a vmapped mean
+        rounds differently)."""
+        if self.model.device.type != "cpu":
             return vmapped
         return torch.stack([self.loss_fn(out, target) for out, target in zip(outputs, yb)])
 
