@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,7 @@ MAX_RANKS = 2 ** (64 - WIRE_WIDTH) - 1
 MAX_EXPONENT = 900  # every term must have |x| < 2**900 (so that 2**50 of them still sum to a finite float64)
 LOWEST = -1074  # float64's smallest unit (a subnormal's ulp)
 CHUNK = 1 << 16  # entries cut at a time: the temporaries stay in the CPU's cache
+_BATCH_BYTES = 1 << 28  # ExactSum.add_rows: the float64 temporaries of at most this many bytes at a time
 FOLDS_PER_NORMALISATION = 2 ** (63 - WIDTH)
 ANY_TERMS = 2**50  # the most terms a sum may have (the carries of any fewer fit in int64)
 FEW_TERMS = 2 ** (63 - WIRE_WIDTH)  # fewer terms than this in all: the wire's top word takes their carries
@@ -219,6 +221,16 @@ class _TorchOps:
     def max(self, array: Array) -> int:
         return int(array.max())
 
+    def row_extrema(self, rows: Array, kind: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's largest |entry| and smallest nonzero |entry|, as the bits of ``kind`` (int64 host arrays;
+        the second is meaningless for an all-zero row): one read from the device for all rows."""
+        signed, magnitude, _ = _BITS[kind]
+        bits = self.torch.bitwise_and(rows.view(self.dtypes[signed]), magnitude)
+        top = bits.amax(1)
+        low = self.torch.bitwise_and(bits - 1, magnitude).amin(1) + 1
+        both = self.host(self.torch.stack([top, low]).long())
+        return both[0], both[1]
+
     def smallest_nonzero(self, bits: Array, magnitude: int) -> int:
         """As numpy's, without unsigned types: zeros become −1 and then, masked, the largest magnitude."""
         self.torch.sub(bits, 1, out=bits)
@@ -329,17 +341,23 @@ def _cut(ops: Ops, x: Array, scratch: Array, levels: Array, constants: list[floa
     view = ops.view(scratch, np.dtype(np.int64))
     for k in range(top, 1, -1):
         ops.add(x, constants[k], out=scratch)
-        ops.add(levels[k], view, out=levels[k])
+        _accumulate(ops, levels[k], view)
         ops.subtract(scratch, constants[k], out=scratch)
         ops.subtract(x, scratch, out=x)
     if top == 0:
         ops.add(x, constants[0], out=scratch)
     else:
         ops.add(x, constants[1], out=scratch)
-        ops.add(levels[1], view, out=levels[1])
+        _accumulate(ops, levels[1], view)
         ops.subtract(scratch, constants[0] + constants[1], out=scratch)  # q₁ − C₀, exactly
         ops.subtract(x, scratch, out=scratch)  # fl(r + (C₀ − q₁)): rounding is symmetric
-    ops.add(levels[0], view, out=levels[0])
+    _accumulate(ops, levels[0], view)
+
+
+def _accumulate(ops: Ops, level: Array, digits: Array) -> None:
+    """Add one term's ``digits`` to ``level``, or with several terms (rows) their column sums: int64 adds wrap,
+    so any grouping of the adds gives the same bits."""
+    ops.add(level, digits if digits.ndim == 1 else digits.sum(0), out=level)
 
 
 def _carry(digits: Array, width: int, balanced: bool) -> None:
@@ -354,15 +372,21 @@ def _carry(digits: Array, width: int, balanced: bool) -> None:
 
 def _chunk_window(ops: Ops, row: Array, kind: np.dtype, weight: float, bits: Array) -> Window:
     """The window of fl(weight·row) for one chunk of ``kind`` (``bits``: scratch of its signed bits type)."""
-    signed, magnitude, infinity = _BITS[kind]
+    signed, magnitude, _ = _BITS[kind]
     bits = bits[: len(row)]
     ops.bitwise_and(ops.view(row, signed), magnitude, out=bits)
     top = ops.max(bits)
+    return _window_of(top, ops.smallest_nonzero(bits, magnitude) if top else 0, kind, weight)
+
+
+def _window_of(top: int, low: int, kind: np.dtype, weight: float) -> Window:
+    """The window of fl(weight·row) for a row of ``kind`` whose largest |entry| has the bits ``top`` and whose
+    smallest nonzero one ``low``."""
+    signed, _, infinity = _BITS[kind]
     if top >= infinity:
         raise ValueError("exact sum: the row holds NaN or ±inf; non-finite values must be screened out first")
     if top == 0:
         return EMPTY
-    low = ops.smallest_nonzero(bits, magnitude)
     largest = abs(weight) * float(signed.type(top).view(kind))
     if largest >= math.ldexp(1.0, MAX_EXPONENT):
         raise ValueError(f"exact sum: a term weight·row of {largest:.3g} is out of range (|term| < 2**{MAX_EXPONENT})")
@@ -462,6 +486,64 @@ class ExactSum:
         self._failed = False
         if self._folds >= FOLDS_PER_NORMALISATION:
             self._normalise()
+
+    def add_rows(self, rows: Array, weights: Sequence[float]) -> None:
+        """Fold every ``weights[i]``·``rows[i]`` (rows × size), the same bits as :meth:`add` of each in turn (the
+        sum is exact). With rows on a torch device, the windows of all rows are read from it at once and each
+        level adds all rows' digits in one pass: one wait for the device for the batch, not a few per row, and a bad
+        row raises before any is folded. Host rows fold one by one, as :meth:`add` (nothing to wait for)."""
+        if self._failed:
+            raise RuntimeError("exact sum: an earlier add failed part-way, so this total is incomplete")
+        weights = [float(w) for w in weights]
+        if len(weights) != len(rows):
+            raise ValueError(f"exact sum: {len(rows)} rows but {len(weights)} weights")
+        if self._ops is None and len(rows):
+            self._checked(rows[0])  # chooses the backend (by the rows' device unless named)
+        if not isinstance(self._ops, _TorchOps):
+            for row, weight in zip(rows, weights):
+                self.add(row, weight)
+            return
+        for weight in weights:
+            if not math.isfinite(weight):
+                raise ValueError(f"exact sum: weight {weight} is not finite")
+        ops = self._ops
+        keep = [i for i, weight in enumerate(weights) if weight != 0.0]
+        rows = ops.row(rows[keep] if len(keep) < len(rows) else rows)
+        kind = ops.kind(rows)
+        if tuple(rows.shape) != (len(keep), self.size) or kind not in _BITS:
+            raise ValueError(f"exact sum: rows of shape {tuple(rows.shape)} and type {rows.dtype} do not fit a "
+                             f"total of {self.size} float entries")
+        weights = [weights[i] for i in keep]
+        tops, lows = ops.row_extrema(rows, kind) if len(keep) else (np.empty(0), np.empty(0))
+        windows = [_window_of(int(t), int(low), kind, w) for t, low, w in zip(tops, lows, weights)]
+        if self._grid is None:  # as add: rows before the first non-empty one are no terms
+            first = next((i for i, window in enumerate(windows) if not window.empty), len(windows))
+            rows, weights, windows = rows[first:], weights[first:], windows[first:]
+            if not windows:
+                return
+            self._grid = _Grid.fitting(windows[0], WIDTH)
+            self._levels = ops.zeros(self._grid.levels + 1, self.size)
+        union = EMPTY
+        for window in windows:
+            union = union.union(window)
+        if not self._grid.window.covers(union):
+            self._widen(union, 0)
+        self.window = self.window.union(union)
+        step = max(1, min(FOLDS_PER_NORMALISATION, _BATCH_BYTES // (16 * self.size)))
+        start = 0
+        while start < len(weights):
+            count = min(step, len(weights) - start, FOLDS_PER_NORMALISATION - self._folds)
+            block = rows[start : start + count]
+            factors = ops.torch.tensor(weights[start : start + count], dtype=ops.torch.float64, device=ops.device)
+            self._failed = True
+            x = block.to(ops.torch.float64) * factors[:, None]  # fl64(weight·row), as add's ``weighted``
+            _cut(ops, x, ops.torch.empty_like(x), self._levels, self._grid.constants, self._grid.levels - 1)
+            self._folds += count
+            self.terms += count
+            self._failed = False
+            if self._folds >= FOLDS_PER_NORMALISATION:
+                self._normalise()
+            start += count
 
     def _checked(self, row: Array) -> tuple[Array, np.dtype]:
         """``row`` on the backend (chosen now if not yet), float16 widened, and its kind; shape and kind checked."""

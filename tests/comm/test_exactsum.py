@@ -445,3 +445,42 @@ def test_a_cuda_row_folds_on_its_device_and_exports_to_the_host():
     wire = total.export(total.window)
     assert isinstance(wire, np.ndarray)
     assert same_bits(round_sum(wire, total.window), reference(rows, [0.3] * 4))
+
+
+@pytest.mark.parametrize("few_folds", [False, True])
+def test_a_batch_of_rows_folds_to_the_bits_of_folding_each_in_turn(monkeypatch, backend, few_folds):
+    """``add_rows`` (one read of all windows, every level's digits added for all rows at once on a torch device)
+    against ``add`` row by row: leading zero rows (no terms while there is no grid), zero weights, rows that
+    widen the levels above and below (down to subnormals, which re-cut them), and with ``few_folds`` batches
+    that cross a normalisation; the same wire words, terms and rounded sums, also after more rows."""
+    if few_folds:
+        monkeypatch.setattr(exactsum, "FOLDS_PER_NORMALISATION", 3)
+    rng = np.random.default_rng(5)
+    rows = adversarial_rows(rng, 9, 40)
+    rows[:2] = 0.0
+    rows[4] *= 1e200
+    rows[6, 3] = 3e-310
+    weights = [1.0, 0.5, 0.25, 0.0, -1.5, 2.0, 0.75, 1e-3, 3.0]
+    one_by_one, batched = new_total(40, backend), new_total(40, backend)
+    for row, weight in zip(on(backend, rows), weights):
+        one_by_one.add(row, weight)
+    batched.add_rows(on(backend, rows[:5]), weights[:5])
+    batched.add_rows(on(backend, rows[5:]), weights[5:])
+    assert batched.terms == one_by_one.terms == 6
+    assert batched.window == one_by_one.window
+    window = one_by_one.window
+    assert np.array_equal(batched.export(window), one_by_one.export(window))
+    assert same_bits(batched.rounded(), one_by_one.rounded())
+    assert same_bits(batched.rounded(), reference(rows, weights))
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])  # host rows fold one by one, as ``add``
+def test_a_batch_with_a_bad_row_raises_before_folding_any(backend):
+    rows = np.ones((3, 6))
+    rows[2, 1] = np.nan
+    total = new_total(6, backend)
+    total.add(on(backend, rows[0]), 1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        total.add_rows(on(backend, rows), [1.0, 1.0, 1.0])
+    total.add(on(backend, rows[1]), 1.0)  # nothing of the batch went in: the total is usable and holds 2
+    assert same_bits(total.rounded(), np.full(6, 2.0))
