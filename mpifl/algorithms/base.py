@@ -23,6 +23,9 @@ from mpifl.schema import ConfigError
 from mpifl.training.sgd import planned_samples
 from mpifl.training.tensors import TensorSplit
 
+CLIENTS_PER_UPLOAD = 16
+"""The clients a worker computes and uploads at a time by default (:meth:`ClientAlgorithm.clients_per_upload`)."""
+
 __all__ = ["AsynchronousProtocol", "ClientAlgorithm", "EvalLayout", "EventDrivenServer", "Protocol", "RunContext",
            "ServerAlgorithm", "Stage", "StepContext", "check_handlers"]  # the interface, with what it is told
 
@@ -264,6 +267,11 @@ class ClientAlgorithm(_Handles):
 
     def compute(self, step: StepContext, client: int) -> None:
         """Local computation between messages (the :data:`~mpifl.comm.LOCAL` step)."""
+
+    def clients_per_upload(self) -> int:
+        """How many clients a local step followed by an upload computes at a time, their rows sent (and a summed
+        message's folded) right after: a worker holds at most this many clients' updates, whatever its cohort."""
+        return CLIENTS_PER_UPLOAD
 
     def sum_group(self, msg: Message, client: int) -> int:
         """Which of a summed message's ``groups`` sums ``client``'s row goes into (IFCA: its cluster)."""

@@ -22,6 +22,11 @@ from mpifl.training.tensors import TensorSplit
 from mpifl.training.vectorized import ClientRun, VectorizedSGD, kernel_wanted
 
 
+DEVICE_ROUND_BYTES = 2 << 30
+"""Device memory the kernel's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
+momentum, delta)."""
+
+
 def send_from(outbox: dict[int, np.ndarray]) -> Handler:
     """A client's send handler that hands over what its local step left in ``outbox`` (client id -> row)."""
     return lambda step, client: outbox.pop(client)
@@ -37,11 +42,20 @@ class ClientToolkit(ClientAlgorithm):
         self.loss_fn = loss_function(ctx.layout)
         self.round_losses: dict[int, float] = {}
         self.trained_together = 0  # clients trained through the vectorized kernel (:meth:`train_together`)
+        self.vectorizer: VectorizedSGD | None = None  # the kernel, where a subclass trains through it
 
     @property
     def device(self) -> torch.device:
         """Where this rank's clients compute: their data, the workspace and the tensors of a round."""
         return self.workspace.device
+
+    def clients_per_upload(self) -> int:
+        """With the kernel on a GPU, a round's clients as one batched program: as many at a time as keep their
+        parameters, momentum and deltas within ``DEVICE_ROUND_BYTES`` of the device (W2: about 80), so a cohort
+        is one chunk, screened with one read and folded with one more; otherwise the default few."""
+        if self.vectorizer is None or self.device.type == "cpu":
+            return super().clients_per_upload()
+        return max(super().clients_per_upload(), DEVICE_ROUND_BYTES // (4 * 4 * self.workspace.numel))
 
     def rank_stats(self) -> dict[str, float]:
         return {"clients_trained_vectorized": self.trained_together}

@@ -68,6 +68,20 @@ class DistributedSum:
             if len(self.kept) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
                 self.kept = None
 
+    def add_rows(self, rows: Array, weights: np.ndarray, groups: np.ndarray) -> None:
+        """Fold several accepted clients' rows at once (``rows``: clients × numel, a device tensor's rows are
+        folded there with one wait for all: ``ExactSum.add_rows``), each into its group's total."""
+        for group in np.unique(groups).tolist():
+            members = np.flatnonzero(groups == group)
+            part = rows if len(members) == len(rows) else rows[members.tolist()]
+            self.totals[group].add_rows(part, weights[members])
+        if self.kept is not None:
+            if (len(self.kept) + len(rows)) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
+                self.kept = None
+            else:
+                copies = host_copy(rows)  # one copy of the few rows kept
+                self.kept.extend(Term(row, float(w), int(g)) for row, w, g in zip(copies, weights, groups))
+
     def total(self, round_: int) -> np.ndarray | None:
         """Every rank's part added: the float64 sums (groups × numel) on rank 0, ``None`` elsewhere. A collective."""
         if self.transport.size == 1:  # nothing to move: each total rounds itself

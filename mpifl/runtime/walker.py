@@ -26,10 +26,6 @@ from mpifl.runtime.faults import FaultModel
 from mpifl.runtime.rank import RankContext
 from mpifl.training.device import host_numpy
 
-FOLD_CHUNK = 16
-"""A local step followed by an upload runs this many clients at a time, each client's rows sent (and a summed
-message's folded) right after: a worker holds at most this many clients' updates, whatever its cohort."""
-
 LEDGER_STAGES: dict[Stage, str] = {"setup": "setup", "train": "train", "newcomer": "eval", "eval_prelude": "eval",
                                    "eval": "eval"}
 """The ledger's stage of each plan: what the protocol costs (train), once (setup), and to evaluate (eval)."""
@@ -122,7 +118,7 @@ class PlanWalker:
         position = 0
         while position < len(plan) and len(now.clients):
             step = plan[position]
-            # a local step right before an update runs with it, a few clients at a time (FOLD_CHUNK)
+            # a local step right before an update runs with it, a few clients at a time (clients_per_upload)
             fused = isinstance(step, LocalCompute) and not step.everyone and _uploads(plan, position + 1)
             if fused or _uploads(plan, position):  # an update: the up messages in a row
                 start = end = position + 1 if fused else position
@@ -198,18 +194,17 @@ class PlanWalker:
         if client is None:
             return outbox
         weights = [self.sum_weights(msg.summed, now.local) if msg.summed else None for msg in group]
-        parts = range(0, len(now.local), FOLD_CHUNK) if compute else range(1)
-        for first in parts:
-            hosted = now.local[first : first + FOLD_CHUNK] if compute else now.local
+        chunk = client.clients_per_upload() if compute else max(len(now.local), 1)
+        for first in range(0, len(now.local), chunk):
+            hosted = now.local[first : first + chunk]
             if compute:
                 start = time.perf_counter()
                 now.seconds[first : first + len(hosted)] += client.compute_clients(step.with_clients(hosted), hosted)
                 self._charge_compute(start)
-            for i in range(first, first + len(hosted)):
-                seen = self._client_rows(round_, stage, group, step, now, i, outbox)
-                if outbox.finite[i].all():
-                    self._fold(group, int(now.local[i]), seen, [w[i] if w is not None else 0.0 for w in weights],
-                               outbox)
+            part = range(first, first + len(hosted))
+            seen = [self._client_rows(round_, stage, group, step, now, i, outbox) for i in part]
+            self._screen_on_devices(stage, part, seen, outbox)
+            self._fold(group, now.local, part, seen, weights, outbox)
         return outbox
 
     def _client_rows(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
@@ -226,8 +221,7 @@ class PlanWalker:
             if now.corrupt[i] and floating:
                 row = np.full(msg.numel, np.nan, dtype=msg.dtype)  # faults.corrupt: this upload arrives broken
             read = row.reshape(msg.numel)
-            if isinstance(read, torch.Tensor):  # a summed row on its device: screened and folded there
-                outbox.finite[i, j] = stage != "train" or bool(torch.isfinite(read).all())
+            if isinstance(read, torch.Tensor):  # a summed row on its device: screened and folded there, by chunk
                 seen.append(read)
                 continue
             if self.wire.codec(msg) is not None:
@@ -256,13 +250,35 @@ class PlanWalker:
             sent = host_numpy(sent.detach())
         return np.asarray(self.wire.client_upload(msg, round_, client, sent), dtype=msg.dtype)
 
-    def _fold(self, group: list[Message], client: int, seen: list[Any], weights: list[float],
-              outbox: _Outbox) -> None:
-        """Add an accepted client's rows of the summed messages to this rank's exact totals."""
+    def _screen_on_devices(self, stage: Stage, part: range, seen: list[list[Any]], outbox: _Outbox) -> None:
+        """Screen the device rows of a chunk of clients (``part``, their rows ``seen``) for training, all of them
+        with one read from the device (host rows were screened as they left)."""
+        if stage != "train":
+            return
+        where = [(i, j) for i, rows in zip(part, seen) for j, row in enumerate(rows) if isinstance(row, torch.Tensor)]
+        if where:
+            flags = torch.stack([torch.isfinite(seen[i - part.start][j]).all() for i, j in where])
+            for (i, j), finite in zip(where, host_numpy(flags).tolist()):
+                outbox.finite[i, j] = finite
+
+    def _fold(self, group: list[Message], local: np.ndarray, part: range, seen: list[list[Any]],
+              weights: list[np.ndarray | None], outbox: _Outbox) -> None:
+        """Add the accepted clients' rows of the summed messages (a chunk ``part`` of ``local``, their rows
+        ``seen``) to this rank's exact totals: host rows one by one, device rows of one message together."""
+        client = require(self.client, "the client side")
         start = time.perf_counter()
-        for msg, row, weight, sums in zip(group, seen, weights, outbox.sums):
-            if sums is not None:
-                sums.add(row, weight, require(self.client, "the client side").sum_group(msg, client))
+        accepted = [i for i in part if outbox.finite[i].all()]
+        for j, (msg, sums, weight) in enumerate(zip(group, outbox.sums, weights)):
+            if sums is None or weight is None:
+                continue
+            on_device = [i for i in accepted if isinstance(seen[i - part.start][j], torch.Tensor)]
+            for i in accepted:
+                if i not in on_device:
+                    sums.add(seen[i - part.start][j], weight[i], client.sum_group(msg, int(local[i])))
+            if on_device:
+                rows = torch.stack([seen[i - part.start][j] for i in on_device])
+                sums.add_rows(rows, weight[on_device], np.array([client.sum_group(msg, int(local[i]))
+                                                                 for i in on_device]))
         self.times.serialization += time.perf_counter() - start
 
     def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,
