@@ -50,10 +50,11 @@ class ClientToolkit(ClientAlgorithm):
         return self.workspace.device
 
     def clients_per_upload(self) -> int:
-        """With the kernel on a GPU, a round's clients as one batched program: as many at a time as keep their
-        parameters, momentum and deltas within ``DEVICE_ROUND_BYTES`` of the device (W2: about 80), so a cohort
-        is one chunk, screened with one read and folded with one more; otherwise the default few."""
-        if self.vectorizer is None or self.device.type == "cpu":
+        """With the kernel, a round's clients as one batched program: as many at a time as keep their parameters,
+        gradients, momentum and deltas within ``DEVICE_ROUND_BYTES`` (W2: about 80), so a cohort is one chunk, on
+        a GPU screened with one read and folded with one more; otherwise the default few. (A client's update does
+        not depend on its company in the kernel, so the chunk changes no bit.)"""
+        if self.vectorizer is None:
             return super().clients_per_upload()
         return max(super().clients_per_upload(), DEVICE_ROUND_BYTES // (4 * 4 * self.workspace.numel))
 

@@ -201,10 +201,17 @@ class PlanWalker:
                 start = time.perf_counter()
                 now.seconds[first : first + len(hosted)] += client.compute_clients(step.with_clients(hosted), hosted)
                 self._charge_compute(start)
-            part = range(first, first + len(hosted))
-            seen = [self._client_rows(round_, stage, group, step, now, i, outbox) for i in part]
-            self._screen_on_devices(stage, part, seen, outbox)
-            self._fold(group, now.local, part, seen, weights, outbox)
+            waiting: dict[int, list[Any]] = {}  # clients with device rows: screened and folded as one batch
+            for i in range(first, first + len(hosted)):
+                seen = self._client_rows(round_, stage, group, step, now, i, outbox)
+                if any(isinstance(row, torch.Tensor) for row in seen):  # a host row may be a reused buffer: copied
+                    waiting[i] = [row if isinstance(row, torch.Tensor) else np.array(row) for row in seen]
+                elif outbox.finite[i].all():
+                    self._fold(group, now.local, {i: seen}, weights, outbox)
+            if waiting:
+                self._screen_on_devices(stage, waiting, outbox)
+                self._fold(group, now.local, {i: rows for i, rows in waiting.items() if outbox.finite[i].all()},
+                           weights, outbox)
         return outbox
 
     def _client_rows(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
@@ -250,35 +257,32 @@ class PlanWalker:
             sent = host_numpy(sent.detach())
         return np.asarray(self.wire.client_upload(msg, round_, client, sent), dtype=msg.dtype)
 
-    def _screen_on_devices(self, stage: Stage, part: range, seen: list[list[Any]], outbox: _Outbox) -> None:
-        """Screen the device rows of a chunk of clients (``part``, their rows ``seen``) for training, all of them
-        with one read from the device (host rows were screened as they left)."""
+    def _screen_on_devices(self, stage: Stage, waiting: dict[int, list[Any]], outbox: _Outbox) -> None:
+        """Screen the device rows of ``waiting`` clients (local index -> rows) for training, all of them with one
+        read from the device (host rows were screened as they left)."""
         if stage != "train":
             return
-        where = [(i, j) for i, rows in zip(part, seen) for j, row in enumerate(rows) if isinstance(row, torch.Tensor)]
-        if where:
-            flags = torch.stack([torch.isfinite(seen[i - part.start][j]).all() for i, j in where])
-            for (i, j), finite in zip(where, host_numpy(flags).tolist()):
-                outbox.finite[i, j] = finite
+        where = [(i, j) for i, rows in waiting.items() for j, row in enumerate(rows) if isinstance(row, torch.Tensor)]
+        flags = torch.stack([torch.isfinite(waiting[i][j]).all() for i, j in where])
+        for (i, j), finite in zip(where, host_numpy(flags).tolist()):
+            outbox.finite[i, j] = finite
 
-    def _fold(self, group: list[Message], local: np.ndarray, part: range, seen: list[list[Any]],
+    def _fold(self, group: list[Message], local: np.ndarray, accepted: dict[int, list[Any]],
               weights: list[np.ndarray | None], outbox: _Outbox) -> None:
-        """Add the accepted clients' rows of the summed messages (a chunk ``part`` of ``local``, their rows
-        ``seen``) to this rank's exact totals: host rows one by one, device rows of one message together."""
+        """Add the ``accepted`` clients' rows (local index -> rows of ``group``) of the summed messages to this
+        rank's exact totals: host rows one by one, device rows of one message together (one wait for them all)."""
         client = require(self.client, "the client side")
         start = time.perf_counter()
-        accepted = [i for i in part if outbox.finite[i].all()]
         for j, (msg, sums, weight) in enumerate(zip(group, outbox.sums, weights)):
             if sums is None or weight is None:
                 continue
-            on_device = [i for i in accepted if isinstance(seen[i - part.start][j], torch.Tensor)]
-            for i in accepted:
-                if i not in on_device:
-                    sums.add(seen[i - part.start][j], weight[i], client.sum_group(msg, int(local[i])))
+            on_device = [i for i, rows in accepted.items() if isinstance(rows[j], torch.Tensor)]
+            for i, rows in accepted.items():
+                if not isinstance(rows[j], torch.Tensor):
+                    sums.add(rows[j], weight[i], client.sum_group(msg, int(local[i])))
             if on_device:
-                rows = torch.stack([seen[i - part.start][j] for i in on_device])
-                sums.add_rows(rows, weight[on_device], np.array([client.sum_group(msg, int(local[i]))
-                                                                 for i in on_device]))
+                sums.add_rows(torch.stack([accepted[i][j] for i in on_device]), weight[on_device],
+                              np.array([client.sum_group(msg, int(local[i])) for i in on_device]))
         self.times.serialization += time.perf_counter() - start
 
     def _down(self, round_: int, stage: Stage, msg: Message, payload: np.ndarray | None, targets: np.ndarray,

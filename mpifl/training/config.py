@@ -34,8 +34,10 @@ class ClientConfig:
     # plain step: fedavg, knnper, fedbuff). A setting of the results: the kernel and the loop may round differently
     vectorize: bool | Literal["auto"] = "auto"
     # clients per kernel call where the kernel's rounding may depend on that count (convolutions; any model on a
-    # GPU): every call is padded to exactly this many, so a client's update does not depend on the rank count
-    vectorize_chunk: int = field(default=16, metadata=limits(ge=1))
+    # GPU): every call is padded to exactly this many, so a client's update does not depend on the rank count;
+    # auto: 16 on the CPU, 64 on a GPU (whose small calls are bound by launches, not arithmetic: W2's 50 clients of
+    # a round in one call a step)
+    vectorize_chunk: int | Literal["auto"] = field(default="auto", metadata=limits(ge=1))
 
     def for_epochs(self, epochs: int) -> ClientConfig:
         """These settings with ``epochs`` passes in place of the configured steps or epochs (an algorithm whose

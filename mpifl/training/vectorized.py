@@ -46,6 +46,8 @@ from mpifl.training.device import host_numpy
 from mpifl.training.sgd import (BatchPlan, GradHook, TrainStats, apply_crops, batch_plan, batched_sgd_step,
                                 to_device)
 
+CPU_CHUNK, GPU_CHUNK = 16, 64
+"""``client.vectorize_chunk: auto``'s rows per call on the CPU and on a GPU."""
 DENSE_MODELS = ("linear", "logistic", "mlp")
 # no buffers (BatchNorm keeps no running statistics) and no randomness in the forward pass
 VECTORIZABLE_MODELS = (*DENSE_MODELS, "cnn", "lenet", "convnet", "resnet20", "simple_cnn")
@@ -105,7 +107,10 @@ class VectorizedSGD:
         sizes = model.segment_sizes()
         batched = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)
         count_matters = model.device.type != "cpu" or any(isinstance(m, batched) for m in module.modules())
-        self.chunk: int | None = cfg.vectorize_chunk if count_matters else None  # rows of every call, if fixed
+        chunk = cfg.vectorize_chunk
+        if chunk == "auto":
+            chunk = CPU_CHUNK if model.device.type == "cpu" else GPU_CHUNK
+        self.chunk: int | None = chunk if count_matters else None  # rows of every call, if fixed
 
         def loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -160,7 +165,8 @@ class VectorizedSGD:
                     block = [rows[j] for j in range(call.start, call.stop)]
                     g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]),
                                                      torch.stack([ys[k] for k in block]))
-                    losses[block] = self._losses(loss, outputs, torch.stack([ys[k] for k in block])).double()
+                    targets = torch.stack([ys[k] for k in block])
+                    losses[block] = self._losses(loss, outputs, targets, len(block)).double()
                     grads[block] = g
         return grads, host_numpy(losses).tolist()
 
@@ -190,7 +196,7 @@ class VectorizedSGD:
                 yb = y[rows]
                 g, (loss, outputs) = self.kernel(params[call], xb, yb)
                 with torch.no_grad():
-                    loss_sums[call] += self._losses(loss, outputs, yb)
+                    loss_sums[call] += self._losses(loss, outputs, yb, len(runs) - call.start)
                     for j in range(call.start, min(call.stop, len(runs))):
                         hook = runs[order[j]].hook
                         if hook is not None:
@@ -200,13 +206,14 @@ class VectorizedSGD:
             params.sub_(starts())
         return params[: len(runs)], loss_sums[: len(runs)]
 
-    def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor, real: int) -> torch.Tensor:
         """Each row's loss: on a GPU the vmapped loss the gradient came from (one call for all rows); on the CPU
-        each row's computed alone, as the loop computes it, which keeps every CPU result's bits (a vmapped mean
-        rounds differently)."""
-        if self.model.device.type != "cpu":
+        each of the first ``real`` rows' computed alone, as the loop computes it, which keeps every CPU result's
+        bits (a vmapped mean rounds differently), and the padding rows' left as they are (dropped)."""
+        if self.model.device.type != "cpu" or real <= 0:
             return vmapped
-        return torch.stack([self.loss_fn(out, target) for out, target in zip(outputs, yb)])
+        alone = [self.loss_fn(out, target) for out, target in zip(outputs[:real], yb[:real])]
+        return torch.cat([torch.stack(alone), vmapped[real:]]) if real < len(vmapped) else torch.stack(alone)
 
     def _stack_starts(self, starts: Sequence[np.ndarray], order: Sequence[int]
                       ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
