@@ -109,6 +109,12 @@ TAIL_LINES = 30  # of a failed command's output, in the report
 RAW_FILE_BYTES = 1 << 20  # the end of each raw file that goes into raw.tar.gz
 MIN_SECONDS = 5.0  # a step or job is not started with less of its stage's budget left
 KILLED = 124  # the exit code reported for a command stopped at its stage's deadline
+WATCH_S = 0.5  # how often a launch of jobs (benchmarks/gpu_runs.py) is looked at
+CASE_CAP_S = {"cuda": 60.0, "cpu": 150.0}
+"""The most one job of a launch may take (its start-up is the launch's, paid once); past it the job is stopped
+(exit code KILLED) and the launch's other jobs go on in a new launch. On the GPU machine of 2026-11-28 a job took
+5 to 15 s with its 5 s start-up and 8 at a time (lease.log, the algorithms stage): 60 s is 4x the slowest. The
+CPU rehearsal on 2 cores that other jobs share: 150 s for the slowest (resnet20 vectorized, 2 rounds)."""
 Command = Sequence["str | Path"]  # a command line; paths are written as they are
 
 
@@ -317,9 +323,10 @@ class Check:
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(words)])
 
     def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None,
-            interrupt: signal.Signals = signal.SIGTERM) -> int:
-        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets ``interrupt``
-        (see :func:`stop`), then its whole session SIGKILL: exit code KILLED."""
+            interrupt: signal.Signals = signal.SIGTERM, watch: Callable[[], str | None] | None = None) -> int:
+        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline``, or when ``watch``
+        (asked every WATCH_S) gives a reason, it gets ``interrupt`` (see :func:`stop`), then its whole session
+        SIGKILL: exit code KILLED."""
         with open(log, "wb") as out:
             with self.starting:
                 if self.stopping:
@@ -328,10 +335,15 @@ class Check:
                                         env={**self.env, **(env or {})}, start_new_session=True)
                 self.running[proc] = interrupt
             try:
-                return proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
+                why = None
+                while why is None:
+                    left = deadline - time.monotonic()
+                    try:
+                        return proc.wait(timeout=max(min(left, WATCH_S) if watch else left, 0.01))
+                    except subprocess.TimeoutExpired:
+                        why = "its stage's deadline" if left <= WATCH_S or not watch else watch()
                 stop(proc, grace=10, first=interrupt)
-                out.write(f"\n[gpu_check: stopped at its stage's deadline, exit code {KILLED}]\n".encode())
+                out.write(f"\n[gpu_check: stopped at {why}, exit code {KILLED}]\n".encode())
                 return KILLED
             finally:
                 self.running.pop(proc, None)
@@ -625,6 +637,7 @@ class Case:
     exit_codes: dict[tuple[str, int, str], int | None] = field(default_factory=dict)  # None: not run
     logs: dict[tuple[str, int, str], Path] = field(default_factory=dict)
     results: dict[tuple[str, int, str], Path] = field(default_factory=dict)
+    seconds: dict[tuple[str, int, str], float | None] = field(default_factory=dict)  # each job's, in its launch
     row: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -755,36 +768,35 @@ def _worst(found: tuple[float, float, str]) -> str:
 
 def run_cases(check: Check, stage: str, title: str, cases: list[Case],
               unrunnable: dict[str, str] | None = None) -> None:
-    """Every run of ``cases``, ``--jobs`` at a time, each case compared as soon as its runs are done;
-    ``unrunnable``: the cases that cannot run here, each with why (failures of the step)."""
+    """Every run of ``cases``: for each of RUNS, the cases' jobs in one launch each (benchmarks/gpu_runs.py),
+    ``--jobs`` launches at a time (each of RUNS split into ``--jobs`` // len(RUNS) launches), each case compared
+    as soon as its runs are done; ``unrunnable``: the cases that cannot run here, each with why (failures of the
+    step)."""
     deadline = check.deadline(stage)
-    python_run = [check.python, "-m", "mpifl", "run"]
-    job = [*python_run, "CONFIG", "--out", "RUN.h5", "--quiet"]
+    job = [check.python, "benchmarks/gpu_runs.py", "MANIFEST", "STATUS"]
     shown = f"{check.shown(job)}; with 3 ranks: {check.shown([*check.launcher(3), *job])}"
     step = check.report.add(Step(stage, title, shown, status="running"))
-    step.body = ["Configs: `" + stage + "/configs/` in raw.tar.gz (CONFIG: each case's cpu or device file); "
-                 "the runs' output: `" + stage + "/logs/`. Comparisons use tests/conftest.py's `deterministic` "
-                 "(final server state, every evaluation, the rounds' deterministic columns, the ledger); CPU "
-                 "differences are the P1 device run's final model and evaluation metrics against the CPU run's; "
-                 "the tolerance is tests/test_device.py's."]
+    step.body = ["Each launch runs its jobs, `mpifl run CONFIG --out RUN.h5 --quiet`, one after another in one "
+                 f"process per rank (MANIFEST lists them; a job past {CASE_CAP_S[check.device]:.0f} s is stopped, "
+                 "and a job that ends its launch leaves the others to a new one). Configs: `" + stage +
+                 "/configs/` in raw.tar.gz (CONFIG: each case's cpu or device file); the jobs' output: `" + stage +
+                 "/logs/`, the launches' own: `" + stage + "/launches/`. Comparisons use tests/conftest.py's "
+                 "`deterministic` (final server state, every evaluation, the rounds' deterministic columns, the "
+                 "ledger); CPU differences are the P1 device run's final model and evaluation metrics against the CPU "
+                 "run's; the tolerance is tests/test_device.py's."]
     step.failures += [f"{name}: not run: {why}" for name, why in (unrunnable or {}).items()]
     check.report.save()
     lock = threading.Lock()
     began = time.monotonic()
+    launches: list[int] = []
 
-    def one(case: Case, run: tuple[str, int, str]) -> None:
+    def finish(case: Case, run: tuple[str, int, str], code: int | None, seconds: float | None) -> None:
         kind, ranks, tag = run
-        name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
-        log, out = check.raw(stage, "logs", f"{name}.log"), check.work / "runs" / stage / f"{name}.h5"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        code = None
-        if deadline - time.monotonic() >= MIN_SECONDS and (ranks == 1 or check.mpirun):
-            cmd: list[str | Path] = [*check.launcher(ranks), *python_run, case.configs[kind], "--out", out, "--quiet"]
-            code = check.run(cmd, log, deadline)
         with lock:
-            case.exit_codes[run], case.logs[run], case.results[run] = code, log, out
+            case.exit_codes[run] = code
+            case.seconds[run] = seconds
             check.say(f"{stage}: {case.name} {kind} P{ranks}{tag}: " + ("not run" if code is None else
-                                                                         f"exit code {code}"))
+                                                                         f"exit code {code} in {seconds:.1f} s"))
             if case.finished:
                 try:
                     step.failures += [f"{case.name}: {failure}" for failure in compare(case)]
@@ -794,25 +806,108 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case],
             step.body[1:] = ["", *case_table(cases, check.device)]
             check.report.save()
 
+    for case in cases:
+        for kind, ranks, tag in RUNS:
+            name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
+            case.logs[kind, ranks, tag] = check.raw(stage, "logs", f"{name}.log")
+            case.results[kind, ranks, tag] = check.work / "runs" / stage / f"{name}.h5"
+    (check.work / "runs" / stage).mkdir(parents=True, exist_ok=True)
+    parts = max(1, check.args.jobs // len(RUNS))
+    batches = [(run, cases[part::parts], f"{run[0]}_p{run[1]}{run[2]}_{part}") for run in RUNS for part in range(parts)]
     with ThreadPoolExecutor(check.args.jobs) as pool:
-        for future in [pool.submit(one, case, run) for case in cases for run in RUNS]:
-            future.result()
+        for future in [pool.submit(launch, check, stage, run, batch, name, deadline, finish)
+                       for run, batch, name in batches if batch]:
+            launches.append(future.result())
     codes = [code for case in cases for code in case.exit_codes.values()]
     ran = [code for code in codes if code is not None]
     step.exit_code = (f"0 (all {len(codes)} runs)" if all(c == 0 for c in codes) else
                       f"{sum(c != 0 for c in ran)} of {len(ran)} runs failed, {len(codes) - len(ran)} not run")
+    step.body[0] += f" {len(ran)} jobs ran in {sum(launches)} launches."
     if len(ran) < len(codes):
         step.failures.append(f"{len(codes) - len(ran)} runs not started: the stage's time budget was spent")
     step.status = "failed" if step.failures else "ok"
+    step.data["launches"] = sum(launches)
     step.data["cases"] = {case.name: {**case.row, "exit codes": {f"{k}_p{r}{t}": c for (k, r, t), c in
-                                                                 case.exit_codes.items()}} for case in cases}
+                                                                 case.exit_codes.items()},
+                                      "seconds": {f"{k}_p{r}{t}": c for (k, r, t), c in case.seconds.items()}}
+                          for case in cases}
     for case in cases:
         for run, code in case.exit_codes.items():
             if code not in (0, None):
                 step.body += ["", f"Output of {case.name}, {run[0]} P{run[1]}{run[2]} (exit code {code}), its end:",
                               "", *tail(case.logs[run])]
-    check.say(f"{stage}: {title}: {step.exit_code} in {step.seconds:.1f} s")
+    check.say(f"{stage}: {title}: {step.exit_code} in {step.seconds:.1f} s, {sum(launches)} launches")
     check.done()
+
+
+Finish = Callable[[Case, tuple[str, int, str], "int | None", "float | None"], None]
+
+
+def launch(check: Check, stage: str, run: tuple[str, int, str], cases: list[Case], name: str, deadline: float,
+           finish: Finish) -> int:
+    """``run`` of every case in ``cases``, in as few launches of benchmarks/gpu_runs.py as failures allow: a job
+    past CASE_CAP_S is stopped with its launch, a job whose failure ends its launch (MPI_Abort) gets the launch's
+    exit code, and the jobs left start in a new launch. ``finish`` records each job as it ends (exit code None:
+    not started, the stage's budget spent). Returns the number of launches."""
+    kind, ranks, _ = run
+    cap, pending, launches = CASE_CAP_S[check.device], list(cases), 0
+    while pending:
+        if deadline - time.monotonic() < MIN_SECONDS or (ranks > 1 and not check.mpirun):
+            for case in pending:
+                finish(case, run, None, None)
+            return launches
+        launches += 1
+        folder = check.raw(stage, "launches", f"{name}_{launches}", "manifest.json").parent
+        manifest, status = folder / "manifest.json", folder / "status"
+        manifest.write_text(json.dumps([{"config": str(case.configs[kind]), "out": str(case.results[run]),
+                                         "log": str(case.logs[run])} for case in pending]))
+        status.touch()
+        watcher = LaunchWatch(status, pending, run, cap, finish)
+        code = check.run([*check.launcher(ranks), check.python, REPO / "benchmarks" / "gpu_runs.py", manifest,
+                          status], folder / "launch.log", deadline, _job_env(), watch=watcher.watch)
+        watcher.watch()  # the lines written last
+        if watcher.current is not None:  # the job under way when the launch ended: stopped, or it ended the launch
+            watcher.end(watcher.current, KILLED if code == KILLED else code or 1, time.monotonic() - watcher.since)
+        elif not watcher.ended:  # the launch itself failed: no job started, and none would in another
+            for case in pending:
+                watcher.end(case, code or 1, None)
+        pending = [case for case in pending if case.name not in watcher.ended]
+    return launches
+
+
+class LaunchWatch:
+    """A launch's STATUS file as it grows: each job that ended is recorded; the job under way, and since when."""
+
+    def __init__(self, status: Path, cases: list[Case], run: tuple[str, int, str], cap: float,
+                 finish: Finish) -> None:
+        self.status, self.cases, self.run, self.cap, self.finish = status, cases, run, cap, finish
+        self.lines = 0
+        self.current: Case | None = None  # the job under way
+        self.since = time.monotonic()
+        self.capped: Case | None = None  # the job the launch was stopped for
+        self.ended: set[str] = set()
+
+    def end(self, case: Case, code: int, seconds: float | None) -> None:
+        """A job is over: the job the launch was stopped for is KILLED, whatever exit code its stop gave it."""
+        self.ended.add(case.name)
+        self.current = None
+        self.finish(case, self.run, KILLED if case is self.capped else code, seconds)
+
+    def watch(self) -> str | None:
+        """Record what STATUS says that is new; a reason to stop the launch when its job is past the cap."""
+        lines = self.status.read_text().splitlines()
+        for line in lines[self.lines:]:
+            words = line.split()
+            case = self.cases[int(words[1])]
+            if words[0] == "start":
+                self.current, self.since = case, time.monotonic()
+            else:
+                self.end(case, int(words[2]), float(words[3]))
+        self.lines = len(lines)
+        if self.current is not None and time.monotonic() - self.since > self.cap:
+            self.capped = self.current
+            return f"its job's cap of {self.cap:.0f} s ({self.current.name})"
+        return None
 
 
 def slug(name: str) -> str:

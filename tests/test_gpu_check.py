@@ -31,6 +31,7 @@ from benchmarks.gpu_check import (
     difference,
     gpu_test_files,
     junit_rows,
+    launch,
     model_kinds,
     parse,
     within_tolerance,
@@ -293,3 +294,45 @@ def test_the_report_names_the_commit_sent_never_a_parent_repositorys(tmp_path, m
     assert checkout_commit() is None
     monkeypatch.setenv("MPIFL_COMMIT", "1234abc")
     assert checkout_commit() == "1234abc"
+
+
+def _cases(tmp_path: Path, check: Check, **configs: dict) -> list[Case]:
+    """A case per TINY variant, its "dev" config on --device (cpu here), with the paths run_cases gives its runs."""
+    cases = []
+    for name, extra in configs.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 2, **extra})))
+        case = Case(name, {"dev": path})
+        for run in RUNS:
+            stem = tmp_path / f"{name}_{run[1]}{run[2]}"
+            case.logs[run], case.results[run] = stem.with_suffix(".log"), stem.with_suffix(".h5")
+        cases.append(case)
+    return cases
+
+
+def test_a_job_that_ends_its_launch_hides_no_other_case(tmp_path):
+    """3 ranks, one launch for three jobs: the second aborts the whole launch (MPI_Abort, after its NaN uploads
+    with faults.nonfinite abort); it is recorded failed with the launch's exit code, and the third runs in a new
+    launch: 2 process starts for 3 jobs, every row filled."""
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, first={}, aborts={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, third={})
+    ended: dict[str, int | None] = {}
+    run = ("dev", 3, "a")
+    launches = launch(check, "algorithms", run, cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert launches == 2 and ended["first"] == 0 and ended["third"] == 0, (ended, check.report.raw)
+    assert ended["aborts"] not in (0, None, KILLED)
+    assert "is not finite" in cases[1].logs[run].read_text()
+
+
+def test_a_job_past_its_cap_is_stopped_and_the_next_runs_in_a_new_launch(tmp_path, monkeypatch):
+    """A job that runs past CASE_CAP_S is stopped with its launch (exit code KILLED); the jobs after it still run."""
+    monkeypatch.setitem(benchmarks.gpu_check.CASE_CAP_S, "cpu", 4.0)
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, slow={"rounds": 10_000}, quick={})
+    ended: dict[str, int | None] = {}
+    launches = launch(check, "models", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert (launches, ended) == (2, {"slow": KILLED, "quick": 0})
