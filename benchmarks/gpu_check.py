@@ -21,6 +21,8 @@ which its remaining steps are not started and a running one is stopped:
               3 ranks sharing it: exit codes, run to run and 1 vs 3 ranks bitwise, and the difference to the same
               run on the CPU (PeFLL and pFedHN also with ``server.device`` DEVICE); Karula only where POT is
   models      the same for FedAvg with the profile's model kinds, one client at a time and vectorized
+              (both stages: each run kind's jobs in one launch of benchmarks/gpu_runs.py, in process, not one
+              process per job; a job past CASE_CAP_S or one that ends its launch leaves the rest to a new one)
   bench.w2, bench.b1, bench.server
               benchmarks/bench_w2.py (the profile's ranks sharing the GPU), bench_vectorize.py's B1, and
               bench_pefll_server.py (PeFLL's and pFedHN's server with server.device cpu and cuda)
