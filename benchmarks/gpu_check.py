@@ -95,8 +95,8 @@ PROFILES = {
     # each), B1 on the device and on this machine's CPU, PeFLL's and pFedHN's server on the CPU and the device:
     # 330 s
     "lease": Profile(stages=("algorithms", "models", "bench.b1", "bench.b1.cpu", "bench.server"), budgets=_BUDGETS,
-                     models=("cnn", "simple_cnn", "resnet20", "logistic", "mlp", "lenet", "convnet"), w2_ranks=(1,),
-                     cpu_ranks=(1,)),
+                     models=("cnn", "simple_cnn", "resnet20", "logistic", "mlp", "lenet", "convnet", "char_lstm"),
+                     w2_ranks=(1,), cpu_ranks=(1,)),
     # W2 with several ranks sharing the GPU (and 9 on the CPU), the sync check: 125 s
     "rest": Profile(stages=("bench.w2", "bench.w2.cpu", "syncs"), budgets=_BUDGETS, models=(), w2_ranks=(3, 5, 9),
                     cpu_ranks=(9,)),
@@ -960,32 +960,51 @@ def stage_algorithms(check: Check) -> None:
     run_cases(check, "algorithms", f"every algorithm, 2 rounds, on {check.device} against the CPU", cases, unrunnable)
 
 
-def model_config(kind: str, vectorize: bool) -> dict[str, Any]:
-    """FedAvg for 2 rounds with model ``kind`` (the sync check's config and input shape) on small Gaussian data."""
+def model_config(kind: str, vectorize: bool, text_root: Path) -> dict[str, Any]:
+    """FedAvg for 2 rounds with model ``kind`` (the sync check's config and input shape) on small Gaussian data;
+    char_lstm on the Shakespeare-format users at ``text_root`` (see :func:`write_text_users`)."""
     from mpifl.training.syncdebug import CASES
 
     model, shape, _ = CASES[kind]
+    data = ({"dataset": "shakespeare", "root": str(text_root), "partition": "natural"} if kind == "char_lstm" else
+            {"dataset": "gaussian_images", "num_clients": 8, "partition": "iid", "test_fraction": 0.25,
+             "synthetic": {"samples_per_client": 32, "num_classes": 5, "image_shape": list(shape)}})
     return {"algorithm": "fedavg", "rounds": 2, "clients_per_round": 6, "seed": 1, "eval_every": 1,
-            "checkpoint_every": 1,
-            "data": {"dataset": "gaussian_images", "num_clients": 8, "partition": "iid", "test_fraction": 0.25,
-                     "synthetic": {"samples_per_client": 32, "num_classes": 5, "image_shape": list(shape)}},
+            "checkpoint_every": 1, "data": data,
             "model": model, "client": {"lr": 0.05, "momentum": 0.9, "epochs": 1, "batch_size": 8,
                                        "vectorize": vectorize}}
 
 
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows"
+
+
+def write_text_users(root: Path, users: int = 8, samples: int = 24) -> Path:
+    """LEAF Shakespeare files (train/ and test/) for char_lstm: each user's 80-character windows of TEXT from its
+    own offset, the next character the label; no dataset needed on the GPU machine."""
+    from mpifl.data.leaf import SHAKESPEARE_SEQ_LEN
+    from tests.data.data_files import write_leaf
+
+    text = TEXT * 4
+    for split, count in (("train", samples), ("test", samples // 4)):
+        write_leaf(root, split, [{f"user{u}": ([text[u + i:u + i + SHAKESPEARE_SEQ_LEN] for i in range(count)],
+                                               [text[u + i + SHAKESPEARE_SEQ_LEN] for i in range(count)])
+                                  for u in range(users)}])
+    return root
+
+
 def model_kinds() -> list[str]:
-    """The sync check's model kinds that take real-valued class data (linear is regression, char_lstm tokens)."""
+    """The sync check's model kinds that learn classes (linear is regression)."""
     from mpifl.training.syncdebug import CASES
 
-    return [kind for kind in CASES if kind not in ("linear", "char_lstm")]
+    return [kind for kind in CASES if kind != "linear"]
 
 
 def stage_models(check: Check) -> None:
-    cases = []
+    cases, text_root = [], write_text_users(check.work / "shakespeare")
     for kind in check.args.models or check.profile.models:
         for vectorize, label in ((False, "one at a time"), (True, "vectorized")):
             name = f"{kind}, {label}"
-            cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize))))
+            cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize, text_root))))
     run_cases(check, "models", f"FedAvg with each model kind, 2 rounds, on {check.device} against the CPU", cases)
 
 
