@@ -1081,7 +1081,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"algorithms {QUICK_ALGORITHMS}, the profile's first model kind, one rank count "
                              "(at most 3) and the smallest sizes in each benchmark (the rehearsal)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
-                        help="runs at once in the algorithms and models stages (default: a quarter of the CPUs)")
+                        help="launches at once in the algorithms and models stages, each run kind's cases split in "
+                             "N // 4 launches (default: a quarter of the CPUs)")
     parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
                         help="for the whole check (0: no limit)")
     parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
