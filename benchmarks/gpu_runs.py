@@ -8,8 +8,8 @@ MANIFEST: a JSON list of {"config", "out", "log"}. Each job is ``mpifl run CONFI
 command line runs it, its output (every rank's, native writes included) appended to LOG. Rank 0 appends
 ``start I`` before the manifest's job I and ``end I CODE SECONDS`` after it to STATUS: gpu_check reads it as it grows,
 stops a job past its cap, and where a failure ended the whole launch (MPI_Abort) starts the jobs left in a new
-one. Exit code 0 once every job has run (each job's own exit code is in STATUS); a job stopped by a
-signal (exit code 128 + N) ends the launch with its code.
+one. Exit code 0 once every job has run (each job's own exit code is in STATUS); a job that fails or is stopped
+by a signal ends the launch with its exit code, so that the jobs left start in a fresh process.
 """
 
 from __future__ import annotations
@@ -72,12 +72,14 @@ def main(argv: list[str]) -> int:
         began = time.monotonic()
         with output_to(Path(job["log"])):
             code = run(job)
-        comm.Barrier()  # every rank is done with this job before the next starts (and before rank 0 says so)
+        # every rank is done with this job before the next starts (and before rank 0 says so), and they agree on
+        # its exit code (the worst), so that all go on or all stop
+        code = comm.allreduce(code, op=MPI.MAX)
         if comm.rank == 0:
             with open(status, "a") as out:
                 out.write(f"end {index} {code} {time.monotonic() - began:.2f}\n")
-        if code > 128:  # the job stopped at a signal (mpifl saves a checkpoint first): the launch is being ended
-            return code
+        if code:  # stopped at a signal (the launch is being ended), or failed: the jobs left start afresh, not in
+            return code  # whatever state the failure left (a CUDA error spoils the process's context)
     return 0
 
 

@@ -336,3 +336,15 @@ def test_a_job_past_its_cap_is_stopped_and_the_next_runs_in_a_new_launch(tmp_pat
     launches = launch(check, "models", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
                       lambda case, _, code, seconds: ended.update({case.name: code}))
     assert (launches, ended) == (2, {"slow": KILLED, "quick": 0})
+
+
+def test_a_job_that_fails_leaves_the_jobs_after_it_to_a_fresh_process(tmp_path):
+    """1 rank: a failed job (exit code 1, no MPI_Abort alone) ends its launch too, so that what it left behind (a
+    CUDA error spoils the context) reaches no other case: 2 launches, the next job exit code 0."""
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, fails={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, next={})
+    ended: dict[str, int | None] = {}
+    launches = launch(check, "algorithms", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert (launches, ended) == (2, {"fails": 1, "next": 0})
