@@ -4,8 +4,8 @@
 # the output folder as it finishes, so that a command killed on the way still returns what had finished.
 #   bash scripts/gpu_lease.sh [--profile lease|rest] [--device cuda|cpu] [--out DIR] [--wheels DIR]
 #                             [--only STEP,...] [--install venv|fallback] [--scratch DIR]
-# --profile lease, the first command (7 minutes at most): env, install, mpi, check (every row that needs a GPU).
-# --profile rest, an optional second command (5 minutes at most): env, install, tests, check, more-tests.
+# --profile lease, the first command (7 minutes at most): env, install, check (every row that needs a GPU).
+# --profile rest, an optional second command (5 minutes at most): env, install, mpi, tests, check, more-tests.
 # --device cpu: the rehearsal on a machine without a GPU, at small sizes (tests/test_gpu_lease.py runs it in an
 # emulated GPU image). --out: default $OUT, the folder whose files come back from the GPU machine. --wheels: the
 # carried wheels (default .whl, made by scripts/gpu_wheels.sh). --install fallback: the read-only image's way
@@ -13,7 +13,7 @@
 # that goes (default /tmp/mpifl-lease). --only: some steps (a rerun on the same machine). Relative paths are
 # the caller's; the steps run in the checkout.
 # What comes back (8 files at most): lease.md (each step: cap, seconds, exit code, status), lease.log (the
-# machine, the install, the MPI smoke test, the check's progress), check/report.md, check/gpu_check.json,
+# machine, the install, the check's progress; the MPI smoke test from rest), check/report.md, check/gpu_check.json,
 # check/raw.tar.gz (scripts/gpu_check.sh's report); from rest, pytest.log, junit.xml and junit-more.xml (the cuda
 # tests) too.
 # Exit code 0 when every step passed, 1 when one did not, 2 for bad options (one line).
@@ -44,17 +44,17 @@ done
 # 2026-11-28 measured: env 8, install 11 (9 the second time), mpi 14, tests 33 and more-tests 37; the check's
 # stages from its per-job seconds, benchmarks/gpu_check.py's PROFILES), and for the rehearsal on 2 CPU cores
 # (tests/test_gpu_lease.py), with room for a machine that other jobs load too. The first command is the check of
-# every row that needs the GPU; the second runs the GPU tests and the rest of the check.
+# every row that needs the GPU; the second runs the MPI smoke test, the GPU tests and the rest of the check.
 declare -A CAP
 case $profile/$device in
-  lease/cuda) LIMIT=420 STEPS="env install mpi check"
-              CAP=([env]=12 [install]=20 [mpi]=25 [check]=360) ;;
-  rest/cuda) LIMIT=290 STEPS="env install tests check more-tests"
-             CAP=([env]=12 [install]=20 [tests]=60 [check]=155 [more-tests]=290) ;;
-  lease/cpu) LIMIT=1100 STEPS="env install mpi check"
-             CAP=([env]=60 [install]=90 [mpi]=120 [check]=800) ;;
-  rest/cpu) LIMIT=800 STEPS="env install tests check more-tests"
-            CAP=([env]=60 [install]=90 [tests]=120 [check]=470 [more-tests]=60) ;;
+  lease/cuda) LIMIT=420 STEPS="env install check"
+              CAP=([env]=12 [install]=20 [check]=385) ;;
+  rest/cuda) LIMIT=290 STEPS="env install mpi tests check more-tests"
+             CAP=([env]=12 [install]=20 [mpi]=20 [tests]=45 [check]=155 [more-tests]=290) ;;
+  lease/cpu) LIMIT=1000 STEPS="env install check"
+             CAP=([env]=60 [install]=90 [check]=800) ;;
+  rest/cpu) LIMIT=920 STEPS="env install mpi tests check more-tests"
+            CAP=([env]=60 [install]=90 [mpi]=120 [tests]=120 [check]=470 [more-tests]=60) ;;
   *) die "--profile $profile --device $device: the profiles are lease and rest, the devices cuda and cpu" ;;
 esac
 # gpu_check's budgets for the rehearsal (--quick's cases, 2 runs at a time); on a GPU its profile's own
@@ -99,9 +99,9 @@ fi
 export MPIFL_COMMIT=$commit  # gpu_check's report names it too
 ROWS=()
 if [ "$profile" = lease ]; then
-  EVIDENCE="lease.log (env, install, mpi, the check's progress), check/report.md (check: its own failures and tables)"
+  EVIDENCE="lease.log (env, install, the check's progress), check/report.md (check: its own failures and tables)"
 else
-  EVIDENCE="lease.log (env, install, the check's progress), pytest.log with junit.xml and junit-more.xml"
+  EVIDENCE="lease.log (env, install, mpi, the check's progress), pytest.log with junit.xml and junit-more.xml"
   EVIDENCE+=" (tests, more-tests), check/report.md (check: its own failures and tables)"
 fi
 
@@ -284,7 +284,7 @@ step_tests() { cuda_tests junit.xml "not every_algorithm"; }
 step_more_tests() { cuda_tests junit-more.xml every_algorithm; }
 
 step_check() {
-  local jobs=$(($(nproc) / 2)) limit=$((STEP_END - SECONDS - 20)) extra=()
+  local jobs=$(($(nproc) * 3 / 4)) limit=$((STEP_END - SECONDS - 20)) extra=()  # 12 launches on 16 CPUs
   ((jobs >= 1)) || jobs=1
   ((limit >= 5)) || limit=5  # gpu_check ends its own commands first, then its report is whole
   [ "$device" = cpu ] && extra=("${REHEARSAL[@]}")  # its --jobs after this one
@@ -297,9 +297,9 @@ note "gpu_lease: profile $profile, device $device, limit $LIMIT s, wheels $wheel
 step env "the machine, the image's packages, the GPU, whether mpi4py loads an MPI, shadowing"
 step install "the carried wheels into the image's python3 (read-only: --prefix and --target)"
 if [ "$profile" = lease ]; then
-  step mpi "mpi4py on 3 ranks, tests/mpi/test_device_mpi.py"
   step check "gpu_check --profile lease: every algorithm and model kind vs the CPU, B1, the server on the GPU"
 else
+  step mpi "mpi4py on 3 ranks, tests/mpi/test_device_mpi.py"
   step tests "the tests marked cuda (but every_algorithm), -v"
   step check "gpu_check --profile rest: W2 with ranks sharing the GPU, syncs"
   step more-tests "the cuda tests of every algorithm, in the time left"

@@ -204,11 +204,11 @@ def test_the_lease_rehearsed_in_the_emulated_image_runs_every_step_within_its_ca
     the GPU."""
     out = tmp_path / "out"
     log, rows = rehearse(image, out, "--wheels", str(wheels), "--scratch", str(tmp_path / "scratch"))
-    assert list(rows) == ["env", "install", "mpi", "check"]
+    assert list(rows) == ["env", "install", "check"]
     assert files(out) == FIRST_FILES
     # into the image: its own mpirun, mpi4py on the wheel's Open MPI, and mpifl's tests and benchmarks
     assert "installed into the image's environment" in log and f"{image}/bin/mpirun" in log
-    assert "mpi4py loads Open MPI v5.0.11" in log and "sum of ranks 3" in log
+    assert "mpi4py loads Open MPI v5.0.11" in log
     assert f"tests: {REPO}/tests/__init__.py" in log and f"benchmarks: {REPO}/benchmarks/__init__.py" in log
     stages = check_stages(out)
     assert list(stages)[2:] == ["algorithms", "models", "bench.b1", "bench.b1.cpu", "bench.server"]
@@ -225,12 +225,13 @@ def test_the_lease_rehearsed_in_the_emulated_image_runs_every_step_within_its_ca
 
 def test_the_second_command_rehearsed_on_the_same_image(image, wheels, tmp_path):
     """`--profile rest`, where the first command installed the wheels already (as on a GPU machine still held):
-    the install finds them, the GPU tests run (selected, and skipped without a GPU) and the check's other stages
-    pass."""
+    the install finds them, the MPI smoke test and the GPU tests run (selected, and skipped without a GPU) and the
+    check's other stages pass."""
     out = tmp_path / "out"
     log, rows = rehearse(image, out, "--profile", "rest", "--wheels", str(wheels))
-    assert list(rows) == ["env", "install", "tests", "check", "more-tests"]
+    assert list(rows) == ["env", "install", "mpi", "tests", "check", "more-tests"]
     assert files(out) == LEASE_FILES
+    assert "sum of ranks 3" in log  # the MPI smoke test on 3 ranks
     for junit in ("junit.xml", "junit-more.xml"):  # the cuda tests, selected and skipped: no GPU here
         cases = list(ElementTree.parse(out / junit).iter("testcase"))
         assert cases and all(case.find("skipped") is not None for case in cases), junit
@@ -247,7 +248,8 @@ def test_a_read_only_image_gets_the_wheels_beside_it(wheels, tmp_path):
     the image."""
     image, out, scratch = emulated_image(tmp_path / "image"), tmp_path / "out", tmp_path / "scratch"
     proc = subprocess.run(["bash", str(LEASE), "--device", "cpu", "--out", str(out), "--wheels", str(wheels),
-                           "--scratch", str(scratch), "--install", "fallback", "--only", "install,mpi"],
+                           "--scratch", str(scratch), "--install", "fallback", "--profile", "rest",
+                           "--only", "install,mpi"],
                           capture_output=True, text=True, timeout=600, env=image_env(image), cwd=tmp_path)
     log = (out / "lease.log").read_text()
     assert proc.returncode == 0, proc.stderr[-2000:] + log[-4000:]
