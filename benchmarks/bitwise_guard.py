@@ -35,7 +35,8 @@ def guard_configs() -> dict[str, dict]:
 
     configs = {name: _merge(raw, {"rounds": 2, "eval_every": 1}) for name, raw in RUNS.items()}
     for name in KERNEL_ALGORITHMS:
-        configs[f"{name}_kernel_cnn"] = _merge(RUNS[name], {**IMAGES, "client": {**IMAGES["client"], "vectorize": True}})
+        kernel = {**IMAGES, "client": {**IMAGES["client"], "vectorize": True}}
+        configs[f"{name}_kernel_cnn"] = _merge(RUNS[name], kernel)
     w2 = yaml.safe_load(W2.read_text())
     configs["w2"] = _merge(w2, {"rounds": 2, "eval_every": 2, "data": {"num_clients": 100}})
     return configs

@@ -42,7 +42,6 @@ def counted_run(raw: dict, out: Path) -> tuple[Counter[str], int]:
     from mpifl.registry import parse_config
     from mpifl.runtime.engine import Engine
     from mpifl.training.syncdebug import host_reads
-
     from mpifl.training.vectorized import VectorizedSGD
 
     class Count(TorchDispatchMode):

@@ -174,7 +174,7 @@ class FedAvgClient(DeltaClient):
             return super().compute_clients(step, clients)
         starts = {int(c): self.start.pop(int(c)) for c in clients}
         hooks = {c: self.grad_hook(c, start) for c, start in starts.items()}
-        deltas, seconds = self.train_together(self.vectorizer, step, starts, hooks, delta=True)
+        deltas, seconds = self.train_deltas_together(self.vectorizer, step, starts, hooks)
         for client in starts:
             self.deltas[client] = deltas[client]
             self.after_training(client)

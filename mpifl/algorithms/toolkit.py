@@ -19,8 +19,7 @@ from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
 from mpifl.training.sgd import GradHook, client_generator, evaluate, local_sgd
 from mpifl.training.tensors import TensorSplit
-from mpifl.training.vectorized import ClientRun, VectorizedSGD, kernel_wanted
-
+from mpifl.training.vectorized import ClientRun, KernelResult, VectorizedSGD, kernel_wanted
 
 DEVICE_ROUND_BYTES = 2 << 30
 """Device memory the kernel's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
@@ -126,12 +125,27 @@ class ClientToolkit(ClientAlgorithm):
 
     def train_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
                        hooks: Mapping[int, GradHook | None] | None = None, config: ClientConfig | None = None,
-                       purpose: int = 0, delta: bool = False) -> tuple[dict[int, np.ndarray | torch.Tensor], np.ndarray]:
+                       purpose: int = 0) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """Local SGD of several clients from ``starts`` through the kernel, each as :meth:`train_workspace` trains
         it alone (its generator keyed by ``purpose``, its gradient hook, its mean loss in :attr:`round_losses`,
         all losses read in one copy); their final parameters in host memory (views on the CPU), and each one's
-        seconds. With ``delta``, final − start instead, left on a GPU as rows of one device tensor (a summed
-        upload is screened and folded there), host views on the CPU."""
+        seconds."""
+        result = self._train_runs(vectorizer, step, starts, hooks, config, purpose, delta=False)
+        rows = host_numpy(result.params)  # one copy from a GPU
+        return {c: rows[k] for k, c in enumerate(starts)}, result.seconds
+
+    def train_deltas_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
+                              hooks: Mapping[int, GradHook | None] | None = None
+                              ) -> tuple[dict[int, np.ndarray | torch.Tensor], np.ndarray]:
+        """As :meth:`train_together`, each client's final − start instead: on a GPU rows of one device tensor (a
+        summed upload is screened and folded there, never copied out client by client), host views on the CPU."""
+        result = self._train_runs(vectorizer, step, starts, hooks, None, 0, delta=True)
+        rows = result.params if result.params.device.type != "cpu" else host_numpy(result.params)
+        return {c: rows[k] for k, c in enumerate(starts)}, result.seconds
+
+    def _train_runs(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
+                    hooks: Mapping[int, GradHook | None] | None, config: ClientConfig | None, purpose: int,
+                    delta: bool) -> KernelResult:
         seed, clients = self.ctx.cfg.seed, list(starts)
         runs = [ClientRun(starts[c], self.data[c].x_train, self.data[c].y_train,
                           client_generator(seed, step.round, c, purpose), None if hooks is None else hooks[c])
@@ -139,6 +153,4 @@ class ClientToolkit(ClientAlgorithm):
         result = vectorizer.train(runs, config or self.ctx.cfg.client, delta=delta)
         self.round_losses.update(zip(clients, result.mean_losses().tolist()))
         self.trained_together += len(clients)
-        on_device = delta and result.params.device.type != "cpu"
-        rows = result.params if on_device else host_numpy(result.params)  # one copy from a GPU
-        return {c: rows[k] for k, c in enumerate(clients)}, result.seconds
+        return result

@@ -254,7 +254,7 @@ class _TorchOps:
         return array.numel() * array.element_size()
 
     def host(self, array: Array) -> np.ndarray:
-        return array.cpu().numpy()
+        return array.detach().to("cpu").numpy()  # one copy, one read
 
 
 Ops = _NumpyOps | _TorchOps

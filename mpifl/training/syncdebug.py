@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import sys
 from collections import Counter
@@ -30,11 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpifl.comm.exactsum import ExactSum
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, evaluation_sums, local_sgd
+from mpifl.training.vectorized import VECTORIZABLE_MODELS, ClientRun, VectorizedSGD
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
 """The ``torch.Tensor`` methods that hand a value to the host (on a GPU: wait for the device, then copy)."""
@@ -137,24 +140,61 @@ def step_configs(images: bool) -> dict[str, ClientConfig]:
 
 def check(device: torch.device | str, names: Sequence[str] = tuple(CASES)) -> list[tuple[str, str | None]]:
     """Local SGD and the evaluation sums of the model kinds ``names`` on ``device`` with each of their
-    :func:`step_configs`, under :func:`refusing_host_syncs`: ``(case, None)`` for each case that read nothing,
-    ``(case, what it read)`` for each that did."""
+    :func:`step_configs`, and the batched kernel for those it trains, under :func:`refusing_host_syncs`; and the
+    exact fold of a batch of device rows, which reads once: ``(case, None)`` for each case that read nothing (more
+    than it must), ``(case, what it read)`` for each that did."""
     device = torch.device(device)
     results: list[tuple[str, str | None]] = []
     for name in names:
         model, loss_fn, x, y = example(name, device)
         for label, cfg in step_configs(x.dim() == 4).items():
-            failure = None
-            try:
-                with refusing_host_syncs(device):
-                    local_sgd(model, x, y, loss_fn, cfg, client_generator(0, 1, 0))
-                    evaluation_sums(model.module, x, y, loss_fn, batch=7)
-            except RuntimeError as exc:  # a host read, or CUDA's "called a synchronizing CUDA operation"
-                if not isinstance(exc, HostSyncError) and "synchroniz" not in str(exc):
-                    raise
-                failure = str(exc).strip().splitlines()[0]
-            results.append((f"{name} {label}", failure))
+            results.append((f"{name} {label}", _refused(functools.partial(_loop, model, loss_fn, x, y, cfg), device)))
+            if name in VECTORIZABLE_MODELS:
+                results.append((f"{name} {label} kernel", _kernel_failure(model, loss_fn, x, y, cfg)))
+    results.append(("exact fold of a batch of rows", _fold_failure(device)))
     return results
+
+
+def _loop(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: ClientConfig) -> None:
+    """One client's local SGD, then its evaluation sums."""
+    local_sgd(model, x, y, loss_fn, cfg, client_generator(0, 1, 0))
+    evaluation_sums(model.module, x, y, loss_fn, batch=7)
+
+
+def _refused(work: Callable[[], object], device: torch.device) -> str | None:
+    """``work()`` under :func:`refusing_host_syncs`: ``None``, or what it read."""
+    try:
+        with refusing_host_syncs(device):
+            work()
+    except RuntimeError as exc:  # a host read, or CUDA's "called a synchronizing CUDA operation"
+        if not isinstance(exc, HostSyncError) and "synchroniz" not in str(exc):
+            raise
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+def _kernel_failure(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                    cfg: ClientConfig) -> str | None:
+    """Three clients (two of one size, one of another: two groups) through the batched kernel, deltas kept on
+    the device: nothing may be read."""
+    config = dataclasses.replace(cfg, vectorize=True, vectorize_chunk=2)
+    kernel = VectorizedSGD(model, loss_fn, config)
+    start = model.numpy().copy()
+    runs = [ClientRun(start, x[a:b], y[a:b], client_generator(0, 1, k)) for k, (a, b) in
+            enumerate([(0, 8), (8, 16), (4, SAMPLES)])]
+    return _refused(lambda: kernel.train(runs, config, delta=True), x.device)
+
+
+def _fold_failure(device: torch.device) -> str | None:
+    """A batch of device rows into an exact total reads once (all their windows), whatever the batch's size."""
+    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(device)
+    reads = []
+    for count in (2, 6):
+        total = ExactSum(1000, device=device)
+        with host_reads() as counts:
+            total.add_rows(rows[:count], [1.0] * count)
+        reads.append(sum(counts.values()))
+    return None if reads == [1, 1] else f"host reads for 2 and 6 rows: {reads}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,8 +43,7 @@ from torch.func import functional_call, grad, vmap
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import (BatchPlan, GradHook, TrainStats, apply_crops, batch_plan, batched_sgd_step,
-                                to_device)
+from mpifl.training.sgd import BatchPlan, GradHook, TrainStats, apply_crops, batch_plan, batched_sgd_step, to_device
 
 CPU_CHUNK, GPU_CHUNK = 16, 64
 """``client.vectorize_chunk: auto``'s rows per call on the CPU and on a GPU."""
@@ -141,7 +140,7 @@ class VectorizedSGD:
                 if len(members) == len(runs):  # one group: its rows are the result, no copy
                     params, loss_sums = rows, sums
                 else:
-                    where = torch.tensor(members, device=device)
+                    where = to_device(torch.tensor(members), device)
                     params.index_copy_(0, where, rows)
                     loss_sums.index_copy_(0, where, sums)
                 seconds[members] = (time.perf_counter() - began) / len(members)
