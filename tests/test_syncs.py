@@ -19,6 +19,7 @@ from mpifl.training import sgd
 from mpifl.training.config import ClientConfig
 from mpifl.training.sgd import client_generator, evaluate, local_sgd
 from mpifl.training.syncdebug import CASES, HostSyncError, check, example, host_reads, refusing_host_syncs, step_configs
+from mpifl.training.vectorized import VECTORIZABLE_MODELS
 from tests.conftest import CUDA_ONLY, _merge, run_engine
 from tests.test_checkpoint import CONFIGS
 
@@ -47,10 +48,13 @@ def test_refusing_fails_on_a_read_and_passes_without():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_local_sgd_and_evaluation_sums_read_nothing(name, device):
-    """Every model kind, with clipping, momentum, weight decay, crop-and-flip and both samplings (the GPU
-    check's cases, also under CUDA's sync debug mode there)."""
+    """Every model kind, with clipping, momentum, weight decay, crop-and-flip and both samplings, in the loop and
+    (where it trains the kind) the batched kernel, and the batched exact fold (the GPU check's cases, also under
+    CUDA's sync debug mode there)."""
     results = check(device, [name])
-    assert len(results) == len(step_configs(len(CASES[name][1]) == 3))
+    ways = 2 if name in VECTORIZABLE_MODELS else 1
+    assert len(results) == ways * len(step_configs(len(CASES[name][1]) == 3)) + 1
+    assert sum(case.endswith(" kernel") for case, _ in results) == (ways - 1) * (len(results) - 1) // ways
     assert all(failure is None for _, failure in results), results
 
 
