@@ -15,7 +15,8 @@ still returns what finished), and the jobs' logs, the traces and their operator 
 (two files in all: a lease returns at most 8), then the ratios the issue's targets name: mpifl on 1 rank
 against 0.10 s, against pfl-research's best process count and against the batched floor. ``--pfl-site``: a
 folder with pfl-research and the dependencies the image lacks (``scripts/pfl_wheels.sh``, installed with
-``pip install --no-deps --target``); without it pfl-research is recorded as not run. ``--device cpu`` rehearses the command anywhere.
+``pip install --no-deps --target``); without it pfl-research is recorded as not run. ``--device cpu``
+rehearses the command anywhere.
 """
 
 from __future__ import annotations
