@@ -36,7 +36,7 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--heartbeat", type=float, default=30.0, metavar="SECONDS",
                      help="between evaluations, a progress line (round, rounds/s, elapsed, ETA) at most this often "
-                          "(default 30; 0: none)")
+                          "(default 30; --quiet: none)")
     run.add_argument("--resume", metavar="RESULTS.h5",
                      help="continue the run whose checkpoint is in this results file (its own config unless one "
                           "is given, which must agree; any rank count)")

@@ -202,10 +202,21 @@ def test_a_heartbeat_between_evaluations(write_config, capsys, tmp_path):
     config = write_config({"rounds": 6, "eval_every": 100, "model": {"name": "logistic"}})
     assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e-9"]) == 0
     beats = [line for line in capsys.readouterr().out.splitlines() if "rounds/s" in line]
-    assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 6)]
+    assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 7)]  # 6: the evaluation's
     assert all(" | elapsed 0m" in line and " | ETA " in line for line in beats)
+    assert " | loss " in beats[-1] and beats[-1].endswith("ETA 0m00s")
     assert main(["run", str(config), "--out", str(tmp_path / "q.h5"), "--heartbeat", "1e-9", "--quiet"]) == 0
     assert "rounds/s" not in capsys.readouterr().out
+
+
+def test_every_evaluation_line_says_the_pace_and_eta(write_config, capsys, tmp_path):
+    """With evaluations more often than the heartbeat, the evaluation lines are the only progress: each says when
+    the run ends."""
+    config = write_config({"rounds": 4, "eval_every": 2, "model": {"name": "logistic"}})
+    assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e9"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert [line.split(" | ")[0] for line in lines] == ["round 2/4", "round 4/4"]
+    assert all(" seen acc " in line and " rounds/s | elapsed " in line and " | ETA " in line for line in lines)
 
 
 def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp_path):
@@ -219,3 +230,12 @@ def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp
         notes.append([line for line in proc.stdout.splitlines() if line.startswith("mpifl: note:")])
     assert notes == [["mpifl: note: 3 worker ranks, but at most 2 clients train at once: 1 rank(s) idle every "
                       "round (at most 3 ranks keep every worker busy)"], []]
+
+
+@pytest.mark.parametrize("seconds", ["-5", "0", "nan"])
+def test_a_heartbeat_that_is_not_positive_is_one_line_and_exit_2(write_config, capsys, tmp_path, seconds):
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config()), "--out", str(out), "--heartbeat", seconds]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mpifl: error: --heartbeat: expected a positive number")
+    assert not out.exists()

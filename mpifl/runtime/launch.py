@@ -73,7 +73,7 @@ class JobOptions:
     resume: str | None = None  # the results file whose run to continue
     overwrite: bool = False  # replace the results file even if it holds a run
     profile: bool = False  # record every rank's time breakdown per round
-    heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (0: none)
+    heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (> 0)
 
 
 def job_config(config_path: str | None, overrides: list[str], resume: str | None) -> RunConfig:
@@ -128,6 +128,9 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     rank, size = comm.Get_rank(), comm.Get_size()
     resume = options.resume
     try:
+        if not options.heartbeat_s > 0:  # NaN too
+            raise ConfigError(f"--heartbeat: expected a positive number of seconds, not {options.heartbeat_s:g} "
+                              "(--quiet prints no progress)")
         cfg = job_config(config_path, overrides, resume)
         if resume and output and Path(output) != Path(resume):
             raise ConfigError("--resume continues writing the file it resumes from; drop --out or make them equal")
