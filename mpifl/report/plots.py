@@ -78,6 +78,11 @@ def _seeds(n: int) -> str:
     return f"{n} seed" if n == 1 else f"{n} seeds"
 
 
+def averaging(most_seeds: int) -> str:
+    """What a panel's curves show: one seed's values, or (with several seeds in some group) a mean and its band."""
+    return "one seed, no average" if most_seeds == 1 else "mean ± 2·SE over seeds"
+
+
 def _accuracy_figure(groups: list[RunGroup]) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -107,8 +112,9 @@ def _accuracy_figure(groups: list[RunGroup]) -> Figure:
     score = "R²" if groups[0].runs[0][1].attrs.get("task") == "regression" else "accuracy"
     labels = (("round", "rounds"), ("cumulative logical bytes as sent (encoded), training (MB)", "communication"),
               ("simulated time (s)", "simulated time"))
+    averaged = averaging(max((len(g.runs) for g in groups), default=1))
     for ax, (xlabel, what) in zip(axes, labels):
-        ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what} (mean ± 2·SE over seeds)")
+        ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what} ({averaged})")
         ax.grid(alpha=0.3)
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, names = axes[0].get_legend_handles_labels()
