@@ -155,7 +155,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from mpifl.data import build_federated_dataset
-    from mpifl.data.prepared import prepare
+    from mpifl.data.prepared import is_prepared, prepare
     from mpifl.registry import load_config
     from mpifl.results import check_writable
     from mpifl.results.guard import refuse_existing
@@ -163,8 +163,8 @@ def _prepare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
-    refuse_existing(args.out, args.overwrite)  # before the data is read, not after
     check_writable(args.out)
+    refuse_existing(args.out, args.overwrite, ours=is_prepared)  # before the data is read, not after
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     prepare(dataset, cfg.data, cfg.seed, args.out)
     layout = dataset.layout

@@ -49,7 +49,7 @@ from mpifl.config import (
     load_raw,
 )
 from mpifl.registry import parse_config
-from mpifl.results.guard import OutputLock, inspect_output
+from mpifl.results.guard import OutputLock, inspect_output, writable_directory
 from mpifl.schema import ConfigError, build, limits
 
 SET_BY_SLURM_TASK = ("threads_per_rank",)
@@ -253,8 +253,7 @@ def _run_command(base: Path, step: Step, ranks: int, launcher: list[str]) -> lis
 def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: list[str] | None = None,
               seeds: list[int] | None = None, output_dir: str | None = None, overwrite: bool = False) -> int:
     base, spec, runs = load_sweep(path, overrides, seeds, output_dir)
-    out_dir = Path(spec.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = writable_directory(spec.output_dir, "--output-dir" if output_dir is not None else "sweep.output_dir")
     steps = plan(runs, overwrite, RESULT_NEUTRAL + SET_BY_SLURM_TASK if slurm else RESULT_NEUTRAL)
     print(f"mpifl: {_count(steps)}", flush=True)
     todo = [s for s in steps if s.action != "skip"]

@@ -34,8 +34,20 @@ def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, lo
         for ax in fig.axes:
             ax.set_yscale("log")
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=110)
+    key = MARKED.get(Path(output).suffix.lower())
+    fig.savefig(output, dpi=110, metadata={key: PLOT_MARK} if key else None)
     return fig
+
+
+PLOT_MARK = "mpifl plot"
+"""Written into an image's metadata: ``plot --overwrite`` replaces a .png, .pdf or .svg only if it carries it."""
+MARKED = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats with metadata, and their key
+
+
+def is_plot(path: Path) -> bool:
+    """Whether ``path`` is an image ``mpifl plot`` wrote (its metadata holds :data:`PLOT_MARK`)."""
+    with open(path, "rb") as f:
+        return PLOT_MARK.encode() in f.read(64 << 20)
 
 
 def check_image_output(output: str, overwrite: bool) -> None:
@@ -49,8 +61,8 @@ def check_image_output(output: str, overwrite: bool) -> None:
     if suffix not in formats:
         what = f"'.{suffix}' is not an image format matplotlib writes" if suffix else "no file extension"
         raise ConfigError(f"-o {output}: {what}; give one of {', '.join('.' + f for f in sorted(formats))}")
-    refuse_existing(output, overwrite)
     check_writable(output)
+    refuse_existing(output, overwrite, ours=is_plot if Path(output).suffix.lower() in MARKED else None)
 
 
 def _over_seeds(series: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,6 +17,8 @@ import fcntl
 import os
 import platform
 import shlex
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,10 +176,48 @@ def claim_results(path: str | Path, resume: bool, overwrite: bool) -> ResultsCla
     return ResultsClaim(lock, state, resume)
 
 
-def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite") -> None:
-    """Refuse to replace an existing file (or a directory) at ``path`` unless ``overwrite``: one line."""
+def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite",
+                    ours: Callable[[Path], bool] | None = None) -> None:
+    """Refuse to replace an existing file (or a directory) at ``path`` unless ``overwrite``, and, whatever the
+    flags, one that ``ours`` does not recognize as this command's own output (a run's results, a README, a CSV of
+    the user's under a prepared dataset's name): one line."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"output {path}: is a directory, not a file")
+    if path.exists() and ours is not None and not ours(path):
+        raise ConfigError(f"output {path}: is not what this command writes; it is never replaced (not even with "
+                          f"{option}): give another path")
     if path.exists() and not overwrite:
         raise ConfigError(f"output {path} exists; {option} replaces it, or give another path")
+
+
+def writable_directory(path: str | Path, what: str) -> Path:
+    """Make sure ``path`` is a directory this process can create files in (created if missing), by creating one
+    there: permission bits alone say nothing for root, who is refused only by a read-only file system. One line
+    (:class:`ConfigError`) otherwise; nothing is left behind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path}: is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
+def refuse_unless_ours(path: str | Path, ours: str) -> None:
+    """Refuse (one line) to replace a file at ``path`` whose first line does not start with ``ours``, the mark
+    that the command about to write it wrote it: a user's file of the same name is never replaced."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            mine = not path.is_dir() and f.readline(len(ours.encode()) + 1).startswith(ours.encode())
+    except OSError:
+        mine = False
+    if not mine:
+        raise ConfigError(f"output {path}: was not written by this command; it is never replaced: move it, or "
+                          "report a copy of the results elsewhere")
