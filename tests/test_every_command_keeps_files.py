@@ -5,7 +5,6 @@ write is one line and exit 2; the bytes of every target are checked afterwards."
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from mpifl.cli import main
 from tests.conftest import REPO
