@@ -96,6 +96,41 @@ def refusal(state: OutputState, resume: bool, overwrite: bool) -> str | None:
             "checkpoint to resume from); --overwrite starts it again, or give another --out")
 
 
+def lock_file(path: Path) -> Path:
+    """The hidden file beside an output whose lock a writing run holds."""
+    return path.with_name(f".{path.name}.lock")
+
+
+def being_written(path: str | Path) -> bool:
+    """Whether a live process holds the lock of the run writing ``path``: the kernel drops a killed run's lock, so
+    a file whose status still says "running" with no holder was stopped (kill -9, a lost node)."""
+    try:
+        fd = os.open(lock_file(Path(path)), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EAGAIN)
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
+
+
+def standing(state: OutputState) -> str | None:
+    """Where an unfinished run stands, for ``report``: still running, or stopped and resumable from which round
+    (``None`` for a completed run)."""
+    if not state.unfinished:
+        return None
+    if state.status == "running" and being_written(state.path):
+        return "running: a process holds its lock"
+    stopped = f"stopped at round {state.rounds_completed}"
+    if state.checkpoint_round is None:
+        return f"{stopped}, not resumable (no checkpoint): --overwrite starts it again"
+    return (f"{stopped}, resumable from round {state.checkpoint_round}: "
+            f"{resume_command(state.path, 1)} (any rank count)")
+
+
 class OutputLock:
     """An exclusive lock on an output path, held until :meth:`release` or the end of the process.
 
@@ -110,7 +145,7 @@ class OutputLock:
     @classmethod
     def acquire(cls, path: str | Path) -> OutputLock:
         path = Path(path)
-        lock_path = path.with_name(f".{path.name}.lock")
+        lock_path = lock_file(path)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

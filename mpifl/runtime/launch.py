@@ -104,10 +104,10 @@ def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, round
             f"{resume_command(output, size)} (any rank count)")
 
 
-def _failed_hint(cfg: RunConfig, output: Path, size: int) -> str:
-    if not cfg.checkpoint_every:
-        return "; no checkpoint was taken (checkpoint_every: 0): start again with --overwrite"
-    return f"; continue from its last checkpoint with: {resume_command(output, size)}"
+def _failed_hint(checkpoint_round: int | None, output: Path, size: int) -> str:
+    if checkpoint_round is None:
+        return "; no checkpoint was taken yet: start again with --overwrite"
+    return f"; continue from its last checkpoint (round {checkpoint_round}) with: {resume_command(output, size)}"
 
 
 def run_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> int:
@@ -156,7 +156,7 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         engine.settle()
-        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(cfg, path, size)}")
+        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(engine.checkpointer.taken, path, size)}")
         if os.environ.get("MPIFL_DEBUG"):
             traceback.print_exc()
         if size > 1:

@@ -35,11 +35,6 @@ class StopRequest:
     def signal_name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "no signal"
 
-    def anyone_asked(self, comm) -> bool:  # noqa: ANN001 - an mpi4py Comm
-        """Whether any rank of ``comm`` was asked to stop (one small all-reduce on every rank: all of them stop
-        after the same round)."""
-        return comm.allreduce(int(self.requested)) > 0 if comm.Get_size() > 1 else self.requested
-
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
         """Handle SIGINT, SIGTERM and SIGUSR1 while the block runs (the previous handlers come back after it).
