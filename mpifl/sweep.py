@@ -31,6 +31,7 @@ import itertools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -261,7 +262,10 @@ def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: 
         if todo:
             print(f"submit with: sbatch {write_slurm_array(base, spec, todo, out_dir)}")
         return 0
-    return execute(base, spec.ranks, todo, dry_run)
+    again = ["python", "-m", "mpifl", "sweep", path, *(a for o in overrides or () for a in ("--set", o))]
+    again += ["--seeds", *map(str, seeds)] if seeds else []
+    again += ["--output-dir", output_dir] if output_dir is not None else []
+    return execute(base, spec.ranks, todo, dry_run, shlex.join(again))
 
 
 def child_environment() -> dict[str, str]:
@@ -274,19 +278,31 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False) -> int:
-    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed."""
+def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, again: str = "mpifl sweep") -> int:
+    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed.
+    SIGINT or SIGTERM (Ctrl-C reaches the run under way too, which stops with a checkpoint) stops the sweep after
+    the run under way, with the command ``again`` that continues it, and exit code 128 + the signal."""
     mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
     env = child_environment()
     failed = 0
-    for i, step in enumerate(steps, 1):
-        cmd = _run_command(base, step, ranks, mpirun)
-        print(f"[{i}/{len(steps)}] {step.describe()}", flush=True)
-        if dry_run:
-            print("  " + shlex.join(cmd))
-            continue
-        proc = subprocess.run(cmd, env=env)
-        failed += proc.returncode != 0
+    asked: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: asked.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i, step in enumerate(steps, 1):
+            cmd = _run_command(base, step, ranks, mpirun)
+            print(f"[{i}/{len(steps)}] {step.describe()}", flush=True)
+            if dry_run:
+                print("  " + shlex.join(cmd))
+                continue
+            proc = subprocess.run(cmd, env=env)
+            failed += proc.returncode != 0
+            if asked:
+                print(f"mpifl: {signal.Signals(asked[0]).name}: sweep stopped after run {i} of {len(steps)} (an "
+                      f"interrupted run resumes from its checkpoint); continue with: {again}", file=sys.stderr)
+                return 128 + asked[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if failed:
         print(f"mpifl: {failed} of {len(steps)} runs failed", file=sys.stderr)
     return 1 if failed else 0
