@@ -93,3 +93,22 @@ def test_report_export_and_sweep_keep_what_is_not_theirs(write_config, tmp_path,
         assert main(["sweep", str(sweep), "--output-dir", str(out_dir)]) == 2
         assert one_line(capsys.readouterr().err)
     assert a_file.read_text() == "mine\n" and list((tmp_path / "ro-sweep").iterdir()) == []
+
+
+def test_a_truncated_or_foreign_results_file_is_one_line_for_every_command(write_config, tmp_path, capsys):
+    """Issue 45 row 8: a results file cut short (a copy that stopped half-way) or a file of another kind, given
+    where a results file is read or continued, is one line and exit 2, and stays as it was."""
+    config = str(write_config({"rounds": 2, "model": {"name": "logistic"}}))
+    done = tmp_path / "done.h5"
+    assert main(["run", config, "--out", str(done), "--quiet"]) == 0
+    bad = {"truncated": done.read_bytes()[:2000], "readme": (REPO / "README.md").read_bytes()}
+    for kind, content in bad.items():
+        target = tmp_path / f"{kind}.h5"
+        target.write_bytes(content)
+        capsys.readouterr()
+        for argv in (["run", "--resume", str(target)], ["run", config, "--resume", str(target)],
+                     ["run", config, "--out", str(target), "--overwrite"], ["report", str(target)],
+                     ["plot", str(target), "-o", str(tmp_path / f"{kind}.png")],
+                     ["export", str(target), "--csv", str(tmp_path / f"{kind}-csv")]):
+            assert main(argv) == 2 and one_line(capsys.readouterr().err), (kind, argv)
+            assert target.read_bytes() == content, (kind, argv)

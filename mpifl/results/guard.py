@@ -61,7 +61,7 @@ def inspect_output(path: str | Path) -> OutputState:
             checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
                                if name in f and f[name].attrs.get("complete", False)), None)
             round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
-    except OSError:
+    except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
         return OutputState(path, "foreign")
     if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
         return OutputState(path, "foreign")
