@@ -5,6 +5,7 @@ Each test of a refusal checks that the file's bytes are unchanged afterwards."""
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -119,19 +120,27 @@ def test_a_second_run_on_the_same_output_refuses_at_once(long_config, tmp_path, 
     assert read_results(out).config["client"]["lr"] == LONG["client"]["lr"]
 
 
-@pytest.mark.parametrize(("ranks", "sig"), [(0, signal.SIGINT), (0, signal.SIGTERM), (3, signal.SIGUSR1)],
-                         ids=["ctrl-c", "sigterm", "sigusr1-under-mpirun"])
+@pytest.mark.parametrize(("ranks", "sig", "to_ranks"), [(0, signal.SIGINT, False), (0, signal.SIGTERM, False),
+                                                       (3, signal.SIGUSR1, False), (3, signal.SIGINT, True)],
+                         ids=["ctrl-c", "sigterm", "sigusr1-under-mpirun", "sigint-to-the-ranks-under-mpirun"])
 def test_a_signal_stops_after_the_round_with_a_checkpoint_and_the_file_alone_resumes_bitwise(
-        long_config, uninterrupted, tmp_path, ranks, sig):
+        long_config, uninterrupted, tmp_path, ranks, sig, to_ranks):
     """SIGINT and SIGTERM to a single process, SIGUSR1 to mpirun (which forwards it to every rank; it kills the
-    ranks a moment after SIGTERM): the job ends after the round under way, saves a checkpoint there even between
-    two of ``checkpoint_every``'s, marks the file interrupted and prints the exact command that continues it."""
+    ranks a moment after SIGTERM or SIGINT), SIGINT to mpirun's ranks themselves (each in a process group of its
+    own, so a terminal's Ctrl-C reaches only mpirun): the job ends after the round under way, saves a checkpoint
+    there even between two of ``checkpoint_every``'s, marks the file interrupted and prints, once, the exact
+    command that continues it."""
     out = tmp_path / "r.h5"
     job = start([str(long_config), "--out", str(out)], ranks=ranks)
     wait_for_checkpoint(job, out)
-    job.send_signal(sig)
+    if to_ranks:  # mpirun's children are the ranks
+        for pid in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split():
+            os.kill(int(pid), sig)
+    else:
+        job.send_signal(sig)
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 128 + sig, stderr
+    assert stderr.count("and saved a checkpoint; continue with: ") == 1, stderr
     saved = read_results(out, checkpoint=True)
     stopped = int(saved.table_attrs["checkpoint"]["round"])
     assert saved.attrs["status"] == "interrupted" and saved.attrs["rounds_completed"] == stopped < LONG["rounds"]
