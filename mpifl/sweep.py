@@ -50,7 +50,7 @@ from mpifl.config import (
     load_raw,
 )
 from mpifl.registry import parse_config
-from mpifl.results.guard import OutputLock, inspect_output, writable_directory
+from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, writable_directory
 from mpifl.schema import ConfigError, build, limits
 
 SET_BY_SLURM_TASK = ("threads_per_rank",)
@@ -321,28 +321,33 @@ def _environment_lines() -> str:
     return "\n".join(lines)
 
 
+RUN_LIST_MARK = "# written by mpifl sweep --slurm: one run a line (its results file, flags and overrides)\n"
+SCRIPT_MARK = "#!/bin/bash\n# written by mpifl sweep --slurm"
+"""What starts the files ``--slurm`` writes: a user's file of the same name (without it) is never replaced."""
+
+
 def write_slurm_array(base: Path, spec: SweepSpec, steps: list[Step], out_dir: Path) -> Path:
     """A job array with one task per run to do; each task reads its options (how it takes its file, its
     overrides) from runs.txt."""
-    run_list = out_dir / "runs.txt"
-    run_list.write_text("".join(
+    run_list, script = out_dir / "runs.txt", out_dir / "sweep.sbatch"
+    refuse_unless_ours(run_list, RUN_LIST_MARK)
+    refuse_unless_ours(script, SCRIPT_MARK)
+    run_list.write_text(RUN_LIST_MARK + "".join(
         shlex.join([str(s.run.output), *s.flags(), *(a for o in s.run.overrides for a in ("--set", o))]) + "\n"
         for s in steps
     ))
-    script = out_dir / "sweep.sbatch"
-    script.write_text(f"""#!/bin/bash
+    script.write_text(f"""{SCRIPT_MARK} for the runs still to do; after an interruption, write it again (completed
+# runs are left out, interrupted ones resume) and submit it again.
 #SBATCH --job-name=mpifl-sweep
 #SBATCH --array=0-{len(steps) - 1}
 #SBATCH --ntasks={spec.ranks}
 #SBATCH --cpus-per-task=1
 #SBATCH --output={out_dir.resolve()}/slurm-%A_%a.out
-# Written by mpifl sweep --slurm for the runs still to do; after an interruption, write it again (completed
-# runs are left out, interrupted ones resume) and submit it again.
 # Launcher as in jobs/mpifl.sbatch: srun (MPIFL_SRUN_MPI=pmix with the PyPI Open MPI wheel) or
 # MPIFL_LAUNCHER=mpirun.
 set -euo pipefail
 {_environment_lines()}
-line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(run_list.resolve()))})
+line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 2))p" {shlex.quote(str(run_list.resolve()))})
 eval "set -- $line"
 out=$1; shift
 # threads_per_rank from --cpus-per-task, unless the sweep's own overrides (after it) set it

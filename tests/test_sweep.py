@@ -94,7 +94,12 @@ def test_slurm_array_script(write_config, tmp_path):
     script = (tmp_path / "out" / "sweep.sbatch").read_text()
     assert "#SBATCH --array=0-3" in script and "srun" in script
     assert '--set "threads_per_rank=${SLURM_CPUS_PER_TASK:-1}" "$@")' in script  # a run's own --set wins
-    assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 4
+    assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 1 + 4  # its mark, then the runs
+    assert main(["sweep", str(sweep), "--slurm"]) == 0  # its own files: written again
+    mine = "#!/bin/bash\nsrun my_job\n"
+    (tmp_path / "out" / "sweep.sbatch").write_text(mine)
+    assert main(["sweep", str(sweep), "--slurm"]) == 2  # a user's script of that name: never replaced (issue 45)
+    assert (tmp_path / "out" / "sweep.sbatch").read_text() == mine
 
 
 def test_variants_times_grid_times_seeds_with_cli_overrides(write_config, tmp_path, capsys):

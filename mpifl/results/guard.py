@@ -243,14 +243,14 @@ def writable_directory(path: str | Path, what: str) -> Path:
 
 
 def refuse_unless_ours(path: str | Path, ours: str) -> None:
-    """Refuse (one line) to replace a file at ``path`` whose first line does not start with ``ours``, the mark
-    that the command about to write it wrote it: a user's file of the same name is never replaced."""
+    """Refuse (one line) to replace a file at ``path`` that does not start with ``ours``, the mark that the command
+    about to write it wrote it: a user's file of the same name is never replaced."""
     path = Path(path)
     if not path.exists():
         return
     try:
         with open(path, "rb") as f:
-            mine = not path.is_dir() and f.readline(len(ours.encode()) + 1).startswith(ours.encode())
+            mine = not path.is_dir() and f.read(len(ours.encode())) == ours.encode()
     except OSError:
         mine = False
     if not mine:
