@@ -36,7 +36,7 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--heartbeat", type=float, default=30.0, metavar="SECONDS",
                      help="between evaluations, a progress line (round, rounds/s, elapsed, ETA) at most this often "
-                          "(default 30; 0: none)")
+                          "(default 30; --quiet: none)")
     run.add_argument("--resume", metavar="RESULTS.h5",
                      help="continue the run whose checkpoint is in this results file (its own config unless one "
                           "is given, which must agree; any rank count)")
@@ -155,7 +155,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from mpifl.data import build_federated_dataset
-    from mpifl.data.prepared import prepare
+    from mpifl.data.prepared import is_prepared, prepare
     from mpifl.registry import load_config
     from mpifl.results import check_writable
     from mpifl.results.guard import refuse_existing
@@ -163,8 +163,8 @@ def _prepare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
-    refuse_existing(args.out, args.overwrite)  # before the data is read, not after
     check_writable(args.out)
+    refuse_existing(args.out, args.overwrite, ours=is_prepared)  # before the data is read, not after
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     prepare(dataset, cfg.data, cfg.seed, args.out)
     layout = dataset.layout

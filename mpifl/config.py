@@ -83,6 +83,9 @@ class RunConfig:
     eval_every: int = field(default=1, metadata=limits(ge=1))  # evaluate every client every N rounds and after the last
     # every rank saves its state into the shard folder beside the results file every N rounds; 0: never
     checkpoint_every: int = field(default=0, metadata=limits(ge=0))
+    # a checkpoint also whenever this many minutes of training have passed since the last (rank 0's clock); 0: by
+    # rounds only. The default bounds what a kill -9 loses; kept as checkpoint_keep says, like the others
+    checkpoint_minutes: float = field(default=10.0, metadata=limits(ge=0))
     # checkpoints kept in the shard folder beside the results file (the newest first; an older one is resumed from
     # when a newer one's files are lost); older ones are deleted as each new one is committed
     checkpoint_keep: int = field(default=2, metadata=limits(ge=1))
@@ -283,7 +286,8 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir", "checkpoint_keep")
+RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir", "checkpoint_keep",
+                  "checkpoint_minutes")
 """Config keys that change no bit of a run's results (where it writes, how much memory it may use, how many
 checkpoints it keeps): two configs that differ only there describe the same run."""
 

@@ -114,6 +114,14 @@ def csv_files(run: Run, directory: Path) -> dict[str, Path]:
     return {table: directory / f"{table}.csv" for table in CSV_TABLES if run.results.table(table)}
 
 
+def is_exported_csv(path: Path) -> bool:
+    """Whether ``path`` looks like a table an export wrote: its header names the table's key column, ``round`` or
+    ``client`` (the only CSV ``export --overwrite`` replaces)."""
+    with open(path, "rb") as f:
+        header = {cell.strip() for cell in f.readline(1 << 16).split(b",")}
+    return bool(header & {b"round", b"client"})
+
+
 def write_csv(run: Run, directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -247,7 +255,7 @@ class Target:
         that holds events already (TensorBoard would show both exports as one run's)."""
         if self.csv_dir is not None:
             for path in csv_files(self.run, self.csv_dir).values():
-                refuse_existing(path, overwrite)
+                refuse_existing(path, overwrite, ours=is_exported_csv)
         if self.tensorboard_dir is not None and not overwrite and any(self.tensorboard_dir.glob(TENSORBOARD_EVENTS)):
             raise ConfigError(f"output {self.tensorboard_dir} holds TensorBoard events already; --overwrite replaces "
                               "them, or give another directory")

@@ -31,6 +31,7 @@ import itertools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -49,7 +50,7 @@ from mpifl.config import (
     load_raw,
 )
 from mpifl.registry import parse_config
-from mpifl.results.guard import OutputLock, inspect_output
+from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, writable_directory
 from mpifl.schema import ConfigError, build, limits
 
 SET_BY_SLURM_TASK = ("threads_per_rank",)
@@ -253,8 +254,7 @@ def _run_command(base: Path, step: Step, ranks: int, launcher: list[str]) -> lis
 def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: list[str] | None = None,
               seeds: list[int] | None = None, output_dir: str | None = None, overwrite: bool = False) -> int:
     base, spec, runs = load_sweep(path, overrides, seeds, output_dir)
-    out_dir = Path(spec.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = writable_directory(spec.output_dir, "--output-dir" if output_dir is not None else "sweep.output_dir")
     steps = plan(runs, overwrite, RESULT_NEUTRAL + SET_BY_SLURM_TASK if slurm else RESULT_NEUTRAL)
     print(f"mpifl: {_count(steps)}", flush=True)
     todo = [s for s in steps if s.action != "skip"]
@@ -262,7 +262,10 @@ def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: 
         if todo:
             print(f"submit with: sbatch {write_slurm_array(base, spec, todo, out_dir)}")
         return 0
-    return execute(base, spec.ranks, todo, dry_run)
+    again = ["python", "-m", "mpifl", "sweep", path, *(a for o in overrides or () for a in ("--set", o))]
+    again += ["--seeds", *map(str, seeds)] if seeds else []
+    again += ["--output-dir", output_dir] if output_dir is not None else []
+    return execute(base, spec.ranks, todo, dry_run, shlex.join(again))
 
 
 def child_environment() -> dict[str, str]:
@@ -275,19 +278,31 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False) -> int:
-    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed."""
+def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, again: str = "mpifl sweep") -> int:
+    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed.
+    SIGINT or SIGTERM (Ctrl-C reaches the run under way too, which stops with a checkpoint) stops the sweep after
+    the run under way, with the command ``again`` that continues it, and exit code 128 + the signal."""
     mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
     env = child_environment()
     failed = 0
-    for i, step in enumerate(steps, 1):
-        cmd = _run_command(base, step, ranks, mpirun)
-        print(f"[{i}/{len(steps)}] {step.describe()}", flush=True)
-        if dry_run:
-            print("  " + shlex.join(cmd))
-            continue
-        proc = subprocess.run(cmd, env=env)
-        failed += proc.returncode != 0
+    asked: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: asked.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i, step in enumerate(steps, 1):
+            cmd = _run_command(base, step, ranks, mpirun)
+            print(f"[{i}/{len(steps)}] {step.describe()}", flush=True)
+            if dry_run:
+                print("  " + shlex.join(cmd))
+                continue
+            proc = subprocess.run(cmd, env=env)
+            failed += proc.returncode != 0
+            if asked:
+                print(f"mpifl: {signal.Signals(asked[0]).name}: sweep stopped after run {i} of {len(steps)} (an "
+                      f"interrupted run resumes from its checkpoint); continue with: {again}", file=sys.stderr)
+                return 128 + asked[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if failed:
         print(f"mpifl: {failed} of {len(steps)} runs failed", file=sys.stderr)
     return 1 if failed else 0
@@ -306,28 +321,33 @@ def _environment_lines() -> str:
     return "\n".join(lines)
 
 
+RUN_LIST_MARK = "# written by mpifl sweep --slurm: one run a line (its results file, flags and overrides)\n"
+SCRIPT_MARK = "#!/bin/bash\n# written by mpifl sweep --slurm"
+"""What starts the files ``--slurm`` writes: a user's file of the same name (without it) is never replaced."""
+
+
 def write_slurm_array(base: Path, spec: SweepSpec, steps: list[Step], out_dir: Path) -> Path:
     """A job array with one task per run to do; each task reads its options (how it takes its file, its
     overrides) from runs.txt."""
-    run_list = out_dir / "runs.txt"
-    run_list.write_text("".join(
+    run_list, script = out_dir / "runs.txt", out_dir / "sweep.sbatch"
+    refuse_unless_ours(run_list, RUN_LIST_MARK)
+    refuse_unless_ours(script, SCRIPT_MARK)
+    run_list.write_text(RUN_LIST_MARK + "".join(
         shlex.join([str(s.run.output), *s.flags(), *(a for o in s.run.overrides for a in ("--set", o))]) + "\n"
         for s in steps
     ))
-    script = out_dir / "sweep.sbatch"
-    script.write_text(f"""#!/bin/bash
+    script.write_text(f"""{SCRIPT_MARK} for the runs still to do; after an interruption, write it again (completed
+# runs are left out, interrupted ones resume) and submit it again.
 #SBATCH --job-name=mpifl-sweep
 #SBATCH --array=0-{len(steps) - 1}
 #SBATCH --ntasks={spec.ranks}
 #SBATCH --cpus-per-task=1
 #SBATCH --output={out_dir.resolve()}/slurm-%A_%a.out
-# Written by mpifl sweep --slurm for the runs still to do; after an interruption, write it again (completed
-# runs are left out, interrupted ones resume) and submit it again.
 # Launcher as in jobs/mpifl.sbatch: srun (MPIFL_SRUN_MPI=pmix with the PyPI Open MPI wheel) or
 # MPIFL_LAUNCHER=mpirun.
 set -euo pipefail
 {_environment_lines()}
-line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(run_list.resolve()))})
+line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 2))p" {shlex.quote(str(run_list.resolve()))})
 eval "set -- $line"
 out=$1; shift
 # threads_per_rank from --cpus-per-task, unless the sweep's own overrides (after it) set it

@@ -171,3 +171,28 @@ def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert np.array_equal(a[key], b[key], equal_nan=a[key].dtype.kind == "f"), key
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A directory no file can be created in, even by root (CI runs as root, whom permission bits do not stop):
+    a read-only bind mount as root, mode 0o555 otherwise; ``make(dir)`` makes ``dir`` so, until the test ends."""
+    mounted: list[Path] = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+            return path
+        done = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"root without a read-only bind mount: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+    for path in tmp_path.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o755)

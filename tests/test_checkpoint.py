@@ -131,3 +131,43 @@ def test_checkpoints_hold_no_pickle(write_config, tmp_path):
         shards = json.loads(f["checkpoint"]["shards"][()].tobytes())
     assert any(s.get("server") for s in shards) and any(not s.get("server") for s in shards)
     assert all((shard_dir(out) / s["file"]).read_bytes()[:8] == magic for s in shards)
+
+
+def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_where(write_config, tmp_path, capsys):
+    """Issue 45 rows 6-7: without checkpoint_every, checkpoint_minutes still saves checkpoints (here every
+    0.03 s); report calls the run running while it holds its lock, and after a SIGKILL of the whole job says
+    where it stopped and whence it resumes; the resume then completes it. A run that never checkpointed is
+    "not resumable"."""
+    config = write_config({"rounds": 100_000, "eval_every": 1, "checkpoint_minutes": 0.0005,
+                           "model": {"name": "logistic"}})
+    part = tmp_path / "part.h5"
+    cmd = mpirun_cmd(2) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
+    job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not peek(part)[1]:
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert main(["report", str(part)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "running: a process holds its lock"
+    kill_job(job)
+    with h5py.File(part) as f:
+        done, checkpoint = int(f.attrs["rounds_completed"]), int(f["checkpoint"].attrs["round"])
+    assert main(["report", str(part)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"stopped at round {done}, resumable from round {checkpoint}: python -m mpifl run --resume {part} (any "
+        "rank count)")
+    assert main(["run", "--resume", str(part), "--quiet", f"--set=rounds={checkpoint + 2}"]) == 0
+    assert read_results(part).attrs["status"] == "completed"
+
+    never = tmp_path / "never.h5"
+    config = write_config({"rounds": 100_000, "eval_every": 1, "checkpoint_minutes": 0, "model": {"name": "logistic"}},
+                          name="never.yaml")
+    job = subprocess.Popen([sys.executable, "-m", "mpifl", "run", str(config), "--out", str(never), "--quiet"],
+                           env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
+    while peek(never)[0] < 2:
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    kill_job(job)
+    assert main(["report", str(never)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith(", not resumable (no checkpoint): --overwrite starts "
+                                                            "it again")

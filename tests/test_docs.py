@@ -305,3 +305,15 @@ def test_a_stale_figure_in_shown_output_is_caught_and_a_measured_one_is_not():
     assert output_difference(fixed[:2] + fixed[3:], printed) is not None  # without "...", no line is skipped
     assert output_difference(fixed, [line.replace("0.1638", "0.1639") for line in printed]) is not None
     assert output_difference(fixed, [*printed[:-1], "         1       11     5.10     6.85"]) is not None  # clients
+
+
+def test_every_mpirun_a_page_shows_starts_on_two_cores_and_as_root():
+    """Issue 45 row 12: a command run as shown on a 2-core machine needs --oversubscribe beyond 2 ranks, and the
+    README says the root variables no later than its first mpirun command."""
+    short = [f"{page.name}: {line}" for page in pages() for line in page.read_text().splitlines()
+             if line.startswith("$ ") and (m := re.search(r"mpirun -n (\d+) ", line)) and int(m.group(1)) > 2
+             and "--oversubscribe" not in line]
+    assert short == []
+    readme = (REPO / "README.md").read_text()
+    first = re.search(r"^\$ .*mpirun ", readme, re.M)
+    assert first is not None and "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in readme[:first.start()]

@@ -137,7 +137,7 @@ def test_exception_on_a_worker_aborts_the_job_with_one_message(write_config, tmp
     assert proc.returncode != 0
     assert mpifl_lines(proc.stderr) == [
         "mpifl: error: rank 2 of 3 failed: RuntimeError: fault injected by MPIFL_INJECT_FAULT=2:3; no checkpoint was "
-        "taken (checkpoint_every: 0): start again with --overwrite"
+        "taken yet: start again with --overwrite"
     ], proc.stderr
     # Rank 0 writes beside the rounds, so the abort may come before its first write committed (no file: a new
     # file appears only once its first write is whole) or while it writes round 1 or 2: the file then holds the

@@ -24,24 +24,31 @@ def refused(capsys, says: str) -> None:
 
 
 def test_prepare_refuses_an_existing_file_unless_overwrite(write_config, tmp_path, capsys):
+    """Its own dataset only with --overwrite; anything else (here a user's file) never (issue 45)."""
     config = str(write_config({"data": {"unseen_fraction": 0}}))
     data = tmp_path / "data.h5"
-    data.write_bytes(b"an earlier dataset")
+    assert main(["prepare", config, "--out", str(data)]) == 0
     assert main(["prepare", config, "--out", str(data)]) == 2
     refused(capsys, f"output {data} exists; --overwrite replaces it, or give another path")
-    assert data.read_bytes() == b"an earlier dataset"
     assert main(["prepare", config, "--out", str(data), "--overwrite"]) == 0
     assert data.read_bytes()[:8] == b"\x89HDF\r\n\x1a\n"
+    data.write_bytes(b"an earlier dataset")
+    assert main(["prepare", config, "--out", str(data), "--overwrite"]) == 2
+    refused(capsys, f"output {data}: is not what this command writes; it is never replaced")
+    assert data.read_bytes() == b"an earlier dataset"
 
 
 def test_plot_refuses_an_existing_image_unless_overwrite(results, tmp_path, capsys):
     png = tmp_path / "fig.png"
-    png.write_bytes(b"my figure")
+    assert main(["plot", str(results), "-o", str(png)]) == 0
     assert main(["plot", str(results), "-o", str(png)]) == 2
     refused(capsys, f"output {png} exists; --overwrite replaces it")
-    assert png.read_bytes() == b"my figure"
     assert main(["plot", str(results), "-o", str(png), "--overwrite"]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    png.write_bytes(b"my figure")
+    assert main(["plot", str(results), "-o", str(png), "--overwrite"]) == 2
+    refused(capsys, f"output {png}: is not what this command writes; it is never replaced")
+    assert png.read_bytes() == b"my figure"
 
 
 @pytest.mark.parametrize("name, says", [

@@ -133,6 +133,15 @@ def test_plot_draws_mean_curves_with_bands(sweep_dir, tmp_path):
     extent = [(v[:, 1].min(), v[:, 1].max()) for b in bands(fig) if b.axes is rounds_ax
               for v in [b.get_paths()[0].vertices]]
     assert any(np.allclose(e, ((mean - two_se).min(), (mean + two_se).max())) for e in extent)
+    assert all(ax.get_title().endswith("(mean ± 2·SE over seeds)") for ax in fig.axes)
+
+
+def test_a_single_seed_plot_says_it_averages_nothing(sweep_dir, tmp_path):
+    """The quickstart's case (issue 45 row 13): one run per curve, so no title may promise a mean over seeds."""
+    lone = sorted(sweep_dir.glob("*.h5"))[0]
+    fig = plot([str(lone)], str(tmp_path / "one.png"))
+    assert [ax.get_title() for ax in fig.axes] == [f"accuracy vs {what} (one seed, no average)"
+                                                    for what in ("rounds", "communication", "simulated time")]
 
 
 def test_plot_metric_consensus_per_layer(sweep_dir, tmp_path, capsys):

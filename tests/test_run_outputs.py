@@ -5,6 +5,7 @@ Each test of a refusal checks that the file's bytes are unchanged afterwards."""
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -119,19 +120,27 @@ def test_a_second_run_on_the_same_output_refuses_at_once(long_config, tmp_path, 
     assert read_results(out).config["client"]["lr"] == LONG["client"]["lr"]
 
 
-@pytest.mark.parametrize(("ranks", "sig"), [(0, signal.SIGINT), (0, signal.SIGTERM), (3, signal.SIGUSR1)],
-                         ids=["ctrl-c", "sigterm", "sigusr1-under-mpirun"])
+@pytest.mark.parametrize(("ranks", "sig", "to_ranks"), [(0, signal.SIGINT, False), (0, signal.SIGTERM, False),
+                                                       (3, signal.SIGUSR1, False), (3, signal.SIGINT, True)],
+                         ids=["ctrl-c", "sigterm", "sigusr1-under-mpirun", "sigint-to-the-ranks-under-mpirun"])
 def test_a_signal_stops_after_the_round_with_a_checkpoint_and_the_file_alone_resumes_bitwise(
-        long_config, uninterrupted, tmp_path, ranks, sig):
+        long_config, uninterrupted, tmp_path, ranks, sig, to_ranks):
     """SIGINT and SIGTERM to a single process, SIGUSR1 to mpirun (which forwards it to every rank; it kills the
-    ranks a moment after SIGTERM): the job ends after the round under way, saves a checkpoint there even between
-    two of ``checkpoint_every``'s, marks the file interrupted and prints the exact command that continues it."""
+    ranks a moment after SIGTERM or SIGINT), SIGINT to mpirun's ranks themselves (each in a process group of its
+    own, so a terminal's Ctrl-C reaches only mpirun): the job ends after the round under way, saves a checkpoint
+    there even between two of ``checkpoint_every``'s, marks the file interrupted and prints, once, the exact
+    command that continues it."""
     out = tmp_path / "r.h5"
     job = start([str(long_config), "--out", str(out)], ranks=ranks)
     wait_for_checkpoint(job, out)
-    job.send_signal(sig)
+    if to_ranks:  # mpirun's children are the ranks
+        for pid in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split():
+            os.kill(int(pid), sig)
+    else:
+        job.send_signal(sig)
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 128 + sig, stderr
+    assert stderr.count("and saved a checkpoint; continue with: ") == 1, stderr
     saved = read_results(out, checkpoint=True)
     stopped = int(saved.table_attrs["checkpoint"]["round"])
     assert saved.attrs["status"] == "interrupted" and saved.attrs["rounds_completed"] == stopped < LONG["rounds"]
@@ -202,10 +211,21 @@ def test_a_heartbeat_between_evaluations(write_config, capsys, tmp_path):
     config = write_config({"rounds": 6, "eval_every": 100, "model": {"name": "logistic"}})
     assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e-9"]) == 0
     beats = [line for line in capsys.readouterr().out.splitlines() if "rounds/s" in line]
-    assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 6)]
+    assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 7)]  # 6: the evaluation's
     assert all(" | elapsed 0m" in line and " | ETA " in line for line in beats)
+    assert " | loss " in beats[-1] and beats[-1].endswith("ETA 0m00s")
     assert main(["run", str(config), "--out", str(tmp_path / "q.h5"), "--heartbeat", "1e-9", "--quiet"]) == 0
     assert "rounds/s" not in capsys.readouterr().out
+
+
+def test_every_evaluation_line_says_the_pace_and_eta(write_config, capsys, tmp_path):
+    """With evaluations more often than the heartbeat, the evaluation lines are the only progress: each says when
+    the run ends."""
+    config = write_config({"rounds": 4, "eval_every": 2, "model": {"name": "logistic"}})
+    assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e9"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert [line.split(" | ")[0] for line in lines] == ["round 2/4", "round 4/4"]
+    assert all(" seen acc " in line and " rounds/s | elapsed " in line and " | ETA " in line for line in lines)
 
 
 def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp_path):
@@ -219,3 +239,12 @@ def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp
         notes.append([line for line in proc.stdout.splitlines() if line.startswith("mpifl: note:")])
     assert notes == [["mpifl: note: 3 worker ranks, but at most 2 clients train at once: 1 rank(s) idle every "
                       "round (at most 3 ranks keep every worker busy)"], []]
+
+
+@pytest.mark.parametrize("seconds", ["-5", "0", "nan"])
+def test_a_heartbeat_that_is_not_positive_is_one_line_and_exit_2(write_config, capsys, tmp_path, seconds):
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config()), "--out", str(out), "--heartbeat", seconds]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mpifl: error: --heartbeat: expected a positive number")
+    assert not out.exists()

@@ -94,7 +94,12 @@ def test_slurm_array_script(write_config, tmp_path):
     script = (tmp_path / "out" / "sweep.sbatch").read_text()
     assert "#SBATCH --array=0-3" in script and "srun" in script
     assert '--set "threads_per_rank=${SLURM_CPUS_PER_TASK:-1}" "$@")' in script  # a run's own --set wins
-    assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 4
+    assert len((tmp_path / "out" / "runs.txt").read_text().splitlines()) == 1 + 4  # its mark, then the runs
+    assert main(["sweep", str(sweep), "--slurm"]) == 0  # its own files: written again
+    mine = "#!/bin/bash\nsrun my_job\n"
+    (tmp_path / "out" / "sweep.sbatch").write_text(mine)
+    assert main(["sweep", str(sweep), "--slurm"]) == 2  # a user's script of that name: never replaced (issue 45)
+    assert (tmp_path / "out" / "sweep.sbatch").read_text() == mine
 
 
 def test_variants_times_grid_times_seeds_with_cli_overrides(write_config, tmp_path, capsys):
@@ -334,3 +339,33 @@ def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them
     assert summary["text"].splitlines()[-1] == (
         f"Left out, as not finished (a rerun of the sweep resumes them): {runs / 'a,seed=2.h5'} (interrupted, 1 of 2 "
         "rounds).")
+
+
+def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path):
+    """Issue 45 row 4: SIGINT to the sweep's process group (a terminal's Ctrl-C) stops the run under way with a
+    checkpoint and starts no other run; the sweep exits 130 with the command that continues it, which resumes the
+    stopped run and starts the others."""
+    config = write_config({"rounds": 100_000, "eval_every": 1, "model": {"name": "logistic"}})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(config), "output_dir": "out", "seeds": [0, 1, 2]}))
+    first = tmp_path / "out" / "seed=0.h5"
+    job = subprocess.Popen([sys.executable, "-m", "mpifl", "sweep", str(sweep)], env=mpi_env(), cwd=tmp_path,
+                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while inspect_output(first).rounds_completed < 2:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=120) == 130
+    finally:
+        if job.poll() is None:
+            kill_session(job.pid)
+    line = job.stderr.read().splitlines()[-1]
+    assert line.startswith("mpifl: SIGINT: sweep stopped after run 1 of 3 (an interrupted run resumes from its ")
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.h5")) == ["seed=0.h5"]
+    assert inspect_output(first).status == "interrupted" and inspect_output(first).checkpoint_round is not None
+    again = line.split("continue with: ")[1].replace("python", sys.executable, 1)
+    proc = subprocess.run([*again.split(), "--dry-run"], env=mpi_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "3 runs: 1 resumed from a checkpoint, 2 new" in proc.stdout, proc.stderr

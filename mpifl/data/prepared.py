@@ -48,6 +48,15 @@ def fingerprint(cfg: DataConfig, seed: int) -> str:
     return yaml.safe_dump({"data": settings, "seed": int(seed)}, sort_keys=True)
 
 
+def is_prepared(path: Path) -> bool:
+    """Whether ``path`` holds a dataset ``mpifl prepare`` wrote (the only file ``prepare --overwrite`` replaces)."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return f.attrs.get("format") == FORMAT
+    except OSError:
+        return False
+
+
 def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | Path) -> None:
     """Write every client of ``dataset`` to ``path`` in the documented HDF5 layout, with the fingerprint of
     ``cfg`` and ``seed`` (through a temporary name: never half-written)."""

@@ -34,8 +34,20 @@ def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, lo
         for ax in fig.axes:
             ax.set_yscale("log")
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=110)
+    key = MARKED.get(Path(output).suffix.lower())
+    fig.savefig(output, dpi=110, metadata={key: PLOT_MARK} if key else None)
     return fig
+
+
+PLOT_MARK = "mpifl plot"
+"""Written into an image's metadata: ``plot --overwrite`` replaces a .png, .pdf or .svg only if it carries it."""
+MARKED = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats with metadata, and their key
+
+
+def is_plot(path: Path) -> bool:
+    """Whether ``path`` is an image ``mpifl plot`` wrote (its metadata holds :data:`PLOT_MARK`)."""
+    with open(path, "rb") as f:
+        return PLOT_MARK.encode() in f.read(64 << 20)
 
 
 def check_image_output(output: str, overwrite: bool) -> None:
@@ -49,8 +61,8 @@ def check_image_output(output: str, overwrite: bool) -> None:
     if suffix not in formats:
         what = f"'.{suffix}' is not an image format matplotlib writes" if suffix else "no file extension"
         raise ConfigError(f"-o {output}: {what}; give one of {', '.join('.' + f for f in sorted(formats))}")
-    refuse_existing(output, overwrite)
     check_writable(output)
+    refuse_existing(output, overwrite, ours=is_plot if Path(output).suffix.lower() in MARKED else None)
 
 
 def _over_seeds(series: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -76,6 +88,11 @@ def _curve(ax: Axes, x: np.ndarray, mean: np.ndarray, two_se: np.ndarray, label:
 
 def _seeds(n: int) -> str:
     return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
+def averaging(most_seeds: int) -> str:
+    """What a panel's curves show: one seed's values, or (with several seeds in some group) a mean and its band."""
+    return "one seed, no average" if most_seeds == 1 else "mean ± 2·SE over seeds"
 
 
 def _accuracy_figure(groups: list[RunGroup]) -> Figure:
@@ -107,8 +124,9 @@ def _accuracy_figure(groups: list[RunGroup]) -> Figure:
     score = "R²" if groups[0].runs[0][1].attrs.get("task") == "regression" else "accuracy"
     labels = (("round", "rounds"), ("cumulative logical bytes as sent (encoded), training (MB)", "communication"),
               ("simulated time (s)", "simulated time"))
+    averaged = averaging(max((len(g.runs) for g in groups), default=1))
     for ax, (xlabel, what) in zip(axes, labels):
-        ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what} (mean ± 2·SE over seeds)")
+        ax.set(xlabel=xlabel, ylabel=f"test {score} (pooled)", title=f"{score} vs {what} ({averaged})")
         ax.grid(alpha=0.3)
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, names = axes[0].get_legend_handles_labels()

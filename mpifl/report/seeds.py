@@ -12,6 +12,7 @@ import numpy as np
 
 from mpifl.report.text import SELECTIONS, best_val_row, diagnostics, epsilon_at
 from mpifl.results import Results, flatten, read_results
+from mpifl.results.guard import refuse_unless_ours, writable_directory
 
 
 def mean_2se(values: np.ndarray) -> tuple[float, float]:
@@ -114,6 +115,11 @@ def _run_metrics(res: Results, select: str) -> dict[str, float]:
     return out
 
 
+SUMMARY_MARK = "<!-- written by mpifl report: replaced by the next report of this directory -->"
+SUMMARY_CSV_MARK = "seeds"  # summary.csv's first column: how a report knows the file is its own
+"""What starts the summary files a report writes: a user's file of the same name (without it) is never replaced."""
+
+
 def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     """Mean ± 2·SE over seeds of every group of runs in ``directory`` (:func:`group_runs`): one row per group,
     named by the config keys that differ between groups; test accuracies at each run's best-validation and at
@@ -123,6 +129,10 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     (:func:`_run_metrics`: plain names at ``select``) as ``summary.csv``."""
     import csv
 
+    writable_directory(directory, "report")
+    md_path, csv_path = Path(directory) / "summary.md", Path(directory) / "summary.csv"
+    refuse_unless_ours(md_path, SUMMARY_MARK)
+    refuse_unless_ours(csv_path, SUMMARY_CSV_MARK)
     groups, varying = group_runs([directory])
     unfinished = [(path, res) for group in groups for path, res in group.runs if not _completed(res)]
     groups = [replace(group, runs=[run for run in group.runs if _completed(run[1])]) for group in groups]
@@ -165,12 +175,12 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
                            f"{res.config.get('rounds')} rounds)" for path, res in unfinished)
         md += ["", f"Left out, as not finished (a rerun of the sweep resumes them): {listed}."]
     text = "\n".join(md)
-    (Path(directory) / "summary.md").write_text(text + "\n")
-    with open(Path(directory) / "summary.csv", "w", newline="") as f:
+    md_path.write_text(f"{SUMMARY_MARK}\n{text}\n")
+    with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*varying, "seeds", *(f"{m}_{s}" for m in (*plain, *both) for s in ("mean", "2se"))])
+        writer.writerow([SUMMARY_CSV_MARK, *varying, *(f"{m}_{s}" for m in (*plain, *both) for s in ("mean", "2se"))])
         for row in rows:
-            writer.writerow([row[k] for k in (*varying, "seeds")] + [v for m in (*plain, *both) for v in row[m]])
+            writer.writerow([row[k] for k in ("seeds", *varying)] + [v for m in (*plain, *both) for v in row[m]])
     return {"rows": rows, "text": text, "varying": varying, "selection": select}
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mpifl.results import Results, read_results
+from mpifl.results.guard import inspect_output, standing
 
 
 def _bytes(n: float) -> str:
@@ -155,6 +156,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
         "file": str(path),
         "algorithm": res.attrs.get("algorithm"),
         "status": res.attrs.get("status"),
+        "standing": standing(inspect_output(path)),
         "world_size": res.attrs.get("world_size"),
         "rounds_completed": res.attrs.get("rounds_completed"),
         "selection": select,
@@ -190,6 +192,8 @@ def _summary_lines(summary: dict[str, Any], res: Results) -> list[str]:
         f"{summary['world_size']} rank(s), wall {summary['wall_time_s']:.1f} s, "
         f"simulated {summary['simulated_time_s']:.1f} s",
     ]
+    if summary["standing"] is not None:
+        lines.append(summary["standing"])
     if len(summary.get("segments", ())) > 1:
         lines.append(f"run in {len(summary['segments'])} segments (a start and its resumes; the wall time above is "
                      "their sum):")

@@ -17,6 +17,8 @@ import fcntl
 import os
 import platform
 import shlex
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +61,7 @@ def inspect_output(path: str | Path) -> OutputState:
             checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
                                if name in f and f[name].attrs.get("complete", False)), None)
             round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
-    except OSError:
+    except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
         return OutputState(path, "foreign")
     if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
         return OutputState(path, "foreign")
@@ -94,6 +96,41 @@ def refusal(state: OutputState, resume: bool, overwrite: bool) -> str | None:
             "checkpoint to resume from); --overwrite starts it again, or give another --out")
 
 
+def lock_file(path: Path) -> Path:
+    """The hidden file beside an output whose lock a writing run holds."""
+    return path.with_name(f".{path.name}.lock")
+
+
+def being_written(path: str | Path) -> bool:
+    """Whether a live process holds the lock of the run writing ``path``: the kernel drops a killed run's lock, so
+    a file whose status still says "running" with no holder was stopped (kill -9, a lost node)."""
+    try:
+        fd = os.open(lock_file(Path(path)), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EAGAIN)
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
+
+
+def standing(state: OutputState) -> str | None:
+    """Where an unfinished run stands, for ``report``: still running, or stopped and resumable from which round
+    (``None`` for a completed run)."""
+    if not state.unfinished:
+        return None
+    if state.status == "running" and being_written(state.path):
+        return "running: a process holds its lock"
+    stopped = f"stopped at round {state.rounds_completed}"
+    if state.checkpoint_round is None:
+        return f"{stopped}, not resumable (no checkpoint): --overwrite starts it again"
+    return (f"{stopped}, resumable from round {state.checkpoint_round}: "
+            f"{resume_command(state.path, 1)} (any rank count)")
+
+
 class OutputLock:
     """An exclusive lock on an output path, held until :meth:`release` or the end of the process.
 
@@ -108,7 +145,7 @@ class OutputLock:
     @classmethod
     def acquire(cls, path: str | Path) -> OutputLock:
         path = Path(path)
-        lock_path = path.with_name(f".{path.name}.lock")
+        lock_path = lock_file(path)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -174,10 +211,48 @@ def claim_results(path: str | Path, resume: bool, overwrite: bool) -> ResultsCla
     return ResultsClaim(lock, state, resume)
 
 
-def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite") -> None:
-    """Refuse to replace an existing file (or a directory) at ``path`` unless ``overwrite``: one line."""
+def refuse_existing(path: str | Path, overwrite: bool, option: str = "--overwrite",
+                    ours: Callable[[Path], bool] | None = None) -> None:
+    """Refuse to replace an existing file (or a directory) at ``path`` unless ``overwrite``, and, whatever the
+    flags, one that ``ours`` does not recognize as this command's own output (a run's results, a README, a CSV of
+    the user's under a prepared dataset's name): one line."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"output {path}: is a directory, not a file")
+    if path.exists() and ours is not None and not ours(path):
+        raise ConfigError(f"output {path}: is not what this command writes; it is never replaced (not even with "
+                          f"{option}): give another path")
     if path.exists() and not overwrite:
         raise ConfigError(f"output {path} exists; {option} replaces it, or give another path")
+
+
+def writable_directory(path: str | Path, what: str) -> Path:
+    """Make sure ``path`` is a directory this process can create files in (created if missing), by creating one
+    there: permission bits alone say nothing for root, who is refused only by a read-only file system. One line
+    (:class:`ConfigError`) otherwise; nothing is left behind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path}: is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
+def refuse_unless_ours(path: str | Path, ours: str) -> None:
+    """Refuse (one line) to replace a file at ``path`` that does not start with ``ours``, the mark that the command
+    about to write it wrote it: a user's file of the same name is never replaced."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            mine = not path.is_dir() and f.read(len(ours.encode())) == ours.encode()
+    except OSError:
+        mine = False
+    if not mine:
+        raise ConfigError(f"output {path}: was not written by this command; it is never replaced: move it, or "
+                          "report a copy of the results elsewhere")

@@ -114,13 +114,18 @@ class Engine:
         wall, cpu, self.parts_at_start = time.perf_counter(), time.process_time(), self.parts.time_parts()
         every, last = self.cfg.checkpoint_every, self.cfg.rounds
         heartbeat = Heartbeat(heartbeat_s if progress else 0.0, self.start_round, last)
+        last_checkpoint = time.monotonic()
         for round_ in range(self.start_round, last + 1):
             round_start, parts_before = time.perf_counter(), self.parts.time_parts()
             inject_fault(self.rank, round_)
             self.rounds.train_round(round_)
-            halt = stop is not None and round_ < last and stop.anyone_asked(self.comm)
+            due = self.server is not None and self.cfg.checkpoint_minutes > 0 and (
+                time.monotonic() - last_checkpoint >= 60 * self.cfg.checkpoint_minutes)
+            halt, due = self._agree(stop is not None and stop.requested, due) if round_ < last else (False, False)
             evaluation = round_ % self.cfg.eval_every == 0 or round_ == last
-            checkpoint = bool(every) and round_ % every == 0 or halt
+            checkpoint = bool(every) and round_ % every == 0 or halt or due
+            if checkpoint:
+                last_checkpoint = time.monotonic()
             if evaluation:
                 self.evaluation.run(round_)
             if checkpoint:
@@ -142,6 +147,16 @@ class Engine:
         self._finish()
         self._release()
         return None
+
+    def _agree(self, stop: bool, due: bool) -> tuple[bool, bool]:
+        """Whether any rank was asked to stop, and whether rank 0's clock says a checkpoint is due: one small
+        all-reduce on every rank, so all of them stop, or checkpoint, after the same round."""
+        flags = int(stop) | int(due) << 1
+        if self.size > 1:
+            from mpi4py import MPI
+
+            flags = self.comm.allreduce(flags, op=MPI.BOR)
+        return bool(flags & 1), bool(flags & 2)
 
     def _release(self) -> None:
         """The end of this rank's part: client state closed, the output's lock given up."""

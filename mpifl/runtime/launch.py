@@ -73,7 +73,7 @@ class JobOptions:
     resume: str | None = None  # the results file whose run to continue
     overwrite: bool = False  # replace the results file even if it holds a run
     profile: bool = False  # record every rank's time breakdown per round
-    heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (0: none)
+    heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (> 0)
 
 
 def job_config(config_path: str | None, overrides: list[str], resume: str | None) -> RunConfig:
@@ -104,10 +104,10 @@ def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, round
             f"{resume_command(output, size)} (any rank count)")
 
 
-def _failed_hint(cfg: RunConfig, output: Path, size: int) -> str:
-    if not cfg.checkpoint_every:
-        return "; no checkpoint was taken (checkpoint_every: 0): start again with --overwrite"
-    return f"; continue from its last checkpoint with: {resume_command(output, size)}"
+def _failed_hint(checkpoint_round: int | None, output: Path, size: int) -> str:
+    if checkpoint_round is None:
+        return "; no checkpoint was taken yet: start again with --overwrite"
+    return f"; continue from its last checkpoint (round {checkpoint_round}) with: {resume_command(output, size)}"
 
 
 def load_mpi():  # noqa: ANN201 - mpi4py's MPI module
@@ -141,6 +141,9 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     rank, size = comm.Get_rank(), comm.Get_size()
     resume = options.resume
     try:
+        if not options.heartbeat_s > 0:  # NaN too
+            raise ConfigError(f"--heartbeat: expected a positive number of seconds, not {options.heartbeat_s:g} "
+                              "(--quiet prints no progress)")
         cfg = job_config(config_path, overrides, resume)
         if resume and output and Path(output) != Path(resume):
             raise ConfigError("--resume continues writing the file it resumes from; drop --out or make them equal")
@@ -166,7 +169,7 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         engine.settle()
-        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(cfg, path, size)}")
+        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(engine.checkpointer.taken, path, size)}")
         if os.environ.get("MPIFL_DEBUG"):
             traceback.print_exc()
         if size > 1:

@@ -1,5 +1,6 @@
-"""The heartbeat: between evaluations, a line at most every few seconds that says a long run is alive and when
-it will end (round, rounds per second, elapsed time, ETA), independent of ``eval_every``."""
+"""Rank 0's progress lines: at each evaluation its scores, and between evaluations a heartbeat at most every few
+seconds that says a long run is alive; every line ends with the pace (rounds per second since the start, elapsed
+time, ETA), so when a run will end shows whatever ``eval_every`` is."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def _clock(seconds: float) -> str:
 
 
 class Heartbeat:
-    """Rank 0's progress between evaluations (``every_s`` 0: none)."""
+    """Rank 0's progress lines (``every_s`` 0: no heartbeat between evaluations)."""
 
     def __init__(self, every_s: float, first_round: int, rounds: int):
         self.every_s, self.first_round, self.rounds = every_s, first_round, rounds
@@ -21,22 +22,21 @@ class Heartbeat:
 
     def report(self, round_: int, evaluation_line: str | None) -> None:
         """After ``round_``: print its evaluation's progress line if it has one, else a heartbeat when one is due
-        (the next heartbeat is due ``every_s`` after either)."""
+        (the next heartbeat is due ``every_s`` after either); either ends with the pace."""
         line = evaluation_line or self.line(round_)
         if line is not None:
-            print(line, flush=True)
+            print(line if line is not evaluation_line else f"{line} | {self.pace(round_)}", flush=True)
             self.last_line = time.monotonic()
 
     def line(self, round_: int) -> str | None:
         """The heartbeat after ``round_``, or ``None`` when none is due."""
-        now = time.monotonic()
-        if self.every_s <= 0 or now - self.last_line < self.every_s:
+        if self.every_s <= 0 or time.monotonic() - self.last_line < self.every_s:
             return None
-        self.last_line = now
-        elapsed = now - self.started
-        done = round_ - self.first_round + 1
-        rate = done / elapsed if elapsed > 0 else 0.0
+        return f"round {round_:>{len(str(self.rounds))}}/{self.rounds} | {self.pace(round_)}"
+
+    def pace(self, round_: int) -> str:
+        """Rounds per second since this start (or resume), elapsed time and the ETA of the last round."""
+        elapsed = time.monotonic() - self.started
+        rate = (round_ - self.first_round + 1) / elapsed if elapsed > 0 else 0.0
         eta = _clock((self.rounds - round_) / rate) if rate > 0 else "?"
-        width = len(str(self.rounds))
-        return (f"round {round_:>{width}}/{self.rounds} | {rate:.3g} rounds/s | elapsed {_clock(elapsed)} | "
-                f"ETA {eta}")
+        return f"{rate:.3g} rounds/s | elapsed {_clock(elapsed)} | ETA {eta}"
