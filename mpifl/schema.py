@@ -91,6 +91,8 @@ def _convert_union(value: Any, args: tuple[Any, ...], path: str) -> Any:
         try:
             return _convert(value, arg, path)
         except ConfigError as exc:
+            if arg in _SCALARS and type(value) is arg:  # the value's own type refused it: that is the reason
+                raise
             errors.append(str(exc))
     expected = " or ".join(_type_name(a) for a in args if a is not type(None))
     raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {expected}, got {value!r}")

@@ -51,6 +51,9 @@ MEASURED = (
     re.compile(r"(?<=\bwall )\d+(\.\d+)? s"),  # how long this machine took
     re.compile(r"(?<=\bsimulated )\d+(\.\d+)? s"),  # a deployment's time, with the compute this machine measured
     re.compile(r"\d+(\.\d+)? s/round"),
+    re.compile(r"\d+(\.\d+)? rounds/s"),  # the progress line's pace, elapsed time and ETA
+    re.compile(r"(?<=\belapsed )\S+"),
+    re.compile(r"(?<=\bETA )\S+"),
 )
 """Figures in a command's output that measure the machine it ran on, not the code: left out of the comparison
 of a page's shown output with the printed one; so are the seconds of a report's time-by-rank table

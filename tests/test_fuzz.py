@@ -27,6 +27,7 @@ from tests.data.data_files import write_idx
 
 KEYS = [
     "algorithm", "rounds", "clients_per_round", "seed", "eval_every", "checkpoint_every", "checkpoint_keep",
+    "checkpoint_minutes",
     "eval_chunk", "device",
     "threads_per_rank", "data_memory_gb", "state_memory_gb", "state_spill_dir", "allow_tf32", "server.device",
     "placement", "data.dataset", "data.num_clients", "data.partition", "data.classes_per_client", "data.alpha",
