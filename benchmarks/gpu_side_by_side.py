@@ -47,6 +47,11 @@ class Setting:
     count: int = 1  # ranks or processes
     extra: tuple[str, ...] = ()  # further --set overrides, or the floor's flag
 
+    @property
+    def slug(self) -> str:
+        """The setting's name as a file name."""
+        return re.sub(r"[^a-z0-9]+", "_", self.name.lower())
+
 
 SETTINGS = (
     Setting("mpifl W2, 1 rank", 60, "mpifl", 1),
@@ -75,7 +80,7 @@ def command(setting: Setting, args: argparse.Namespace, scratch: Path) -> tuple[
         extra.remove("config=b1")
         config, sets = REPO / "configs" / "b1.yaml", list(args.overrides)
     if setting.kind == "mpifl":
-        out = scratch / f"{re.sub(r'[^a-z0-9]+', '_', setting.name.lower())}.h5"
+        out = scratch / f"{setting.slug}.h5"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(out), "--quiet",
                *(x for s in [f"rounds={args.rounds}", f"device={args.device}", "eval_every=1000", *sets, *extra]
@@ -91,7 +96,7 @@ def command(setting: Setting, args: argparse.Namespace, scratch: Path) -> tuple[
         return [sys.executable, str(BENCH / "bare_w2.py"), "--rounds", str(args.rounds), "--device", args.device,
                 *extra, *(x for s in sets for x in ("--set", s))], env
     return [sys.executable, str(BENCH / "trace_round.py"), "--device", args.device, "--round", "3",
-            "--out", str(scratch / re.sub(r"[^a-z0-9]+", "_", setting.name.lower())),
+            "--out", str(scratch / setting.slug),
             *(x for s in [*sets, *extra] for x in ("--set", s))], env
 
 
@@ -100,7 +105,7 @@ def median_of(setting: Setting, stdout: str, scratch: Path) -> float | None:
     if setting.kind == "mpifl":
         import h5py
 
-        out = scratch / f"{re.sub(r'[^a-z0-9]+', '_', setting.name.lower())}.h5"
+        out = scratch / f"{setting.slug}.h5"
         with h5py.File(out) as f:
             times = np.asarray(f["rounds"]["wall_time_s"][()], dtype=float)
         return float(np.median(times[1:] if len(times) > 1 else times))
@@ -158,7 +163,7 @@ def main() -> int:
             code, stdout = "cap", ""
             log = f"{stopped.stdout or ''}{stopped.stderr or ''}"
         seconds = time.monotonic() - began
-        (scratch / f"{re.sub(r'[^a-z0-9]+', '_', setting.name.lower())}.log").write_text(str(log)[-20000:])
+        (scratch / f"{setting.slug}.log").write_text(str(log)[-20000:])
         median = None
         if code == 0:
             try:

@@ -278,7 +278,7 @@ class PlanWalker:
                 continue
             on_device = [i for i, rows in accepted.items() if isinstance(rows[j], torch.Tensor)]
             for i, rows in accepted.items():
-                if not isinstance(rows[j], torch.Tensor):
+                if not isinstance(rows[j], torch.Tensor):  # host rows one by one
                     sums.add(rows[j], weight[i], client.sum_group(msg, int(local[i])))
             if on_device:
                 sums.add_rows(torch.stack([accepted[i][j] for i in on_device]), weight[on_device],

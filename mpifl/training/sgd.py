@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -253,6 +253,12 @@ def sgd_step(
 ) -> None:
     if cfg.clip_norm is not None:
         grads.mul_(clip_factor(l2_norm(grads), cfg.clip_norm))
+    _decayed_momentum_step(params, grads, momentum, lr, cfg)
+
+
+def _decayed_momentum_step(params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float,
+                           cfg: ClientConfig) -> None:
+    """The step after clipping: weight decay, momentum, params −= lr·update (elementwise, any leading rows)."""
     if cfg.weight_decay:
         grads.add_(params, alpha=cfg.weight_decay)
     if momentum is not None:
@@ -269,10 +275,7 @@ def batched_sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum: torch.
     if cfg.clip_norm is not None:
         factors = torch.stack([clip_factor(l2_norm(row), cfg.clip_norm) for row in grads])
         grads.mul_(factors.to(grads.dtype)[:, None])
-        clipped = replace(cfg, clip_norm=None)
-        sgd_step(params, grads, momentum, lr, clipped)
-        return
-    sgd_step(params, grads, momentum, lr, cfg)
+    _decayed_momentum_step(params, grads, momentum, lr, cfg)
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -162,9 +162,8 @@ class VectorizedSGD:
                 rows = [members[j] for j in order]
                 for call in self._calls(len(rows)):
                     block = [rows[j] for j in range(call.start, call.stop)]
-                    g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]),
-                                                     torch.stack([ys[k] for k in block]))
                     targets = torch.stack([ys[k] for k in block])
+                    g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]), targets)
                     losses[block] = self._losses(loss, outputs, targets, len(block)).double()
                     grads[block] = g
         return grads, host_numpy(losses).tolist()
@@ -219,12 +218,17 @@ class VectorizedSGD:
         """The rows' start parameters on the device ([len(order), numel]), and what gives the starts again (as a
         tensor that broadcasts against them): each distinct start copied up once (a broadcast model, which every
         client's start is a view of, once for all)."""
-        distinct: dict[tuple[int, tuple[int, ...]], int] = {}
-        which = [distinct.setdefault((starts[k].ctypes.data, starts[k].strides), len(distinct)) for k in order]
-        firsts = {index: order[j] for j, index in reversed(list(enumerate(which)))}
-        host = torch.from_numpy(np.stack([starts[firsts[i]] for i in range(len(distinct))]))
-        unique = to_device(host, self.model.device)
-        if len(distinct) == 1:
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (data pointer, strides) -> index among the firsts
+        firsts: list[int] = []  # the first run of each distinct start
+        which = []
+        for k in order:
+            key = (starts[k].ctypes.data, starts[k].strides)
+            if key not in distinct:
+                distinct[key] = len(firsts)
+                firsts.append(k)
+            which.append(distinct[key])
+        unique = to_device(torch.from_numpy(np.stack([starts[k] for k in firsts])), self.model.device)
+        if len(firsts) == 1:
             return unique.expand(len(order), -1).clone(), lambda: unique
         index = to_device(torch.tensor(which), self.model.device)
         return unique[index], lambda: unique[index]
