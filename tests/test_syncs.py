@@ -17,9 +17,9 @@ from mpifl.algorithms.base import ClientAlgorithm
 from mpifl.registry import get_algorithm
 from mpifl.training import sgd
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import client_generator, evaluate, local_sgd
+from mpifl.training.executor import VECTORIZABLE_MODELS, local_sgd
+from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.syncdebug import CASES, HostSyncError, check, example, host_reads, refusing_host_syncs, step_configs
-from mpifl.training.vectorized import VECTORIZABLE_MODELS
 from tests.conftest import CUDA_ONLY, _merge, run_engine
 from tests.test_checkpoint import CONFIGS
 

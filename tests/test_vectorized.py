@@ -16,8 +16,18 @@ from mpifl.models.config import ModelConfig
 from mpifl.registry import parse_config
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import client_generator, local_sgd
-from mpifl.training.vectorized import VECTORIZABLE_MODELS, ClientRun, VectorizedSGD, kernel_wanted
+from mpifl.training.executor import (
+    PADDING_BOUND,
+    VECTORIZABLE_MODELS,
+    ClientRun,
+    LocalSGD,
+    LocalStep,
+    auto_chunk,
+    kernel_wanted,
+    local_sgd,
+    padded_work,
+)
+from mpifl.training.sgd import client_generator
 from tests.conftest import _merge, assert_same, deterministic, run_engine, run_mpifl
 from tests.test_checkpoint import CONFIGS
 from tests.test_models import layout
@@ -41,9 +51,9 @@ def clients(shape: tuple[int, ...], sizes=SIZES) -> tuple[list[torch.Tensor], li
     return xs, ys
 
 
-def train(trainer: VectorizedSGD, start: np.ndarray, xs, ys, group, cfg: ClientConfig):  # noqa: ANN001, ANN201
+def train(trainer: LocalSGD, start: np.ndarray, xs, ys, group, cfg: ClientConfig):  # noqa: ANN001, ANN201
     runs = [ClientRun(start, xs[c], ys[c], client_generator(3, 1, c)) for c in group]
-    return trainer.train(runs, cfg)
+    return trainer.train(runs, LocalStep(), cfg)
 
 
 @pytest.mark.parametrize("name", CNNS)
@@ -59,7 +69,7 @@ def test_a_cnn_clients_update_is_the_same_in_any_group_and_within_rounding_of_th
     xs, ys = clients(shape)
     cfg = ClientConfig(lr=0.05, epochs=1, batch_size=8, momentum=0.9, weight_decay=1e-3, clip_norm=5.0,
                        augment="crop_flip", vectorize=True, vectorize_chunk=4)
-    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
     assert trainer.chunk == 4
     updates: dict[int, list[torch.Tensor]] = {}
     for group in (range(7), range(2, 5), [4], [5, 1]):
@@ -69,8 +79,8 @@ def test_a_cnn_clients_update_is_the_same_in_any_group_and_within_rounding_of_th
             if len(updates[c]) == 1:  # the loop, once per client
                 flat.load(start)
                 alone = local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
-                assert result.stats[k].steps == alone.steps == 3
-                assert result.stats[k].mean_loss == pytest.approx(alone.mean_loss, rel=1e-5)
+                assert result.steps[k] == alone.steps == 3
+                assert result.mean_losses()[k] == pytest.approx(alone.mean_loss, rel=1e-5)
                 torch.testing.assert_close(result.params[k], flat.params, rtol=1e-4, atol=1e-6)
                 assert not torch.equal(result.params[k], torch.from_numpy(start))
     for c, versions in updates.items():
@@ -93,7 +103,7 @@ def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
     loss_fn = torch.nn.CrossEntropyLoss()
     xs, ys = clients(shape, sizes)
     cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)
-    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
     assert trainer.chunk is None  # a dense model's rows are computed alone on the CPU: no padding needed
     for group in (range(7), range(2, 5)):
         result = train(trainer, start, xs, ys, list(group), cfg)
@@ -101,7 +111,7 @@ def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
             flat.load(start)
             alone = local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
             assert torch.equal(result.params[k], flat.params), f"client {c} in a group of {len(group)}"
-            assert (result.stats[k].steps, result.stats[k].mean_loss) == (alone.steps, alone.mean_loss)
+            assert (result.steps[k], result.mean_losses()[k]) == (alone.steps, alone.mean_loss)
 
 
 def test_clients_with_unequal_step_counts_train_in_separate_groups():
@@ -113,9 +123,9 @@ def test_clients_with_unequal_step_counts_train_in_separate_groups():
     loss_fn = torch.nn.CrossEntropyLoss()
     xs, ys = clients((6,), (8, 16, 16))
     cfg = ClientConfig(lr=0.1, batch_size=8)
-    trainer = VectorizedSGD(flat, loss_fn, cfg)
+    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
     result = train(trainer, start, xs, ys, [0, 1, 2], cfg)
-    assert [s.steps for s in result.stats] == [1, 2, 2]
+    assert result.steps.tolist() == [1, 2, 2]
     assert result.seconds.shape == (3,) and result.seconds[1] == result.seconds[2]
     for c in range(3):
         assert torch.equal(result.params[c], train(trainer, start, xs, ys, [c], cfg).params[0])
@@ -138,7 +148,7 @@ def test_a_clients_update_does_not_depend_on_its_group_even_on_two_threads():
         flat = FlatModel(build_model(cfg.model, data.layout, 0))
         start = flat.numpy().copy()
         client_cfg = ClientConfig(lr=0.1, epochs=1, batch_size=32, momentum=0.9)
-        trainer = VectorizedSGD(flat, loss_function(data.layout), client_cfg)
+        trainer = LocalSGD(flat, loss_function(data.layout), batched=True, chunk=4)
         xs = [torch.from_numpy(splits[c].x_train) for c in range(5)]
         ys = [torch.from_numpy(splits[c].y_train) for c in range(5)]
         updates: dict[int, list[torch.Tensor]] = {}
@@ -173,12 +183,13 @@ def test_vectorize_takes_true_false_or_auto(value):
         parse_config({"client": {"vectorize": value}})
 
 
-# FedAvg's local step and its variants: the gradient hooks, SCAFFOLD's control variates after training, FedSGD's
+# FedAvg's local step and its variants: the gradient transforms, SCAFFOLD's control variates after training, FedSGD's
 # full-batch gradients, kNN-Per's evaluation and FedBuff's clients starting from different model versions; and the
 # other algorithms whose clients run plain local SGD from a start of their own: FedAsync (the model it downloaded),
 # Local (its own model), IFCA (its cluster's), PeFLL and pFedHN (the generated one)
 DENSE_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedsgd", "knnper", "fedbuff", "fedasync", "local", "ifca")
-KERNEL_ALGORITHMS = (*DENSE_ALGORITHMS, "pefll", "pfedhn")
+KERNEL_ALGORITHMS = (*DENSE_ALGORITHMS, "pefll", "pfedhn")  # those that took the batch before the one executor
+NEWLY_BATCHED = ("fedals",)  # its carried momentum, per-round rate and SCAFFOLD option as per-row state
 IMAGES = {"data": {"dataset": "gaussian_images", "num_clients": 6, "partition": "iid",
                    "synthetic": {"image_shape": [1, 16, 16], "samples_per_client": 30, "size_sigma": 0.3}},
           "model": CNNS["cnn"][0], "rounds": 2, "eval_every": 2, "client": {"vectorize_chunk": 4}}
@@ -192,7 +203,7 @@ def run_both(raw: dict, tmp_path) -> dict[str, h5py.File]:  # noqa: ANN001
     return out
 
 
-@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS + NEWLY_BATCHED)
 def test_every_kernel_algorithm_trains_a_cnn_within_rounding_of_the_loop(algorithm, tmp_path):
     """Clients of unequal sizes (log-normal) and 4 local steps: groups with unequal last batches."""
     runs = run_both(_merge(CONFIGS[algorithm], IMAGES), tmp_path)
@@ -206,11 +217,12 @@ def test_every_kernel_algorithm_trains_a_cnn_within_rounding_of_the_loop(algorit
     assert not all(np.array_equal(k, lo) for k, lo in pairs), "the same bits: did only one of the paths run?"
 
 
-@pytest.mark.parametrize("algorithm", DENSE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", DENSE_ALGORITHMS + NEWLY_BATCHED + ("fedals_scaffold",))
 def test_every_kernel_algorithm_with_a_narrow_dense_model_is_bitwise_the_loop(algorithm, tmp_path):
     """SHARDS' MLP 16: here FedProx, SCAFFOLD, FedSGD, FedAsync, Local and IFCA give the same bits in the kernel as
     in the loop (their CPU default under ``auto``)."""
-    runs = run_both(CONFIGS[algorithm], tmp_path)
+    raw = CONFIGS[algorithm] if algorithm in CONFIGS else _merge(CONFIGS["fedals"], {"fedals": {"scaffold": True}})
+    runs = run_both(raw, tmp_path)
     assert runs["kernel"]["ranks/clients_trained_vectorized"][()].sum() > 0
     assert_same(deterministic(runs["kernel"].filename), deterministic(runs["loop"].filename))
 
@@ -248,3 +260,16 @@ def test_wide_layers_on_two_threads_give_one_model_on_any_rank_count(write_confi
         with h5py.File(out) as f:
             models[ranks] = f["model/global_model"][()]
     assert np.array_equal(models[0], models[3])
+
+
+def test_auto_chunk_keeps_w2s_padding_small_on_any_worker_count_and_depends_on_the_config_alone():
+    """W2's 50 clients a round spread over 1, 2, 4 or 8 worker ranks: every call's rows at most 1.25× the real ones
+    (64-row calls were 1.28×, 2.56× and 5.1× on 1, 2 and 4); the chunk is a function of the cohort, not of the rank
+    count (a client's bits may depend on its call's size), and 16 on the CPU as before."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    chunk = auto_chunk(50, gpu)
+    assert [padded_work(50, w, 64) for w in (1, 2, 4)] == [1.28, 2.56, 5.12]
+    assert all(padded_work(50, w, chunk) <= PADDING_BOUND for w in (1, 2, 4, 8))
+    assert auto_chunk(1000, gpu) == 64 and auto_chunk(50, cpu) == 16
+    for cohort in (1, 3, 7, 20, 100, 333, 5000):
+        assert all(padded_work(cohort, w, auto_chunk(cohort, gpu)) <= PADDING_BOUND for w in (1, 2, 4, 8) if w <= cohort)

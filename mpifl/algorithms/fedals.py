@@ -36,25 +36,18 @@ from functools import partial
 from typing import Literal
 
 import numpy as np
-import torch
 from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
-from mpifl.algorithms.scaffold import (
-    GradientMean,
-    correction_hook,
-    population_weights,
-    sample_shares,
-    update_control,
-)
+from mpifl.algorithms.scaffold import corrected, population_weights, sample_shares, update_control
 from mpifl.algorithms.state import ClientState, StateDict
-from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models.flat import layer_groups
 from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.schema import ConfigError, limits
-from mpifl.training.device import host_numpy
+from mpifl.training.executor import LocalStep, TrainedRows
 from mpifl.training.sgd import planned_samples
 
 
@@ -311,23 +304,32 @@ class FedALSClient(ClientToolkit):
         if "gradient_sum" in st:
             st["gradient_sum"][part.span] = 0.0
 
-    def compute(self, step: StepContext, client: int) -> None:
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        """τ steps at the round's rate; the momentum carried over rounds (``persistent_momentum``); with
+        ``scaffold`` each gradient corrected by c − cₖ and summed for cₖ⁺."""
+        opts, cfg = self.ctx.options, self.ctx.cfg.client
+        return LocalStep(corrected(cfg.weight_decay) if opts.scaffold else None,
+                         sums=("gradient_sum",) if opts.scaffold else (),
+                         carries_momentum=opts.persistent_momentum and cfg.momentum > 0,
+                         lr=round_lr(cfg.lr, opts, step.round), steps=opts.tau)
+
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
         st = self.working(client)
-        self.workspace.load(st["model"])
-        hook, gradients = None, None
-        if "control" in st:
-            gradients = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
-            hook = correction_hook(st["global_control"] - st["control"], self.device, gradients)
-        momentum = torch.from_numpy(st["momentum"]).to(self.device) if "momentum" in st else None
-        opts = self.ctx.options
-        steps = self.train_workspace(step, client, hook, steps=opts.tau, momentum=momentum,
-                                     lr=round_lr(self.ctx.cfg.client.lr, opts, step.round))
-        st["model"][:] = self.workspace.numpy()
-        if momentum is not None and momentum.is_cuda:  # on the CPU it is a view of st["momentum"]
-            st["momentum"][:] = host_numpy(momentum)
-        st["steps"] += steps
-        if gradients is not None:
-            st["gradient_sum"] += host_numpy(gradients.total)
+        values = {"shift": st["global_control"] - st["control"]} if "control" in st else {}
+        return ClientStart(st["model"], values, st.get("momentum"))
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        """θₖ, its momentum and its gradient sum back into each client's state (read in one copy)."""
+        names = ["params", *(["momentum"] if trained.momentum is not None else []), *trained.sums]
+        rows = dict(zip(names, trained.host(*names)))
+        for k, client in enumerate(clients):
+            st = self.working(client)
+            st["model"][:] = rows["params"][k]
+            if "momentum" in rows:
+                st["momentum"][:] = rows["momentum"][k]
+            st["steps"] += trained.steps[k]
+            if "gradient_sum" in rows:
+                st["gradient_sum"] += rows["gradient_sum"][k]
 
     def send_extractor(self, step: StepContext, client: int) -> np.ndarray:
         return self.current_model(client)[require(self.protocol.extractor, "the extractor part").span]

@@ -30,9 +30,10 @@ from mpifl.algorithms.base import (
 )
 from mpifl.algorithms.context import AsynchronousOptions
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientToolkit, send_from
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit, send_from
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.schema import limits
+from mpifl.training.executor import LocalStep, TrainedRows
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,6 @@ class FedAsyncClient(ClientToolkit):
         self.start: dict[int, np.ndarray] = {}
         self.trained: dict[int, np.ndarray] = {}
         self.global_params: np.ndarray | None = None
-        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -131,18 +131,15 @@ class FedAsyncClient(ClientToolkit):
     def receive_evaluated(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.global_params = row
 
-    def compute(self, step: StepContext, client: int) -> None:
-        self.workspace.load(self.start.pop(client))
-        self.train_workspace(step, client)
-        self.trained[client] = self.workspace.numpy().copy()
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep()
 
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, clients dispatched together train together (those with equally many local steps)."""
-        if self.vectorizer is None:
-            return super().compute_clients(step, clients)
-        trained, seconds = self.train_together(self.vectorizer, step, {int(c): self.start.pop(int(c)) for c in clients})
-        self.trained.update((client, params.copy()) for client, params in trained.items())
-        return seconds
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        return ClientStart(self.start.pop(client))
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        rows = trained.host("params")[0]
+        self.trained.update((client, rows[k].copy()) for k, client in enumerate(clients))
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.global_params, "the evaluated model"))

@@ -16,10 +16,9 @@ from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
-from mpifl.training.sgd import GradHook
-from mpifl.training.vectorized import VectorizedSGD
+from mpifl.training.executor import LocalStep, TrainedRows
 
 
 class FedAvgProtocol(Protocol):
@@ -139,51 +138,26 @@ class DeltaClient(ClientToolkit):
     def send_delta(self, step: StepContext, client: int) -> np.ndarray | torch.Tensor:
         return self.deltas.pop(client)
 
-
-class FedAvgClient(DeltaClient):
-    def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
-        super().__init__(ctx, data, state)
-        self.vectorizer = self.make_vectorizer()
-
-    def make_vectorizer(self) -> VectorizedSGD | None:
-        """The kernel that trains this rank's clients together (``client.vectorize``), or None: for FedAvg's local
-        step (local SGD from the received start, a variant's gradient hook, then :meth:`after_training`), which a
-        variant that overrides :meth:`compute` no longer has. Under ``auto`` on the CPU, only the unhooked step
-        (FedAvg, kNN-Per, FedBuff) trains in the kernel, as before (see ``kernel_wanted``)."""
-        cls = type(self)
-        if cls.compute is not FedAvgClient.compute:
-            return None
-        return self.vectorizer_if(cpu_default=cls.grad_hook is FedAvgClient.grad_hook)
-
-    def compute(self, step: StepContext, client: int) -> None:
-        """Local SGD from the received start; the delta stays on a GPU (the fold runs there), on the host else."""
-        start = self.start.pop(client)
-        self.workspace.load(start)
-        origin = self.workspace.params.clone() if self.workspace.params.is_cuda else None
-        self.train_workspace(step, client, self.grad_hook(client, start))
-        self.deltas[client] = self.workspace.numpy() - start if origin is None else self.workspace.params - origin
-        self.after_training(client)
-
-    def after_training(self, client: int) -> None:
-        """What a variant does once ``client`` has trained and its delta is set (SCAFFOLD: its control variate)."""
-
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, every client trains through it, those with equally many local steps together (each
-        reporting an equal share of its group's seconds), whichever clients share its rank."""
-        if self.vectorizer is None:
-            return super().compute_clients(step, clients)
-        starts = {int(c): self.start.pop(int(c)) for c in clients}
-        hooks = {c: self.grad_hook(c, start) for c, start in starts.items()}
-        deltas, seconds = self.train_deltas_together(self.vectorizer, step, starts, hooks)
-        for client in starts:
-            self.deltas[client] = deltas[client]
-            self.after_training(client)
-        return seconds
-
-    def grad_hook(self, client: int, start: np.ndarray) -> GradHook | None:
-        """The local-gradient correction of FedAvg-style variants (FedProx, SCAFFOLD); FedAvg has none."""
-        return None
-
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.global_params, "the evaluated model"))
         return self.workspace.module
+
+
+class FedAvgClient(DeltaClient):
+    """Local SGD from the received start; the delta stays where it was trained (on a GPU the fold runs there).
+    A variant changes the step's gradient (:meth:`local_step`: FedProx, SCAFFOLD) and what it keeps
+    (:meth:`local_end`)."""
+
+    kernel_on_cpu = True
+
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep(delta=True)
+
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        return ClientStart(self.start.pop(client))
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        """Each client's delta: rows of one device tensor on a GPU (a summed upload is screened and folded there,
+        never copied out client by client), host views on the CPU."""
+        rows = trained.params if trained.params.device.type != "cpu" else trained.host("params")[0]
+        self.deltas.update((client, rows[k]) for k, client in enumerate(clients))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import RunContext, StepContext
-from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.schema import limits
 from mpifl.training.sgd import client_generator, sgd_step, training_batches
@@ -48,7 +48,7 @@ class FedDeperServer(FedAvgServer):
     protocol: FedDeperProtocol
 
 
-class FedDeperClient(FedAvgClient):
+class FedDeperClient(DeltaClient):
     protocol_type: type[FedDeperProtocol] = FedDeperProtocol
     protocol: FedDeperProtocol
 

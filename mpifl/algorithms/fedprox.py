@@ -6,14 +6,15 @@ bytes are FedAvg's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from mpifl.algorithms.base import StepContext
 from mpifl.algorithms.fedavg import FedAvgClient
 from mpifl.schema import limits
-from mpifl.training.sgd import GradHook
+from mpifl.training.executor import GradTransform, LocalStep
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,16 @@ class FedProxOptions:
 
 
 class FedProxClient(FedAvgClient):
-    def grad_hook(self, client: int, start: np.ndarray) -> GradHook:
-        anchor = torch.tensor(start, device=self.device)  # a copy: ``start`` may be a read-only received view
-        mu = self.ctx.options.mu
+    kernel_on_cpu = False  # the loop under auto on the CPU, as before
 
-        def hook(params: torch.Tensor, grads: torch.Tensor) -> None:
-            grads.add_(params - anchor, alpha=mu)
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep(proximal(self.ctx.options.mu), delta=True)
 
-        return hook
+
+def proximal(mu: float) -> GradTransform:
+    """g ← g + μ(w − x) on every row, x its start (the round's global model)."""
+
+    def transform(params: torch.Tensor, grads: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+        grads.add_(params - rows["start"], alpha=mu)
+
+    return transform

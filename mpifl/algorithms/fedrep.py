@@ -31,7 +31,8 @@ from mpifl.comm.messages import Message, require
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_floats
-from mpifl.training.sgd import TrainStats, client_generator, local_sgd, planned_samples
+from mpifl.training.executor import TrainStats, local_sgd
+from mpifl.training.sgd import client_generator, planned_samples
 
 NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head training
 

@@ -17,7 +17,7 @@ from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
 from mpifl.training.device import host_numpy
-from mpifl.training.vectorized import VectorizedSGD
+from mpifl.training.executor import LocalStep
 
 
 class FedSGDProtocol(FedAvgProtocol):
@@ -44,6 +44,7 @@ class FedSGDServer(FedAvgServer):
 
 
 class FedSGDClient(FedAvgClient):
+    kernel_on_cpu = False  # the loop under auto on the CPU, as before
     protocol_type: type[FedSGDProtocol] = FedSGDProtocol
     protocol: FedSGDProtocol
 
@@ -53,18 +54,18 @@ class FedSGDClient(FedAvgClient):
     def compute(self, step: StepContext, client: int) -> None:
         self.deltas[client] = self.gradient_at(client, self.start.pop(client))
 
-    def make_vectorizer(self) -> VectorizedSGD | None:
-        return self.vectorizer_if(cpu_default=False)  # the loop under auto on the CPU, as before
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return None  # a full-batch gradient, not local SGD: compute, or the batch's full_gradients below
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, the full-batch gradients of a rank's equally sized clients as one computation (each
+        """In the batch, the full-batch gradients of a rank's equally sized clients as one computation (each
         reporting an equal share of the seconds)."""
-        if self.vectorizer is None:
+        if not self.executor.batched:
             return super().compute_clients(step, clients)
         began = time.perf_counter()
         ids = [int(c) for c in clients]
         starts = [self.start.pop(c) for c in ids]
-        grads, losses = self.vectorizer.full_gradients(starts, [self.data[c].x_train for c in ids],
+        grads, losses = self.executor.full_gradients(starts, [self.data[c].x_train for c in ids],
                                                        [self.data[c].y_train for c in ids])
         decay, rows = self.ctx.cfg.client.weight_decay, host_numpy(grads)
         for k, (client, start) in enumerate(zip(ids, starts)):

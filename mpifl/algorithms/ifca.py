@@ -6,7 +6,6 @@ Clusters start from different random initializations, so they can separate."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,11 +16,12 @@ from torch import nn
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
+from mpifl.training.executor import LocalStep, TrainedRows
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,6 @@ class IFCAClient(ClientToolkit):
         self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
         self.chosen: dict[int, int] = {}  # this round: client -> its cluster
         self.deltas: dict[int, np.ndarray] = {}
-        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -130,27 +129,17 @@ class IFCAClient(ClientToolkit):
             losses.append(self.loss_fn(self.workspace.module(split.x_train), split.y_train))
         return int(np.argmin(host_floats(losses)))  # read once, not once per cluster
 
-    def compute(self, step: StepContext, client: int) -> None:
-        j = self.best_cluster(client)
-        self.workspace.load(self.models[j])
-        self.train_workspace(step, client)
-        self.report(client, j, self.workspace.numpy())
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep()
 
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, each client picks its cluster, then all train together from their clusters' models
-        (each client's seconds: its pick plus an equal share of its group's training)."""
-        if self.vectorizer is None:
-            return super().compute_clients(step, clients)
-        seconds = np.empty(len(clients))
-        picks = {}
-        for i, client in enumerate(clients):
-            began = time.perf_counter()
-            picks[int(client)] = self.best_cluster(int(client))
-            seconds[i] = time.perf_counter() - began
-        trained, training_s = self.train_together(self.vectorizer, step, {c: self.models[j] for c, j in picks.items()})
-        for client, j in picks.items():
-            self.report(client, j, trained[client])
-        return seconds + training_s
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        """The cluster whose model fits ``client`` best is where it starts (the pick counts as its compute)."""
+        self.chosen[client] = self.best_cluster(client)
+        return ClientStart(self.models[self.chosen[client]])
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        for client, row in zip(clients, trained.host("params")[0]):
+            self.report(client, self.chosen[client], row)
 
     def report(self, client: int, j: int, trained: np.ndarray) -> None:
         """Keep ``client``'s cluster and its delta from that cluster's model to ``trained``, to send."""

@@ -20,10 +20,11 @@ from torch import nn
 
 from mpifl.algorithms.base import Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Step
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
+from mpifl.training.executor import LocalStep, TrainedRows
 
 
 @dataclass(frozen=True)
@@ -73,22 +74,17 @@ class LocalClient(ClientToolkit):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial = self.workspace.numpy().copy()
-        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
-    def compute(self, step: StepContext, client: int) -> None:
-        self.workspace.load(self.model(client))
-        self.train_workspace(step, client, config=self.config(step))
-        self.state.edit(client)["model"] = self.workspace.numpy().copy()
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep(config=self.config(step))
 
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, each client trains its own model, those with equally many local steps together."""
-        if self.vectorizer is None:
-            return super().compute_clients(step, clients)
-        starts = {int(c): self.model(int(c)) for c in clients}
-        trained, seconds = self.train_together(self.vectorizer, step, starts, config=self.config(step))
-        for client, params in trained.items():
-            self.state.edit(client)["model"] = params.copy()
-        return seconds
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        return ClientStart(self.model(client))
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        rows = trained.host("params")[0]
+        for k, client in enumerate(clients):
+            self.state.edit(client)["model"] = rows[k].copy()
 
     def config(self, step: StepContext) -> ClientConfig | None:
         """``local.epochs`` passes in the set-up (mode ``all``), else ``client.*`` (None)."""

@@ -27,14 +27,15 @@ from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientToolkit
+from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
 from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import TrainStats, client_generator, clip_factor, local_sgd
+from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.sgd import client_generator, clip_factor
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
 DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)
@@ -327,7 +328,6 @@ class HyperClient(ClientToolkit):
         self.start: dict[int, np.ndarray] = {}
         self.deltas: dict[int, np.ndarray] = {}
         self.eval_models: dict[int, np.ndarray] = {}
-        self.vectorizer = self.vectorizer_if(cpu_default=False)
 
     def receive_start(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.start[client] = row
@@ -338,28 +338,19 @@ class HyperClient(ClientToolkit):
     def send_delta(self, step: StepContext, client: int) -> np.ndarray:
         return self.deltas.pop(client)
 
-    def train_from(self, client: int, generator: torch.Generator) -> TrainStats:
-        start = self.start.pop(client)
-        self.workspace.load(start)
-        split = self.data[client]
-        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, self.ctx.cfg.client, generator)
-        self.deltas[client] = self.workspace.numpy() - start
-        return stats
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep(delta=True)
 
-    def compute(self, step: StepContext, client: int) -> None:
-        stats = self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client))
-        self.round_losses[client] = stats.mean_loss
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        return ClientStart(self.start.pop(client), purpose=self.purpose(step, client))
 
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """With the kernel, a round's clients train their generated models together (those with equally many
-        local steps)."""
-        if self.vectorizer is None or step.stage != "train":
-            return super().compute_clients(step, clients)
-        starts = {int(c): self.start.pop(int(c)) for c in clients}
-        trained, seconds = self.train_together(self.vectorizer, step, starts)
-        for client, start in starts.items():
-            self.deltas[client] = trained[client] - start
-        return seconds
+    def purpose(self, step: StepContext, client: int) -> int:
+        """What keys ``client``'s generator besides (seed, round, client)."""
+        return 0
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        rows = trained.host("params")[0]
+        self.deltas.update((client, rows[k]) for k, client in enumerate(clients))
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(self.eval_models.pop(client))

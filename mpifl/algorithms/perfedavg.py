@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import RunContext, StepContext
-from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, FedAvgServer
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_floats
-from mpifl.training.sgd import client_generator, local_sgd, planned_samples, planned_step_counts, training_batches
+from mpifl.training.executor import local_sgd
+from mpifl.training.sgd import client_generator, planned_samples, planned_step_counts, training_batches
 
 PERSONALIZE_PURPOSE = 3  # client_generator purpose of the evaluation-time personalization
 
@@ -92,7 +93,7 @@ class PerFedAvgServer(FedAvgServer):
         self.model.step(total / len(step.clients))  # every client weighs 1 (the protocol's uniform sum)
 
 
-class PerFedAvgClient(FedAvgClient):
+class PerFedAvgClient(DeltaClient):
     protocol_type: type[PerFedAvgProtocol] = PerFedAvgProtocol
     protocol: PerFedAvgProtocol
 

@@ -35,7 +35,7 @@ from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
 from mpifl.schema import limits
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import client_generator
+from mpifl.training.executor import TrainedRows
 
 TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
 NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's adaptation steps
@@ -189,10 +189,11 @@ class PFedHNClient(HyperClient):
         self.start[client] = row
         self.newcomer_steps[client] = self.newcomer_steps.get(client, -1) + 1
 
-    def compute(self, step: StepContext, client: int) -> None:
-        if step.stage == "newcomer":  # a new client adapting its embedding: not a training loss
-            purpose = NEWCOMER_PURPOSE + self.newcomer_steps[client]
-            self.train_from(client, client_generator(self.ctx.cfg.seed, step.round, client, purpose))
-        else:
-            super().compute(step, client)
+    def purpose(self, step: StepContext, client: int) -> int:
+        return NEWCOMER_PURPOSE + self.newcomer_steps[client] if step.stage == "newcomer" else 0
 
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        super().local_end(step, clients, trained)
+        if step.stage == "newcomer":  # a new client adapting its embedding: not a training loss
+            for client in clients:
+                self.round_losses.pop(client, None)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mpifl.algorithms.base import RunContext, StepContext
-from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
+from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import EVERYONE_LOCAL, LOCAL, Step, require
 from mpifl.schema import limits
 from mpifl.training.device import host_floats, host_numpy
@@ -66,7 +66,7 @@ class PFedMeServer(FedAvgServer):
     protocol: PFedMeProtocol
 
 
-class PFedMeClient(FedAvgClient):
+class PFedMeClient(DeltaClient):
     protocol_type: type[PFedMeProtocol] = PFedMeProtocol
     protocol: PFedMeProtocol
 

@@ -28,41 +28,32 @@ import torch
 from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
+from mpifl.algorithms.toolkit import ClientStart
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.device import host_numpy
-from mpifl.training.sgd import GradHook
+from mpifl.training.executor import GradTransform, LocalStep, TrainedRows, read_together
+from mpifl.training.sgd import to_device
 
 
-class GradientMean:
-    """Sums the local objective's gradients of one client's steps (float64), for option II's cᵢ⁺."""
+def corrected(weight_decay: float) -> GradTransform:
+    """g ← g + (c − cᵢ) on every row (its ``"shift"``), after adding the uncorrected gradient of the local
+    objective (the loss's plus weight decay's) to the row's ``"gradient_sum"`` (float64: option II's Σₖ gₖ)."""
 
-    def __init__(self, numel: int, weight_decay: float, device: torch.device | str = "cpu"):
-        self.total = torch.zeros(numel, dtype=torch.float64, device=device)
-        self.weight_decay = weight_decay
-        self.steps = 0
+    def transform(params: torch.Tensor, grads: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+        total = rows["gradient_sum"]
+        total += grads
+        if weight_decay:
+            total += weight_decay * params.double()
+        grads.add_(rows["shift"])
 
-    def add(self, params: torch.Tensor, grads: torch.Tensor) -> None:
-        self.total += grads
-        if self.weight_decay:
-            self.total += self.weight_decay * params.double()
-        self.steps += 1
-
-    def mean(self) -> np.ndarray:
-        return host_numpy((self.total / max(self.steps, 1)).float()).copy()
+    return transform
 
 
-def correction_hook(correction: np.ndarray, device: torch.device | str = "cpu",
-                    gradients: GradientMean | None = None) -> GradHook:
-    """g ← g + (c − cᵢ): SCAFFOLD's drift correction of every local gradient (computed on ``device``),
-    after handing the uncorrected gradient to ``gradients``."""
-    shift = torch.from_numpy(np.ascontiguousarray(correction)).to(device)
-
-    def hook(params: torch.Tensor, grads: torch.Tensor) -> None:
-        if gradients is not None:
-            gradients.add(params, grads)
-        grads.add_(shift)
-
-    return hook
+def mean_gradients(trained: TrainedRows) -> np.ndarray:
+    """Each trained row's mean local gradient (float32, option II's cᵢ⁺), computed where the rows are and read in
+    one copy."""
+    steps = torch.from_numpy(np.maximum(trained.steps, 1).astype(np.float64))
+    total = trained.sums["gradient_sum"]
+    return read_together([(total / to_device(steps, total.device)[:, None]).float()])[0]
 
 
 def population_weights(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
@@ -126,12 +117,12 @@ class ScaffoldServer(FedAvgServer):
 class ScaffoldClient(FedAvgClient):
     protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
     protocol: ScaffoldProtocol
-    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "gradients", "control_deltas")
+    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas")
+    kernel_on_cpu = False  # the loop under auto on the CPU, as before
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.global_control: dict[int, np.ndarray] = {}
-        self.gradients: dict[int, GradientMean] = {}
         self.control_deltas: dict[int, np.ndarray] = {}
 
     def handlers(self) -> Mapping[Message, Handler]:
@@ -145,16 +136,18 @@ class ScaffoldClient(FedAvgClient):
         own = self.state.get(client, "control")
         return np.zeros(self.workspace.numel, dtype=np.float32) if own is None else own
 
-    def grad_hook(self, client: int, start: np.ndarray) -> GradHook:
-        self.gradients[client] = GradientMean(self.workspace.numel, self.ctx.cfg.client.weight_decay, self.device)
-        return correction_hook(self.global_control.pop(client) - self.own_control(client), self.device,
-                               self.gradients[client])
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        return LocalStep(corrected(self.ctx.cfg.client.weight_decay), sums=("gradient_sum",), delta=True)
 
-    def after_training(self, client: int) -> None:
-        own = self.own_control(client)
-        new = self.gradients.pop(client).mean()
-        self.control_deltas[client] = new - own
-        self.state.edit(client)["control"] = new
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        shift = self.global_control.pop(client) - self.own_control(client)  # c − cᵢ
+        return ClientStart(self.start.pop(client), {"shift": shift})
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        super().local_end(step, clients, trained)
+        for client, new in zip(clients, mean_gradients(trained)):
+            self.control_deltas[client] = new - self.own_control(client)
+            self.state.edit(client)["control"] = new.copy()
 
     def send_control(self, step: StepContext, client: int) -> np.ndarray:
         return self.control_deltas.pop(client)

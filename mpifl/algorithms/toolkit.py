@@ -1,10 +1,12 @@
-"""Helpers an algorithm's client side may mix in (:class:`ClientToolkit`): local SGD on the shared workspace, alone
-or many clients through the vectorized kernel, and full-batch gradients; none of it is the interface."""
+"""Helpers an algorithm's client side may mix in (:class:`ClientToolkit`): local SGD stated once and run by the
+executor (alone or many clients together), full-batch gradients and evaluation; none of it is the interface."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,14 +17,13 @@ from mpifl.algorithms.context import EvalLayout, RunContext, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.models import loss_function
 from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
-from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
-from mpifl.training.sgd import GradHook, client_generator, evaluate, local_sgd
+from mpifl.training.executor import ClientRun, LocalSGD, LocalStep, TrainedRows, auto_chunk, kernel_wanted
+from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.tensors import TensorSplit
-from mpifl.training.vectorized import ClientRun, KernelResult, VectorizedSGD, kernel_wanted
 
 DEVICE_ROUND_BYTES = 2 << 30
-"""Device memory the kernel's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
+"""Device memory the batch's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
 momentum, delta)."""
 
 
@@ -31,17 +32,47 @@ def send_from(outbox: dict[int, np.ndarray]) -> Handler:
     return lambda step, client: outbox.pop(client)
 
 
+@dataclass(frozen=True)
+class ClientStart:
+    """Where one client's local SGD starts (:meth:`ClientToolkit.local_start`) and what its step reads."""
+
+    params: np.ndarray  # the start parameters (read-only views of received rows are fine)
+    values: Mapping[str, np.ndarray] = field(default_factory=dict)  # per-client values the transform reads
+    momentum: np.ndarray | None = None  # the carried momentum, with ``LocalStep.carries_momentum``
+    purpose: int = 0  # the client's generator is keyed by (seed, round, client, purpose)
+
 
 class ClientToolkit(ClientAlgorithm):
-    """A client side that trains and evaluates its clients on one shared workspace model."""
+    """A client side that trains and evaluates its clients on one shared workspace model.
+
+    An algorithm whose :data:`~mpifl.comm.LOCAL` step is local SGD states it once, in three parts (google/fedjax's
+    client_init / client_step / client_final): :meth:`local_step` (the SGD settings and the gradient's transform,
+    an operation on a block of clients' rows), :meth:`local_start` (one client's start and the values its step
+    reads) and :meth:`local_end` (what the trained rows become). The executor (:class:`LocalSGD`) runs it: one
+    client at a time on the workspace, or many as one batched program (``client.vectorize``), the same step
+    either way. An algorithm whose local step is something else overrides :meth:`compute` instead.
+    """
+
+    kernel_on_cpu = False
+    """Under ``client.vectorize: auto`` on the CPU, dense models train in the batch (FedAvg's untransformed step,
+    measured faster there; see ``kernel_wanted``); otherwise the loop, as before."""
 
     def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
         super().__init__(ctx, data, state)
         self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
         self.round_losses: dict[int, float] = {}
-        self.trained_together = 0  # clients trained through the vectorized kernel (:meth:`train_together`)
-        self.vectorizer: VectorizedSGD | None = None  # the kernel, where a subclass trains through it
+        self.trained_together = 0  # clients trained in the batch
+        cfg = ctx.cfg
+        batched = self.takes_batch() and kernel_wanted(cfg.client, cfg.model.name, self.device, self.kernel_on_cpu)
+        chunk = cfg.client.vectorize_chunk
+        self.executor = LocalSGD(self.workspace, self.loss_fn, batched,
+                                 auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk)
+
+    def takes_batch(self) -> bool:
+        """Whether this algorithm's clients can train in the batch: those whose local step is stated as
+        :meth:`local_step`."""
+        return type(self).local_step is not ClientToolkit.local_step
 
     @property
     def device(self) -> torch.device:
@@ -49,13 +80,65 @@ class ClientToolkit(ClientAlgorithm):
         return self.workspace.device
 
     def clients_per_upload(self) -> int:
-        """With the kernel, a round's clients as one batched program: as many at a time as keep their parameters,
-        gradients, momentum and deltas within ``DEVICE_ROUND_BYTES`` (W2: about 80), so a cohort is one chunk, on
-        a GPU screened with one read and folded with one more; otherwise the default few. (A client's update does
-        not depend on its company in the kernel, so the chunk changes no bit.)"""
-        if self.vectorizer is None:
+        """In the batch, a round's clients as one batched program: as many at a time as keep their parameters,
+        gradients, momentum and deltas within ``DEVICE_ROUND_BYTES`` (W2: about 80), a whole number of calls, so a
+        cohort is one chunk, on a GPU screened with one read and folded with one more; otherwise the default few.
+        (A client's update does not depend on its company in the batch, so the chunk changes no bit.)"""
+        if not self.executor.batched:
             return super().clients_per_upload()
-        return max(super().clients_per_upload(), DEVICE_ROUND_BYTES // (4 * 4 * self.workspace.numel))
+        most = max(super().clients_per_upload(), DEVICE_ROUND_BYTES // (4 * 4 * self.workspace.numel))
+        call = self.executor.chunk or 1
+        return max(most // call, 1) * call
+
+    def local_step(self, step: StepContext) -> LocalStep | None:
+        """This algorithm's local SGD in ``step`` (see the class's docstring), or None where its local step is not
+        local SGD (then :meth:`compute` runs, a client at a time)."""
+        return None
+
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        """Where ``client``'s local SGD starts, and the values its step reads."""
+        raise NotImplementedError
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        """What ``clients``' trained rows become (to send, to keep in their state)."""
+        raise NotImplementedError
+
+    def compute(self, step: StepContext, client: int) -> None:
+        """One client's local step: the stated local SGD through the executor (an algorithm with another kind of
+        local step overrides this)."""
+        if self.local_step(step) is not None:
+            self.compute_clients(step, np.array([client]))
+
+    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
+        """The local step of ``clients``: the stated local SGD of all of them through the executor (each one's
+        seconds: its :meth:`local_start` plus its compute, an equal share of its group's in the batch)."""
+        spec = self.local_step(step)
+        if spec is None:
+            return super().compute_clients(step, clients)
+        ids = [int(c) for c in clients]
+        seconds = np.empty(len(ids))
+        starts = []
+        for i, client in enumerate(ids):
+            began = time.perf_counter()
+            starts.append(self.local_start(step, client))
+            seconds[i] = time.perf_counter() - began
+        trained = self.train_clients(step, ids, starts, spec)
+        self.local_end(step, ids, trained)
+        return seconds + trained.seconds
+
+    def train_clients(self, step: StepContext, clients: list[int], starts: list[ClientStart], spec: LocalStep
+                      ) -> TrainedRows:
+        """Local SGD of ``clients`` from ``starts`` as ``spec`` says, their mean losses in :attr:`round_losses`
+        (all read in one copy); the rows stay where they were trained."""
+        seed = self.ctx.cfg.seed
+        runs = [ClientRun(start.params, self.data[c].x_train, self.data[c].y_train,
+                          client_generator(seed, step.round, c, start.purpose), start.values, start.momentum)
+                for c, start in zip(clients, starts)]
+        trained = self.executor.train(runs, spec, self.ctx.cfg.client)
+        self.round_losses.update(zip(clients, trained.mean_losses().tolist()))
+        if self.executor.batched:
+            self.trained_together += len(clients)
+        return trained
 
     def rank_stats(self) -> dict[str, float]:
         return {"clients_trained_vectorized": self.trained_together}
@@ -102,55 +185,3 @@ class ClientToolkit(ClientAlgorithm):
         if self.ctx.cfg.client.weight_decay:
             grads += self.ctx.cfg.client.weight_decay * self.workspace.numpy()
         return grads
-
-    def train_workspace(self, step: StepContext, client: int, grad_hook: GradHook | None = None,
-                        steps: int | None = None, momentum: torch.Tensor | None = None,
-                        lr: float | None = None, config: ClientConfig | None = None) -> int:
-        """Run local SGD (``config``, by default ``client.*``) on the workspace model with ``client``'s
-        training data (``steps``, ``momentum`` and ``lr`` as in :func:`local_sgd`); returns the steps taken."""
-        split = self.data[client]
-        gen = client_generator(self.ctx.cfg.seed, step.round, client)
-        stats = local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn, config or self.ctx.cfg.client,
-                          gen, grad_hook, lr=lr, steps=steps, momentum=momentum)
-        self.round_losses[client] = stats.mean_loss
-        return stats.steps
-
-    def vectorizer_if(self, cpu_default: bool) -> VectorizedSGD | None:
-        """The kernel for :meth:`train_together` if ``client.vectorize`` wants it for this model and device
-        (``cpu_default``: the kernel under ``auto`` on the CPU; see ``kernel_wanted``), else None."""
-        cfg = self.ctx.cfg
-        if not kernel_wanted(cfg.client, cfg.model.name, self.device, cpu_default):
-            return None
-        return VectorizedSGD(self.workspace, self.loss_fn, cfg.client)
-
-    def train_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
-                       hooks: Mapping[int, GradHook | None] | None = None, config: ClientConfig | None = None,
-                       purpose: int = 0) -> tuple[dict[int, np.ndarray], np.ndarray]:
-        """Local SGD of several clients from ``starts`` through the kernel, each as :meth:`train_workspace` trains
-        it alone (its generator keyed by ``purpose``, its gradient hook, its mean loss in :attr:`round_losses`,
-        all losses read in one copy); their final parameters in host memory (views on the CPU), and each one's
-        seconds."""
-        result = self._train_runs(vectorizer, step, starts, hooks, config, purpose, delta=False)
-        rows = host_numpy(result.params)  # one copy from a GPU
-        return {c: rows[k] for k, c in enumerate(starts)}, result.seconds
-
-    def train_deltas_together(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
-                              hooks: Mapping[int, GradHook | None] | None = None
-                              ) -> tuple[dict[int, np.ndarray | torch.Tensor], np.ndarray]:
-        """As :meth:`train_together`, each client's final − start instead: on a GPU rows of one device tensor (a
-        summed upload is screened and folded there, never copied out client by client), host views on the CPU."""
-        result = self._train_runs(vectorizer, step, starts, hooks, None, 0, delta=True)
-        rows = result.params if result.params.device.type != "cpu" else host_numpy(result.params)
-        return {c: rows[k] for k, c in enumerate(starts)}, result.seconds
-
-    def _train_runs(self, vectorizer: VectorizedSGD, step: StepContext, starts: Mapping[int, np.ndarray],
-                    hooks: Mapping[int, GradHook | None] | None, config: ClientConfig | None, purpose: int,
-                    delta: bool) -> KernelResult:
-        seed, clients = self.ctx.cfg.seed, list(starts)
-        runs = [ClientRun(starts[c], self.data[c].x_train, self.data[c].y_train,
-                          client_generator(seed, step.round, c, purpose), None if hooks is None else hooks[c])
-                for c in clients]
-        result = vectorizer.train(runs, config or self.ctx.cfg.client, delta=delta)
-        self.round_losses.update(zip(clients, result.mean_losses().tolist()))
-        self.trained_together += len(clients)
-        return result

@@ -74,7 +74,8 @@ class Engine:
         self.client: ClientAlgorithm | None = None
         store = None
         if self.size == 1 or self.rank > 0:
-            store = ClientStore(dataset, self.placement.clients_of(self.rank), device, cfg.data_memory_gb * 2**30)
+            store = ClientStore(dataset, self.placement.clients_of(self.rank), device, cfg.data_memory_gb * 2**30,
+                                up_front=True)
             self.client = entry.client(ctx, store, client_state(cfg))
         check_handlers(self.server, self.client)
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol

@@ -27,18 +27,24 @@ class ClientStore(Mapping[int, TensorSplit]):
     """
 
     def __init__(self, dataset: FederatedDataset, home: np.ndarray, device: torch.device,
-                 budget_bytes: float = float("inf")):
+                 budget_bytes: float = float("inf"), up_front: bool = False):
+        """``up_front``: also make generated clients' data now, while it fits the budget, so that rounds spend
+        their time training rather than making data on first touch (the same bits made now or later: each
+        client's generator is seeded by its id)."""
         self.dataset, self.device, self.budget_bytes = dataset, device, budget_bytes
         self.home = frozenset(int(c) for c in home)
         self.visitors: set[int] = set()
         self.loaded: OrderedDict[int, TensorSplit] = OrderedDict()  # least recently staged first
         self.loaded_bytes = 0
         self.loads = 0  # clients made or read so far (a client forgotten and needed again counts again)
-        if not dataset.generated:
+        if not dataset.generated or up_front:
             ordered = sorted(self.home)
             for start in range(0, len(ordered), STARTUP_BATCH):
                 self.stage(ordered[start : start + STARTUP_BATCH])
+                if dataset.generated and self.loaded_bytes > self.budget_bytes:
+                    break  # the rest would only be forgotten again: made on first use instead
                 self.release()
+            self.release()
 
     def stage(self, clients: Iterable[int]) -> None:
         """Materialize these hosted clients now (one batched read), if not yet in memory."""

@@ -1,4 +1,5 @@
-"""Client-side arithmetic shared by algorithms: local SGD on a flat model, and evaluation.
+"""Client-side arithmetic shared by algorithms: batch schedules, the SGD update, and evaluation (local SGD itself
+runs in :mod:`mpifl.training.executor`).
 
 A client's randomness comes only from (seed, round, client id), and every rank computes with one
 thread, so a client's update is bitwise the same whichever rank hosts it.
@@ -7,22 +8,17 @@ thread, so a client's update is bitwise the same whichever rank hosts it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from mpifl.models.flat import FlatModel
 from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
-
-GradHook = Callable[[torch.Tensor, torch.Tensor], None]
-"""Called as ``hook(params, grads)`` after each backward pass; may modify ``grads`` in place
-(FedProx's proximal term, SCAFFOLD's control variates, ...)."""
 
 EVAL_FIELDS = ("n", "correct", "loss_sum", "y_sum", "y_sq_sum")
 
@@ -31,68 +27,6 @@ def client_generator(seed: int, round_: int, client: int, purpose: int = 0) -> t
     """A torch generator keyed by (seed, round, client, purpose) and nothing else."""
     state = np.random.SeedSequence([seed, round_, client, purpose]).generate_state(2, dtype=np.uint64)
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
-
-
-@dataclass(frozen=True)
-class TrainStats:
-    """What a client's local SGD reports. The loss stays on the device until :attr:`mean_loss` reads it: one
-    device→host copy per client, never one per step."""
-
-    steps: int
-    loss_sum: torch.Tensor  # Σ of the steps' losses, a float64 scalar on the training device
-
-    @property
-    def mean_loss(self) -> float:
-        return float(self.loss_sum) / max(self.steps, 1)
-
-
-def local_sgd(
-    model: FlatModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: nn.Module,
-    cfg: ClientConfig,
-    generator: torch.Generator,
-    grad_hook: GradHook | None = None,
-    lr: float | None = None,
-    steps: int | None = None,
-    momentum: torch.Tensor | None = None,
-    part: slice = slice(None),
-) -> TrainStats:
-    """Mini-batch SGD (momentum, weight decay, clipping as torch.optim.SGD) on ``model`` in place.
-
-    Runs ``steps`` (or ``cfg.steps``) batches if given, else ``cfg.epochs`` passes; each pass draws a
-    fresh permutation from ``generator``. The momentum buffer starts at zero unless the caller passes
-    its own ``momentum`` (updated in place, for algorithms whose optimizer state outlives a round).
-    ``part``: only this span of the flat parameters trains (clipping, weight decay and momentum included),
-    the rest stays frozen (FedRep's head and body).
-
-    Nothing here waits for the device: the round's batches move to it in one copy (:func:`training_batches`),
-    clipping has no host branch, and the loss is summed on the device (tests/test_syncs.py counts the reads).
-    """
-    lr = cfg.lr if lr is None else lr
-    params, grads = model.params[part], model.grads[part]
-    if cfg.momentum == 0:
-        momentum = None
-    elif momentum is None:
-        momentum = torch.zeros_like(params)
-    # nothing needs the gradient as one vector: step on autograd's own tensors (FlatModel.descend, same bits)
-    plain = (grad_hook is None and momentum is None and cfg.clip_norm is None and not cfg.weight_decay
-             and params.numel() == model.numel)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
-    done = 0
-    for xb, yb in training_batches(x, y, cfg, generator, steps):
-        loss = loss_fn(model.module(xb), yb)
-        loss_sum += loss.detach()
-        if plain:
-            model.descend(loss, lr)
-        else:
-            model.compute_gradient(loss)
-            if grad_hook is not None:
-                grad_hook(model.params, model.grads)
-            sgd_step(params, grads, momentum, lr, cfg)
-        done += 1
-    return TrainStats(done, loss_sum)
 
 
 @dataclass(frozen=True)

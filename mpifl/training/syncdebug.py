@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import sys
 from collections import Counter
@@ -36,8 +35,8 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import client_generator, evaluation_sums, local_sgd
-from mpifl.training.vectorized import VECTORIZABLE_MODELS, ClientRun, VectorizedSGD
+from mpifl.training.executor import VECTORIZABLE_MODELS, ClientRun, LocalSGD, LocalStep, local_sgd
+from mpifl.training.sgd import client_generator, evaluation_sums
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
 """The ``torch.Tensor`` methods that hand a value to the host (on a GPU: wait for the device, then copy)."""
@@ -177,12 +176,11 @@ def _kernel_failure(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor,
                     cfg: ClientConfig) -> str | None:
     """Three clients (two of one size, one of another: two groups) through the batched kernel, deltas kept on
     the device: nothing may be read."""
-    config = dataclasses.replace(cfg, vectorize=True, vectorize_chunk=2)
-    kernel = VectorizedSGD(model, loss_fn, config)
+    kernel = LocalSGD(model, loss_fn, batched=True, chunk=2)
     start = model.numpy().copy()
     runs = [ClientRun(start, x[a:b], y[a:b], client_generator(0, 1, k)) for k, (a, b) in
             enumerate([(0, 8), (8, 16), (4, SAMPLES)])]
-    return _refused(lambda: kernel.train(runs, config, delta=True), x.device)
+    return _refused(lambda: kernel.train(runs, LocalStep(delta=True), cfg), x.device)
 
 
 def _fold_failure(device: torch.device) -> str | None:

@@ -7,7 +7,7 @@ from mpifl.registry import known_algorithms, parse_config
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS, SERVER_OPTIMIZERS
 from tests.test_vectorized import IMAGES as VECTORIZED_IMAGES
-from tests.test_vectorized import KERNEL_ALGORITHMS
+from tests.test_vectorized import KERNEL_ALGORITHMS, NEWLY_BATCHED
 
 WIRE = {"compression": {"up": {"codec": "qsgd", "bits": 6, "error_feedback": True}, "down": {"codec": "bf16"}},
         "privacy": {"mode": "local", "clip": 1.0, "noise_multiplier": 0.05}}
@@ -59,7 +59,7 @@ def test_adaptive_server_optimizers_give_the_same_bits_on_1_to_4_ranks(run, tmp_
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", KERNEL_ALGORITHMS + NEWLY_BATCHED)
 def test_vectorized_cnn_clients_give_the_same_bits_on_1_to_4_ranks(algorithm, tmp_path_factory):
     """CNN clients in the torch.func kernel (calls of 4 rows): 6 clients of unequal sizes are one group of 6 on
     one worker and groups of 2 on three, so each rank count pads and splits the calls differently."""

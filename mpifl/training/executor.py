@@ -1,0 +1,525 @@
+"""One executor for every algorithm's local SGD: the step is stated once, the executor chooses how to run it.
+
+An algorithm says what its local step is (:class:`LocalStep`): the configuration, learning rate and step count,
+and how it changes a gradient, as one operation on a block of client rows (:data:`GradTransform`: FedProx's
+μ(P − A), SCAFFOLD's correction and its running gradient sum, each a whole-block tensor operation), with the
+per-client values that operation reads (:class:`ClientRun`: SCAFFOLD's c − cᵢ, FedALS's carried momentum). The
+executor (:class:`LocalSGD`) then runs every client's local SGD through one step function
+(:func:`_step_block`: the transform, clipping, weight decay, momentum and the SGD update, elementwise on the
+block), with one of two engines computing the block's gradients:
+
+* the **loop** (``batched=False``): one row at a time on the shared workspace model with plain autograd, whose
+  bits are the CPU's results of record (a row's block is ``[1, numel]``, the elementwise step the same bits as
+  on a vector);
+* the **batch** (``batched=True``): clients whose batch sizes agree at every step as rows of one parameter
+  matrix on the device, one ``torch.func.vmap``-ped gradient per call of rows; their data concatenated on the
+  device, one index tensor for all their steps' batches (each client's batch order and augmentation drawn on
+  the host from its own generator, in the loop's order, so schedules stay bitwise), the start copied up once
+  however many clients share it, the losses summed on the device and the results left there
+  (:class:`TrainedRows`), so nothing is read per client or per step.
+
+A client's update must not depend on which clients share its rank, or results would change with the rank
+count. So with the batch on, every client goes through it, a group of one included, and on the CPU it runs on
+one intra-op thread: a batched matrix product then computes each client's rows alone, the same for any number
+of rows (tests check it at two threads). A batched convolution is different: vmap runs it as one grouped
+convolution, whose algorithm, and rounding, may change with the number of groups (on this CPU it does for one or
+two clients), and so may a GPU's batched kernels. For convolutional models, and for every model on a GPU, each
+call therefore gets exactly :attr:`LocalSGD.chunk` rows, the last call padded with copies of one of its clients
+whose results are dropped (tests check that a client's update is then the same in any company and at any
+position). The chunk is fixed by the config (:func:`auto_chunk`) so that padding stays small on any rank count.
+
+The two engines agree bitwise for narrow dense layers (tests check it) but round differently for convolutions and
+wide layers: ``client.vectorize`` is a setting of the results, like ``threads_per_rank``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from mpifl.models.flat import FlatModel
+from mpifl.training.config import ClientConfig
+from mpifl.training.device import host_numpy
+from mpifl.training.sgd import BatchPlan, apply_crops, batch_plan, batched_sgd_step, to_device
+
+CPU_CHUNK, GPU_CHUNK = 16, 64
+"""``client.vectorize_chunk: auto``'s rows per call on the CPU, and the most on a GPU (:func:`auto_chunk`)."""
+DENSE_MODELS = ("linear", "logistic", "mlp")
+# no buffers (BatchNorm keeps no running statistics) and no randomness in the forward pass
+VECTORIZABLE_MODELS = (*DENSE_MODELS, "cnn", "lenet", "convnet", "resnet20", "simple_cnn")
+
+GradTransform = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], None]
+"""``transform(params, grads, rows)``: an algorithm's change of a block's gradients before the SGD step, in place,
+as whole-block tensor operations. ``params`` and ``grads`` are ``[rows, numel]``; ``rows`` maps each per-client
+value (:attr:`ClientRun.values`), each accumulator (:attr:`LocalStep.sums`) and ``"start"`` (the rows' start
+parameters) to the block's rows of it. An accumulator is a view: adding to it in place accumulates."""
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """An algorithm's local SGD, stated once for the loop and the batch (see the module's docstring)."""
+
+    transform: GradTransform | None = None  # the gradient's change before each step; None: plain gradients
+    sums: tuple[str, ...] = ()  # float64 accumulators, one row per client, zero at the start (SCAFFOLD's Σ gₖ)
+    carries_momentum: bool = False  # each client brings its momentum and takes it back (FedALS), else it starts at 0
+    config: ClientConfig | None = None  # the client's SGD settings; None: ``client.*``
+    lr: float | None = None  # None: the config's
+    steps: int | None = None  # local steps; None: the config's steps or epochs
+    part: slice = field(default_factory=lambda: slice(None))  # only this span trains, the rest stays frozen
+    delta: bool = False  # give final − start (computed where the rows are: same float32 bits anywhere)
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    """One client's local SGD: its start, training data, generator, the values its step reads and its carried
+    momentum (with :attr:`LocalStep.carries_momentum`)."""
+
+    start: np.ndarray | torch.Tensor  # the workspace's own parameters: train them in place (:func:`local_sgd`)
+    x: torch.Tensor
+    y: torch.Tensor
+    generator: torch.Generator
+    values: Mapping[str, np.ndarray] = field(default_factory=dict)
+    momentum: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class TrainedRows:
+    """What :meth:`LocalSGD.train` leaves, on the training device, one row per run in the order given: nothing here
+    has been read."""
+
+    params: torch.Tensor  # final parameters, or final − start with ``LocalStep.delta``
+    loss_sums: torch.Tensor  # float64: each run's Σ of its steps' losses
+    steps: np.ndarray  # int64: the local steps each run took
+    sums: dict[str, torch.Tensor]  # float64 accumulators of ``LocalStep.sums``
+    momentum: torch.Tensor | None  # the momentum each run ends with (``LocalStep.carries_momentum``)
+    timer: _Timer
+
+    @property
+    def seconds(self) -> np.ndarray:
+        """Each run's compute seconds: its own in the loop, an equal share of its group's in the batch; on a GPU
+        measured by device events (read after :meth:`mean_losses`, when the work is done)."""
+        return self.timer.seconds()
+
+    def mean_losses(self) -> np.ndarray:
+        """Every run's mean training loss, in one device→host copy."""
+        return host_numpy(self.loss_sums) / np.maximum(self.steps, 1)
+
+    def host(self, *names: str) -> list[np.ndarray]:
+        """The named results (``params``, ``momentum`` or an accumulator) in host memory, in one device→host copy
+        where they live on a GPU (views on the CPU)."""
+        tensors = [getattr(self, name) if name in ("params", "momentum") else self.sums[name] for name in names]
+        return read_together(tensors)
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """``tensors`` in host memory with one device→host copy for all of them (their bytes packed on the device
+    first); on the CPU their own memory."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [host_numpy(t) for t in tensors]
+    packed = host_numpy(torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors]))
+    out, offset = [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        out.append(packed[offset : offset + size].view(dtype).reshape(t.shape))
+        offset += size
+    return out
+
+
+class _Timer:
+    """Compute seconds of groups of runs: wall time on the CPU, device events on a GPU (asynchronous launches make
+    the host's clock measure only their enqueueing)."""
+
+    def __init__(self, runs: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[list[int], object, object]] = []
+        self.runs = runs
+
+    def start(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, members: list[int], began: object) -> None:
+        self.spans.append((members, began, self.start()))
+
+    def seconds(self) -> np.ndarray:
+        seconds = np.zeros(self.runs)
+        for members, began, ended in self.spans:
+            if self.cuda:
+                ended.synchronize()  # type: ignore[attr-defined]  # done already once the losses were read
+                span = began.elapsed_time(ended) / 1e3  # type: ignore[attr-defined]
+            else:
+                span = ended - began  # type: ignore[operator]
+            seconds[members] = span / len(members)
+        return seconds
+
+
+def kernel_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_default: bool) -> bool:
+    """Whether a rank's clients train in the batch. ``client.vectorize`` true or false decides for every
+    vectorizable model. ``auto`` is the batch on a GPU, where one launch for many clients should beat one per
+    client; that default awaits a measurement on a GPU (benchmarks/bench_w2.py --device cuda). On the CPU
+    ``auto`` keeps what was measured faster and was the default before, so CPU results stay as they were: the
+    batch for dense models when the algorithm's step is FedAvg's without a transform (``cpu_default``;
+    0.5–0.9× the loop's time, bench_vectorize.py), the loop for convolutional models (the batch took 1.2–1.3×
+    the loop's time for B1 unpadded, 1.5–2.4× padded, 2.0–2.9× for W2: RESULTS.md) and for the other
+    algorithms."""
+    if model_name not in VECTORIZABLE_MODELS or cfg.vectorize is False:
+        return False
+    if cfg.vectorize is True or device.type != "cpu":
+        return True
+    return cpu_default and model_name in DENSE_MODELS
+
+
+PADDING_BOUND = 1.25
+"""The most rows a GPU's calls may compute per real client row, for a round's cohort spread evenly over any of
+:data:`WORKER_COUNTS` worker ranks (padding copies are work whose results are dropped)."""
+WORKER_COUNTS = (1, 2, 4, 8)
+
+
+def padded_work(cohort: int, workers: int, chunk: int) -> float:
+    """Rows computed per real row when ``cohort`` clients are spread evenly over ``workers`` ranks, each rank's
+    clients in calls of exactly ``chunk`` rows."""
+    sizes = [cohort // workers + (w < cohort % workers) for w in range(workers)]
+    return sum(math.ceil(n / chunk) * chunk for n in sizes) / cohort
+
+
+def auto_chunk(cohort: int, device: torch.device) -> int:
+    """``client.vectorize_chunk: auto``: the rows of every call. A client's bits may depend on the call's size (a
+    grouped convolution's algorithm may change with it), never on its company, so the size is fixed for a run by
+    its config alone, never by the rank count. On the CPU 16, as before (CPU results keep their bits); on a GPU the
+    largest size up to 64 whose padding stays within :data:`PADDING_BOUND` for the round's ``cohort`` on each of
+    :data:`WORKER_COUNTS` worker ranks (W2's 50 clients a round: 7, 1.12× on 1, 2, 4 and 8 workers, where 64 rows
+    were 1.28×, 2.56× and 5.1× on 1, 2 and 4; 1,000 clients a round: 64, 1.02×)."""
+    if device.type == "cpu":
+        return CPU_CHUNK
+    counts = [w for w in WORKER_COUNTS if w <= max(cohort, 1)]
+    for chunk in range(GPU_CHUNK, 1, -1):
+        if all(padded_work(max(cohort, 1), w, chunk) <= PADDING_BOUND for w in counts):
+            return chunk
+    return 1
+
+
+class LocalSGD:
+    """Runs :class:`LocalStep` for many clients on one flat model, through the loop or the batch."""
+
+    def __init__(self, model: FlatModel, loss_fn: nn.Module, batched: bool, chunk: int):
+        """``batched``: the batch, else the loop; ``chunk``: the rows of every call where their count matters."""
+        self.model, self.loss_fn, self.batched = model, loss_fn, batched
+        module, names, shapes = model.module, model.names, model.shapes
+        sizes = model.segment_sizes()
+        grouped = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)
+        count_matters = model.device.type != "cpu" or any(isinstance(m, grouped) for m in module.modules())
+        self.chunk: int | None = chunk if count_matters else None  # rows of every call, if fixed
+
+        def loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            params = {name: part.view(shape) for name, part, shape in zip(names, flat.split(sizes), shapes)}
+            out = functional_call(module, params, (x,))
+            value = loss_fn(out, y)
+            return value, (value.detach(), out.detach())
+
+        self.kernel: Callable = vmap(grad(loss, has_aux=True))
+
+    def train(self, runs: Sequence[ClientRun], step: LocalStep, cfg: ClientConfig) -> TrainedRows:
+        """Local SGD of every run as ``step`` says (``cfg``: ``client.*``, unless ``step`` names its own)."""
+        cfg = step.config or cfg
+        plans = [batch_plan(len(run.x), cfg, run.generator, step.steps) for run in runs]  # each its own generator
+        timer = _Timer(len(runs), self.model.device)
+        pieces = []
+        if self.batched:
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for k, plan in enumerate(plans):
+                groups.setdefault(plan.sizes, []).append(k)
+            with self._threads():
+                for members in groups.values():
+                    began = timer.start()
+                    pieces.append(self._train_group(members, runs, plans, step, cfg))
+                    timer.stop(members, began)
+        else:
+            for k in range(len(runs)):
+                began = timer.start()
+                pieces.append(self._train_alone(k, runs[k], plans[k], step, cfg))
+                timer.stop([k], began)
+        if not runs:
+            return _nothing_trained(self.model, step, timer)
+        return _assemble(pieces, len(runs), np.array([len(p) for p in plans], dtype=np.int64), timer)
+
+    def _train_alone(self, k: int, run: ClientRun, plan: BatchPlan, step: LocalStep, cfg: ClientConfig) -> _Piece:
+        """The loop: run ``k`` on the workspace model with plain autograd, its block one row."""
+        model, device = self.model, self.model.device
+        if run.start is not model.params:
+            model.load(run.start)
+        # a copy, made before the workspace trains (it may be the start), where the transform or the delta reads it
+        start = self._stacked([run.start]) if step.delta or step.transform is not None else None
+        block = _Block(model.params[None], self._momentum([run], [0], step, cfg),
+                       {name: self._stacked([run.values[name]]) for name in run.values},
+                       {name: torch.zeros(1, model.numel, dtype=torch.float64, device=device) for name in step.sums},
+                       lambda: start)  # type: ignore[arg-type,return-value]
+        lr = cfg.lr if step.lr is None else step.lr
+        plain = (step.transform is None and block.momentum is None and cfg.clip_norm is None
+                 and not cfg.weight_decay and part_is_whole(step.part, model.numel))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        plan = plan.to(device)
+        for first, last in zip(plan.bounds, plan.bounds[1:]):
+            rows = plan.rows[first:last]
+            xb = run.x[rows]
+            if plan.crops is not None:
+                xb = apply_crops(xb, plan.crops[first:last])
+            loss = self.loss_fn(model.module(xb), run.y[rows])
+            loss_sum += loss.detach()
+            if plain:  # nothing needs the gradient as one vector: step on autograd's own tensors (same bits)
+                model.descend(loss, lr)
+                continue
+            model.compute_gradient(loss)
+            _step_block(block, model.grads[None], slice(0, 1), step, lr, cfg)
+        if not step.delta:  # the workspace trains the next client: keep this one's rows apart
+            block.params = block.params.clone()
+        return _Piece.of([k], block, 1, step, loss_sum[None])
+
+    def _train_group(self, members: list[int], runs: Sequence[ClientRun], plans: Sequence[BatchPlan],
+                     step: LocalStep, cfg: ClientConfig) -> _Piece:
+        """The batch: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
+        calls."""
+        device = self.model.device
+        group = [runs[k] for k in members]
+        chunk = self.chunk
+        order = _padded(len(members), chunk)  # the rows: the runs, then copies that pad the last call
+        x = torch.cat([run.x for run in group]) if len(group) > 1 else group[0].x
+        y = torch.cat([run.y for run in group]) if len(group) > 1 else group[0].y
+        offsets = np.cumsum([0] + [len(run.x) for run in group])
+        samples = to_device(torch.stack([plans[members[k]].rows + int(offsets[k]) for k in order]), device)
+        crops = None
+        if plans[members[0]].crops is not None:
+            crops = to_device(torch.stack([plans[members[k]].crops for k in order]), device)  # type: ignore[misc]
+        params, starts = self._stack_starts([run.start for run in group], order)  # type: ignore[misc]
+        values = {name: self._stacked([group[k].values[name] for k in order]) for name in group[0].values}
+        sums = {name: torch.zeros(len(order), self.model.numel, dtype=torch.float64, device=device)
+                for name in step.sums}
+        block = _Block(params, self._momentum(group, order, step, cfg), values, sums, starts)
+        lr = cfg.lr if step.lr is None else step.lr
+        loss_sums = torch.zeros(len(order), dtype=torch.float64, device=device)
+        bounds = plans[members[0]].bounds
+        for first, last in zip(bounds, bounds[1:]):
+            for call in _calls(len(order), chunk):
+                rows = samples[call, first:last]
+                xb = x[rows]
+                if crops is not None:
+                    xb = apply_crops(xb.flatten(0, 1), crops[call, first:last].flatten(0, 1)).view_as(xb)
+                yb = y[rows]
+                g, (loss, outputs) = self.kernel(params[call], xb, yb)
+                with torch.no_grad():
+                    loss_sums[call] += self._losses(loss, outputs, yb, len(group) - call.start)
+                    _step_block(block, g, call, step, lr, cfg)
+        return _Piece.of(members, block, len(group), step, loss_sums[: len(group)])
+
+    def full_gradients(self, starts: Sequence[np.ndarray], xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
+                       ) -> tuple[torch.Tensor, list[float]]:
+        """Each client's gradient of its mean loss over all of ``x`` at its start (rows), and that loss (FedSGD):
+        clients with equally many samples in calls of their own."""
+        params, _ = self._stack_starts(starts, list(range(len(starts))))
+        grads = torch.empty_like(params)
+        losses = torch.empty(len(starts), dtype=torch.float64, device=params.device)
+        sizes: dict[int, list[int]] = {}
+        for k, x in enumerate(xs):
+            sizes.setdefault(len(x), []).append(k)
+        with self._threads():
+            for members in sizes.values():
+                chunk = self.chunk
+                rows = [members[j] for j in _padded(len(members), chunk)]
+                for call in _calls(len(rows), chunk):
+                    block = [rows[j] for j in range(call.start, call.stop)]
+                    targets = torch.stack([ys[k] for k in block])
+                    g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]), targets)
+                    losses[block] = self._losses(loss, outputs, targets, len(block)).double()
+                    grads[block] = g
+        return grads, host_numpy(losses).tolist()
+
+    def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor, real: int) -> torch.Tensor:
+        """Each row's loss: on a GPU the vmapped loss the gradient came from (one call for all rows); on the CPU
+        each of the first ``real`` rows' computed alone, as the loop computes it, which keeps every CPU result's
+        bits (a vmapped mean rounds differently), and the padding rows' left as they are (dropped)."""
+        if self.model.device.type != "cpu" or real <= 0:
+            return vmapped
+        alone = [self.loss_fn(out, target) for out, target in zip(outputs[:real], yb[:real])]
+        return torch.cat([torch.stack(alone), vmapped[real:]]) if real < len(vmapped) else torch.stack(alone)
+
+    def _stacked(self, rows: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
+        """Per-client values as one block on the device, in one asynchronous copy (a new tensor)."""
+        if isinstance(rows[0], torch.Tensor):
+            return torch.stack(list(rows)).to(self.model.device)  # type: ignore[arg-type]
+        return to_device(torch.from_numpy(np.stack(rows)), self.model.device)
+
+    def _momentum(self, runs: Sequence[ClientRun], order: Sequence[int], step: LocalStep, cfg: ClientConfig
+                  ) -> torch.Tensor | None:
+        """The rows' momentum buffers: carried in (FedALS) or zero; None without momentum."""
+        if cfg.momentum == 0:
+            return None
+        if step.carries_momentum:
+            return self._stacked([runs[k].momentum for k in order])  # type: ignore[misc]
+        part_numel = len(range(self.model.numel)[step.part])
+        return torch.zeros(len(order), part_numel, device=self.model.device)
+
+    def _stack_starts(self, starts: Sequence[np.ndarray], order: Sequence[int]
+                      ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """The rows' start parameters on the device ([len(order), numel]), and what gives the starts again (as a
+        tensor that broadcasts against them): each distinct start copied up once (a broadcast model, which every
+        client's start is a view of, once for all)."""
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (data pointer, strides) -> index among the firsts
+        firsts: list[int] = []  # the first run of each distinct start
+        which = []
+        for k in order:
+            key = (starts[k].ctypes.data, starts[k].strides)
+            if key not in distinct:
+                distinct[key] = len(firsts)
+                firsts.append(k)
+            which.append(distinct[key])
+        unique = to_device(torch.from_numpy(np.stack([starts[k] for k in firsts])), self.model.device)
+        if len(firsts) == 1:
+            return unique.expand(len(order), -1).clone(), lambda: unique.expand(len(order), -1)
+        index = to_device(torch.tensor(which), self.model.device)
+        return unique[index], lambda: unique[index]
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """One intra-op thread on the CPU while the batch runs (see the module's docstring)."""
+        threads = torch.get_num_threads()
+        if threads == 1 or self.model.device.type != "cpu":
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+@dataclass
+class _Block:
+    """The rows being trained: parameters, momentum (None without), per-client values, accumulators, starts."""
+
+    params: torch.Tensor
+    momentum: torch.Tensor | None
+    values: dict[str, torch.Tensor]
+    sums: dict[str, torch.Tensor]
+    starts: Callable[[], torch.Tensor]
+
+    def rows(self, call: slice) -> dict[str, torch.Tensor]:
+        """What a transform reads for the rows ``call``: values, accumulators (views) and starts."""
+        return {**{k: v[call] for k, v in self.values.items()}, **{k: v[call] for k, v in self.sums.items()},
+                "start": self.starts()[call]}
+
+
+@torch.no_grad()
+def _step_block(block: _Block, grads: torch.Tensor, call: slice, step: LocalStep, lr: float, cfg: ClientConfig
+                ) -> None:
+    """The local step on rows ``call`` of ``block`` given their gradients: the algorithm's transform, then
+    clipping, weight decay, momentum and params −= lr·update on ``step.part`` (elementwise, so each row's bits are
+    those of the step on that row alone). The one step function of the loop and the batch."""
+    params = block.params[call]
+    if step.transform is not None:
+        step.transform(params, grads, block.rows(call))
+    momentum = None if block.momentum is None else block.momentum[call]
+    batched_sgd_step(params[:, step.part], grads[:, step.part], momentum, lr, cfg)
+
+
+def part_is_whole(part: slice, numel: int) -> bool:
+    return len(range(numel)[part]) == numel
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One group's results: the rows of its real runs, and which runs they are."""
+
+    members: list[int]
+    params: torch.Tensor
+    loss_sums: torch.Tensor
+    sums: dict[str, torch.Tensor]
+    momentum: torch.Tensor | None
+
+    @classmethod
+    def of(cls, members: list[int], block: _Block, real: int, step: LocalStep, loss_sums: torch.Tensor) -> _Piece:
+        params = block.params[:real]
+        return cls(members, params - block.starts()[:real] if step.delta else params, loss_sums,
+                   {name: total[:real] for name, total in block.sums.items()},
+                   None if block.momentum is None or not step.carries_momentum else block.momentum[:real])
+
+
+def _nothing_trained(model: FlatModel, step: LocalStep, timer: _Timer) -> TrainedRows:
+    empty = torch.zeros(0, model.numel, device=model.device)
+    return TrainedRows(empty, torch.zeros(0, dtype=torch.float64, device=model.device), np.zeros(0, np.int64),
+                       {name: empty.double() for name in step.sums}, empty if step.carries_momentum else None, timer)
+
+
+def _assemble(pieces: list[_Piece], count: int, steps: np.ndarray, timer: _Timer) -> TrainedRows:
+    """The groups' rows in the runs' order: one group's own tensors as they are (no copy, and no fresh buffer
+    that deterministic mode would fill with NaN first), else gathered into new ones."""
+
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        if len(parts) == 1 and pieces[0].members == list(range(count)):
+            return parts[0]
+        into = parts[0].new_empty((count, *parts[0].shape[1:]))
+        for piece, part in zip(pieces, parts):
+            _scatter(into, piece.members, part)
+        return into
+
+    momenta = [p.momentum for p in pieces]
+    return TrainedRows(joined([p.params for p in pieces]), joined([p.loss_sums for p in pieces]), steps,
+                       {name: joined([p.sums[name] for p in pieces]) for name in pieces[0].sums},
+                       None if momenta[0] is None else joined(momenta),  # type: ignore[arg-type]
+                       timer)
+
+
+def _scatter(into: torch.Tensor, members: list[int], rows: torch.Tensor) -> None:
+    """``into[members] = rows`` without an index upload where ``members`` are consecutive (the common case)."""
+    if members == list(range(members[0], members[0] + len(members))):
+        into[members[0] : members[0] + len(members)] = rows
+    else:
+        into.index_copy_(0, to_device(torch.tensor(members), into.device), rows)
+
+
+def _padded(count: int, chunk: int | None) -> list[int]:
+    """Which run each row trains: every run once, then, with a fixed chunk, copies of the last call's first run up
+    to a whole number of chunks (their results are dropped)."""
+    if chunk is None or count % chunk == 0:
+        return list(range(count))
+    last = count - count % chunk
+    return list(range(count)) + [last] * (chunk - count % chunk)
+
+
+def _calls(rows: int, chunk: int | None) -> list[slice]:
+    """The rows of each call: all at once, or consecutive blocks of exactly ``chunk``."""
+    step = chunk or rows
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one client's :func:`local_sgd` reports. The loss stays on the device until :attr:`mean_loss` reads it:
+    one device→host copy per client, never one per step."""
+
+    steps: int
+    loss_sum: torch.Tensor  # Σ of the steps' losses, a float64 scalar on the training device
+
+    @property
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) / max(self.steps, 1)
+
+
+def local_sgd(model: FlatModel, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, cfg: ClientConfig,
+              generator: torch.Generator, steps: int | None = None, part: slice = slice(None)) -> TrainStats:
+    """One client's local SGD on ``model`` in place, through the executor's loop (the one step): for an
+    algorithm's own phases (FedRep's head then body, with one generator; a personalization before evaluation)."""
+    executor = LocalSGD(model, loss_fn, batched=False, chunk=1)
+    trained = executor.train([ClientRun(model.params, x, y, generator)], LocalStep(steps=steps, part=part), cfg)
+    return TrainStats(int(trained.steps[0]), trained.loss_sums[0])
