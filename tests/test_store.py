@@ -11,6 +11,7 @@ import torch
 
 from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
+from mpifl.runtime import store as store_module
 from mpifl.runtime.store import ClientStore
 from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl
 from tests.data.test_data_own_files import config as own_config
@@ -88,3 +89,21 @@ def test_file_backed_clients_are_read_again_bitwise_and_checked_at_start_up(tmp_
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1 and "client_004.npz" in lines[0], proc.stderr
     assert not (tmp_path / "bad.h5").exists()
+
+
+def test_generated_clients_are_made_before_the_first_round_while_they_fit(monkeypatch):
+    """``up_front`` (the engine's store): every home client made at start-up when the budget allows, the
+    same bits as made on first use; with a budget of 3.5 clients, no more than that kept."""
+    cfg = parse_config(_merge(TINY, GAUSSIAN))
+    dataset = build_federated_dataset(cfg.data, cfg.seed)
+    cpu = torch.device("cpu")
+    ahead = ClientStore(dataset, np.arange(30), cpu, float("inf"), up_front=True)
+    assert ahead.loads == 30 and len(ahead.loaded) == 30
+    late = gaussian_store(float("inf"))
+    assert late.loads == 0
+    for field in vars(late[7]):
+        assert torch.equal(getattr(late[7], field), getattr(ahead.loaded[7], field))
+    one = ahead.loaded_bytes / 30
+    monkeypatch.setattr(store_module, "GENERATED_BATCH", 4)  # made 4 at a time: the first 4 overshoot the budget
+    small = ClientStore(dataset, np.arange(30), cpu, 3.5 * one, up_front=True)
+    assert small.loads == 4 and len(small.loaded) == 3

@@ -116,15 +116,21 @@ class ClientToolkit(ClientAlgorithm):
         if spec is None:
             return super().compute_clients(step, clients)
         ids = [int(c) for c in clients]
-        seconds = np.empty(len(ids))
-        starts = []
-        for i, client in enumerate(ids):
-            began = time.perf_counter()
-            starts.append(self.local_start(step, client))
-            seconds[i] = time.perf_counter() - began
+        starts, seconds = self.local_starts(step, ids)
         trained = self.train_clients(step, ids, starts, spec)
         self.local_end(step, ids, trained)
         return seconds + trained.seconds
+
+    def local_starts(self, step: StepContext, clients: list[int]) -> tuple[list[ClientStart], np.ndarray]:
+        """Every client's :meth:`local_start`, and the seconds each took (an algorithm that finds its clients'
+        starts together, reading the device once for all, overrides this: IFCA)."""
+        seconds = np.empty(len(clients))
+        starts = []
+        for i, client in enumerate(clients):
+            began = time.perf_counter()
+            starts.append(self.local_start(step, client))
+            seconds[i] = time.perf_counter() - began
+        return starts, seconds
 
     def train_clients(self, step: StepContext, clients: list[int], starts: list[ClientStart], spec: LocalStep
                       ) -> TrainedRows:

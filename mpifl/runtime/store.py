@@ -12,6 +12,7 @@ from mpifl.data import FederatedDataset
 from mpifl.training.tensors import TensorSplit, as_tensors
 
 STARTUP_BATCH = 1024  # file-backed clients read (and checked) this many at a time at start-up
+GENERATED_BATCH = 32  # generated clients made this many at a time before round 1 (the budget overshot by less)
 
 
 class ClientStore(Mapping[int, TensorSplit]):
@@ -39,8 +40,9 @@ class ClientStore(Mapping[int, TensorSplit]):
         self.loads = 0  # clients made or read so far (a client forgotten and needed again counts again)
         if not dataset.generated or up_front:
             ordered = sorted(self.home)
-            for start in range(0, len(ordered), STARTUP_BATCH):
-                self.stage(ordered[start : start + STARTUP_BATCH])
+            batch = GENERATED_BATCH if dataset.generated else STARTUP_BATCH
+            for start in range(0, len(ordered), batch):
+                self.stage(ordered[start : start + batch])
                 if dataset.generated and self.loaded_bytes > self.budget_bytes:
                     break  # the rest would only be forgotten again: made on first use instead
                 self.release()
