@@ -272,4 +272,5 @@ def test_auto_chunk_keeps_w2s_padding_small_on_any_worker_count_and_depends_on_t
     assert all(padded_work(50, w, chunk) <= PADDING_BOUND for w in (1, 2, 4, 8))
     assert auto_chunk(1000, gpu) == 64 and auto_chunk(50, cpu) == 16
     for cohort in (1, 3, 7, 20, 100, 333, 5000):
-        assert all(padded_work(cohort, w, auto_chunk(cohort, gpu)) <= PADDING_BOUND for w in (1, 2, 4, 8) if w <= cohort)
+        chunk = auto_chunk(cohort, gpu)
+        assert all(padded_work(cohort, w, chunk) <= PADDING_BOUND for w in (1, 2, 4, 8) if w <= cohort)
