@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from mpifl.algorithms.base import ClientAlgorithm
 from mpifl.registry import get_algorithm
-from mpifl.training import sgd
+from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
 from mpifl.training.executor import VECTORIZABLE_MODELS, local_sgd
 from mpifl.training.sgd import client_generator, evaluate
@@ -70,7 +70,7 @@ def test_a_host_branch_on_the_norm_is_caught(monkeypatch):
     """The check fails if the clipping branch on the host comes back: one read per step."""
     model, loss_fn, x, y = example("mlp", torch.device("cpu"))
     cfg = ClientConfig(steps=5, batch_size=4, clip_norm=0.1)
-    monkeypatch.setattr(sgd, "sgd_step", clip_with_a_host_branch)
+    monkeypatch.setattr(executor, "batched_sgd_step", clip_with_a_host_branch)  # the executor's one step
     with host_reads() as counts:
         local_sgd(model, x, y, loss_fn, cfg, client_generator(0, 1, 0))
     assert counts == {"__bool__": 5}
