@@ -76,7 +76,8 @@ def _results_commands(sub: argparse._SubParsersAction) -> None:
                      help="report the final evaluation, or the one with the best validation accuracy of the seen "
                           "clients (the papers' model selection; needs data.val_fraction > 0); for a directory, "
                           "whose table shows both, the one listed first and used for diagnostics and train_MB")
-    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes (mean ± 2·SE over seeds)")
+    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes, each group's curve "
+                                         "its mean ± 2·SE over seeds, or with one seed, no average")
     plot.add_argument("results", nargs="+", help="results files, or a sweep directory (runs that differ only in seed: "
                                                  "one curve, their mean, with a ±2·SE band)")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
