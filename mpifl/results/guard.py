@@ -95,9 +95,9 @@ class OutputState:
         """Why ``--resume`` cannot continue this run (it holds no checkpoint), with the settings that would have
         saved one and what is lost."""
         settings = {key: self.settings.get(key, default) for key, default in CHECKPOINT_DEFAULTS.items()}
-        minutes, every = settings["checkpoint_minutes"], settings["checkpoint_every"]
-        taken = (f"checkpoint_minutes: {minutes} takes one after each {minutes} minutes of training" if minutes
-                 else "checkpoint_minutes: 0 takes none by time")
+        minutes, every = f"{float(str(settings['checkpoint_minutes'])):g}", settings["checkpoint_every"]
+        taken = (f"checkpoint_minutes: {minutes} takes one after each {minutes} minutes of training"
+                 if minutes != "0" else "checkpoint_minutes: 0 takes none by time")
         taken += f", checkpoint_every: {every} " + (f"one every {every} rounds" if every else "none by round")
         if self.status == "completed":
             return (f"--resume: {self.path} holds a completed run of {self.rounds_completed} rounds but no checkpoint "
