@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import platform
 import shlex
@@ -53,7 +54,7 @@ class OutputState:
     def unfinished(self) -> bool:
         return self.kind == "results" and self.status in UNFINISHED
 
-    @property
+    @functools.cached_property  # a snapshot, as the rest of the state is
     def condition(self) -> str | None:
         """The run's status as it really is: the file's, except that a file still marked "running" whose lock no
         live process holds was stopped without a word (``kill -9``, a lost node, mpirun's Ctrl-C): "stopped"."""
@@ -61,7 +62,7 @@ class OutputState:
             return "stopped"
         return self.status
 
-    @property
+    @functools.cached_property
     def settings(self) -> dict[str, object]:
         """The run's config as stored (a mapping; empty if it does not parse)."""
         import yaml
@@ -117,8 +118,9 @@ def inspect_output(path: str | Path) -> OutputState:
     try:
         with open_results_file(path, "r", locking=False) as f:
             attrs = {k: plain(v) for k, v in f.attrs.items()}
+            old = attrs.get("layout") != "append"  # its checkpoints were written whole, unmarked
             checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
-                               if name in f and f[name].attrs.get("complete", False)), None)
+                               if name in f and f[name].attrs.get("complete", old)), None)
             round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
     except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
         return OutputState(path, "foreign")
