@@ -76,7 +76,8 @@ def _results_commands(sub: argparse._SubParsersAction) -> None:
                      help="report the final evaluation, or the one with the best validation accuracy of the seen "
                           "clients (the papers' model selection; needs data.val_fraction > 0); for a directory, "
                           "whose table shows both, the one listed first and used for diagnostics and train_MB")
-    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes (mean ± 2·SE over seeds)")
+    plot = sub.add_parser("plot", help="accuracy vs rounds and vs cumulative logical bytes, each group's curve "
+                                         "its mean ± 2·SE over seeds, or with one seed, no average")
     plot.add_argument("results", nargs="+", help="results files, or a sweep directory (runs that differ only in seed: "
                                                  "one curve, their mean, with a ±2·SE band)")
     plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf, .svg)")
@@ -154,8 +155,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from mpifl.data import build_federated_dataset
-    from mpifl.data.prepared import is_prepared, prepare
+    from mpifl.data.prepared import is_prepared, prepare, temporary_name
     from mpifl.registry import load_config
     from mpifl.results import check_writable
     from mpifl.results.guard import refuse_existing
@@ -163,7 +166,7 @@ def _prepare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, required=("data.dataset",))  # preparing data needs no algorithm
     if cfg.data.prepared is not None:
         raise ConfigError("data.prepared: leave it unset when preparing (it names the file to read, not to write)")
-    check_writable(args.out)
+    check_writable(args.out, (("temporary file", temporary_name(Path(args.out)).name),))
     refuse_existing(args.out, args.overwrite, ours=is_prepared)  # before the data is read, not after
     dataset = build_federated_dataset(cfg.data, cfg.seed)
     prepare(dataset, cfg.data, cfg.seed, args.out)

@@ -23,6 +23,7 @@ import numpy as np
 from mpifl.extras import optional_import
 from mpifl.results import Results, flatten, read_results
 from mpifl.results.guard import refuse_existing
+from mpifl.results.writing import check_names
 from mpifl.schema import ConfigError
 
 # MLflow's limits on one log_batch call (params; metrics)
@@ -253,6 +254,9 @@ class Target:
     def refuse_earlier(self, overwrite: bool) -> None:
         """Refuse, unless ``overwrite``, CSV files that exist where the run's would go and a TensorBoard directory
         that holds events already (TensorBoard would show both exports as one run's)."""
+        for folder in (self.csv_dir, self.tensorboard_dir):
+            if folder is not None:
+                check_names(folder)
         if self.csv_dir is not None:
             for path in csv_files(self.run, self.csv_dir).values():
                 refuse_existing(path, overwrite, ours=is_exported_csv)

@@ -292,5 +292,6 @@ def read_checkpoint(path: str | Path) -> Any:
 
     saved = read_results(path, checkpoint=True, ledger=False)  # the per-client ledger stays in the file
     if "checkpoint" not in saved.tables:
-        raise ConfigError(f"--resume: {path} holds no checkpoint (run with checkpoint_every > 0)")
+        raise ConfigError(f"--resume: {path} holds no checkpoint (checkpoint_minutes saves one every so many "
+                          "minutes of training, checkpoint_every every so many rounds)")
     return saved

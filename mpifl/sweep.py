@@ -50,7 +50,8 @@ from mpifl.config import (
     load_raw,
 )
 from mpifl.registry import parse_config
-from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, writable_directory
+from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, results_names, writable_directory
+from mpifl.results.writing import check_names
 from mpifl.schema import ConfigError, build, limits
 
 SET_BY_SLURM_TASK = ("threads_per_rank",)
@@ -184,7 +185,13 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, seeds: list
                     config = config_to_dict(parse_config(raw))
                 except ConfigError as exc:
                     raise ConfigError(f"sweep run {' '.join(settings)}: {exc}") from None
-                runs[name] = Run(name, variant, settings, Path(spec.output_dir) / f"{name}.h5", config)
+                output = Path(spec.output_dir) / f"{name}.h5"
+                try:  # a long variant name or grid value: before any run starts, not in the middle of the sweep
+                    check_names(output, results_names(output, resume=False))
+                except ConfigError as exc:
+                    raise ConfigError(f"sweep run {name[:40]}…: {exc}" if len(name) > 40 else
+                                      f"sweep run {name}: {exc}") from None
+                runs[name] = Run(name, variant, settings, output, config)
     return base, spec, list(runs.values())
 
 

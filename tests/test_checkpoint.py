@@ -119,8 +119,13 @@ def test_resume_refuses_a_different_config_or_no_checkpoint(write_config, tmp_pa
     assert "config differs" in err and "client.lr: 0.1 in the file, 0.3 given" in err
     plain = tmp_path / "plain.h5"
     assert main(["run", str(write_config()), "--out", str(plain), "--quiet"]) == 0
+    before = plain.read_bytes()
     assert main(["run", str(write_config()), "--resume", str(plain)]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"mpifl: error: --resume: {plain} holds a completed run of 3 rounds but no checkpoint to extend it from "
+        "(checkpoint_minutes: 10 takes one after each 10 minutes of training, checkpoint_every: 0 none by round); "
+        "--overwrite with --set rounds=N runs it again, longer\n")
+    assert plain.read_bytes() == before
 
 
 def test_checkpoints_hold_no_pickle(write_config, tmp_path):
@@ -134,10 +139,11 @@ def test_checkpoints_hold_no_pickle(write_config, tmp_path):
 
 
 def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_where(write_config, tmp_path, capsys):
-    """Issue 45 rows 6-7: without checkpoint_every, checkpoint_minutes still saves checkpoints (here every
-    0.03 s); report calls the run running while it holds its lock, and after a SIGKILL of the whole job says
-    where it stopped and whence it resumes; the resume then completes it. A run that never checkpointed is
-    "not resumable"."""
+    """Issue 45 rows 6-7, issue 50 rows 2-3 and 5: without checkpoint_every, checkpoint_minutes still saves
+    checkpoints (here every 0.03 s); report calls the run running while it holds its lock, and after a SIGKILL of
+    the whole job calls it stopped, in its first line and its --json too, and says whence it resumes, with the
+    launcher's own options; the resume then completes it. A run that never checkpointed is "not resumable", and
+    ``--resume`` says why: the settings that would have saved it, and the rounds lost."""
     config = write_config({"rounds": 100_000, "eval_every": 1, "checkpoint_minutes": 0.0005,
                            "model": {"name": "logistic"}})
     part = tmp_path / "part.h5"
@@ -147,27 +153,42 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
     while not peek(part)[1]:
         assert job.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    assert main(["report", str(part)]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == "running: a process holds its lock"
+    assert main(["report", str(part), "--json"]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert live["status"] == "running"
+    assert live["standing"].endswith(" of 100000 rounds so far: a process holds its lock")
     kill_job(job)
     with h5py.File(part) as f:
         done, checkpoint = int(f.attrs["rounds_completed"]), int(f["checkpoint"].attrs["round"])
+    standing = (f"stopped at round {done} of 100000, resumable from round {checkpoint}: mpirun -n 2 --oversubscribe "
+                f"python -m mpifl run --resume {part} (any rank count)")
     assert main(["report", str(part)]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == (
-        f"stopped at round {done}, resumable from round {checkpoint}: python -m mpifl run --resume {part} (any "
-        "rank count)")
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first.startswith(f"{part}: fedavg, stopped, {done} rounds on 2 rank(s)") and second == standing
+    assert main(["report", str(part), "--json"]) == 0
+    dead = json.loads(capsys.readouterr().out)
+    assert (dead["status"], dead["standing"], dead["resumable_from"]) == ("stopped", standing, checkpoint)
     assert main(["run", "--resume", str(part), "--quiet", f"--set=rounds={checkpoint + 2}"]) == 0
     assert read_results(part).attrs["status"] == "completed"
 
     never = tmp_path / "never.h5"
-    config = write_config({"rounds": 100_000, "eval_every": 1, "checkpoint_minutes": 0, "model": {"name": "logistic"}},
-                          name="never.yaml")
+    config = write_config({"rounds": 100_000, "eval_every": 1, "model": {"name": "logistic"}}, name="never.yaml")
     job = subprocess.Popen([sys.executable, "-m", "mpifl", "run", str(config), "--out", str(never), "--quiet"],
                            env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
     while peek(never)[0] < 2:
         assert job.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     kill_job(job)
+    done = read_results(never).attrs["rounds_completed"]
     assert main(["report", str(never)]) == 0
-    assert capsys.readouterr().out.splitlines()[1].endswith(", not resumable (no checkpoint): --overwrite starts "
-                                                            "it again")
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first.startswith(f"{never}: fedavg, stopped, {done} rounds") and second == (
+        f"stopped at round {done} of 100000, not resumable (no checkpoint): --overwrite starts it again")
+    before = never.read_bytes()
+    assert main(["run", "--resume", str(never), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"mpifl: error: --resume: {never} holds no checkpoint: the run stopped at round {done} of 100000, before its "
+        "first (checkpoint_minutes: 10 takes one after each 10 minutes of training, checkpoint_every: 0 none by "
+        f"round); its {done} rounds are lost: --overwrite starts it again (a smaller checkpoint_minutes or a "
+        "checkpoint_every > 0 loses less next time)\n")
+    assert never.read_bytes() == before

@@ -100,8 +100,12 @@ def test_the_same_command_after_a_kill_refuses_and_says_how_to_resume_then_resum
     again = subprocess.run([sys.executable, "-m", "mpifl", "run", *command], env=mpi_env(), cwd=REPO,
                            capture_output=True, text=True)
     assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
-    assert "holds an unfinished run (running, checkpoint at round" in again.stderr
-    assert f"continue it with: python -m mpifl run --resume {out}" in again.stderr
+    with h5py.File(out, "r") as f:
+        done, checkpoint = int(f.attrs["rounds_completed"]), int(f["checkpoint"].attrs["round"])
+    # where the run stands, as report says it, and how to continue it launched as before (issue 50 rows 2, 5)
+    assert again.stderr == (f"mpifl: error: output {out} holds an unfinished run: stopped at round {done} of "
+                            f"{LONG['rounds']}, resumable from round {checkpoint}: mpirun -n 3 --oversubscribe python "
+                            f"-m mpifl run --resume {out} (any rank count); or --overwrite starts it again\n")
     assert digest(out) == before and {p.name: digest(p) for p in shard_dir(out).iterdir()} == shards
     assert main(["run", "--resume", str(out), "--quiet"]) == 0  # the file alone, on another rank count
     assert_same(uninterrupted, deterministic(out))
@@ -144,7 +148,7 @@ def test_a_signal_stops_after_the_round_with_a_checkpoint_and_the_file_alone_res
     saved = read_results(out, checkpoint=True)
     stopped = int(saved.table_attrs["checkpoint"]["round"])
     assert saved.attrs["status"] == "interrupted" and saved.attrs["rounds_completed"] == stopped < LONG["rounds"]
-    launch = f"mpirun -n {ranks} " if ranks else ""
+    launch = f"mpirun -n {ranks} --oversubscribe " if ranks else ""  # as it was launched (issue 50 row 5)
     assert (f"mpifl: {sig.name}: stopped after round {stopped} of {LONG['rounds']} and saved a checkpoint; "
             f"continue with: {launch}python -m mpifl run --resume {out} (any rank count)") in stderr
     assert "Traceback" not in stderr

@@ -314,9 +314,12 @@ def test_report_of_unrelated_runs_counts_each_seed_once_and_groups_by_config(wri
     assert {label.split(": ")[0] for label in labels} == {"client.lr=0.1 (1 seed)", "client.lr=0.3 (2 seeds)"}
 
 
-def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them(write_config, tmp_path):
+def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them(write_config, tmp_path,
+                                                                                 monkeypatch):
     """A sweep still under way (or stopped) holds runs at an early round; mixing them into the seeds' mean would
-    report a number no finished run has. The table counts completed runs only and names the others."""
+    report a number no finished run has. The table counts completed runs only and names the others, each where it
+    stands as ``report FILE`` says it (issue 50 row 4): a run that died still marked "running" is stopped, and
+    not resumable without a checkpoint."""
     from mpi4py import MPI
 
     from mpifl.registry import load_config
@@ -333,12 +336,15 @@ def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them
     asked = StopRequest(announce=False)
     asked.signum = signal.SIGTERM  # as Slurm's time limit, before the first round ends: it stops after round 1
     assert stopped.run(progress=False, stop=asked) == 1
+    monkeypatch.setenv("MPIFL_INJECT_FAULT", "0:2")  # dies in round 2, its file still marked running
+    assert main(["run", str(config), "--out", str(runs / "a,seed=3.h5"), "--set", "seed=3", "--quiet"]) == 1
     summary = aggregate(str(runs))
     (row,) = summary["rows"]
     assert (row["seeds"], row["files"]) == (2, [str(runs / "a,seed=0.h5"), str(runs / "a,seed=1.h5")])
     assert summary["text"].splitlines()[-1] == (
-        f"Left out, as not finished (a rerun of the sweep resumes them): {runs / 'a,seed=2.h5'} (interrupted, 1 of 2 "
-        "rounds).")
+        f"Left out, as not finished: {runs / 'a,seed=2.h5'} (interrupted at round 1 of 2, resumable from round 1: a "
+        f"rerun of the sweep resumes it); {runs / 'a,seed=3.h5'} (stopped at round 1 of 2, not resumable: a rerun "
+        "of the sweep starts it again).")
 
 
 def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path):

@@ -57,13 +57,18 @@ def is_prepared(path: Path) -> bool:
         return False
 
 
+def temporary_name(path: Path) -> Path:
+    """The name a prepared file is written under until it is complete."""
+    return path.with_name(f".{path.name}.tmp")
+
+
 def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | Path) -> None:
     """Write every client of ``dataset`` to ``path`` in the documented HDF5 layout, with the fingerprint of
     ``cfg`` and ``seed`` (through a temporary name: never half-written)."""
     path = Path(path)
     layout = dataset.layout
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temporary_name(path)
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs.update(format=FORMAT, fingerprint=fingerprint(cfg, seed), task=layout.task)

@@ -12,7 +12,7 @@ import numpy as np
 
 from mpifl.report.text import SELECTIONS, best_val_row, diagnostics, epsilon_at
 from mpifl.results import Results, flatten, read_results
-from mpifl.results.guard import refuse_unless_ours, writable_directory
+from mpifl.results.guard import inspect_output, refuse_unless_ours, writable_directory
 
 
 def mean_2se(values: np.ndarray) -> tuple[float, float]:
@@ -171,9 +171,7 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     if repeats:
         md += ["", f"Left out, as repeats of a seed already counted (same config and seed): {', '.join(repeats)}."]
     if unfinished:
-        listed = ", ".join(f"{path} ({res.attrs.get('status')}, {int(res.attrs.get('rounds_completed', 0))} of "
-                           f"{res.config.get('rounds')} rounds)" for path, res in unfinished)
-        md += ["", f"Left out, as not finished (a rerun of the sweep resumes them): {listed}."]
+        md += ["", f"Left out, as not finished: {'; '.join(_unfinished(path) for path, _ in unfinished)}."]
     text = "\n".join(md)
     md_path.write_text(f"{SUMMARY_MARK}\n{text}\n")
     with open(csv_path, "w", newline="") as f:
@@ -182,6 +180,17 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         for row in rows:
             writer.writerow([row[k] for k in ("seeds", *varying)] + [v for m in (*plain, *both) for v in row[m]])
     return {"rows": rows, "text": text, "varying": varying, "selection": select}
+
+
+def _unfinished(path: Path) -> str:
+    """Where an unfinished run stands (as ``report FILE`` and ``run`` say it) and what a rerun of the sweep does
+    with it."""
+    state = inspect_output(path)
+    if state.condition == "running":
+        return f"{path} ({state.where()})"
+    if state.checkpoint_round is None:
+        return f"{path} ({state.where()}, not resumable: a rerun of the sweep starts it again)"
+    return f"{path} ({state.where()}, resumable from round {state.checkpoint_round}: a rerun of the sweep resumes it)"
 
 
 def _completed(res: Results) -> bool:

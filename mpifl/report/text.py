@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mpifl.results import Results, read_results
-from mpifl.results.guard import inspect_output, standing
+from mpifl.results.guard import inspect_output
 
 
 def _bytes(n: float) -> str:
@@ -145,6 +145,7 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
     """The summary of the run in results file ``path`` at its ``select`` evaluation (``final`` or ``best-val``), as
     data (what ``--json`` prints) with its text form under ``"text"``."""
     res = read_results(path, ledger=False)
+    state = inspect_output(path)
     ev, rounds = res.table("eval"), res.table("rounds")
     row = selected_row(res, select, path)
     final: dict[str, float] = {}
@@ -155,8 +156,9 @@ def report(path: str, select: str = "final") -> dict[str, Any]:
     summary: dict[str, Any] = {
         "file": str(path),
         "algorithm": res.attrs.get("algorithm"),
-        "status": res.attrs.get("status"),
-        "standing": standing(inspect_output(path)),
+        "status": state.condition,  # the file's, except that a dead "running" run is "stopped"
+        "standing": state.standing(),
+        "resumable_from": state.checkpoint_round if state.unfinished else None,
         "world_size": res.attrs.get("world_size"),
         "rounds_completed": res.attrs.get("rounds_completed"),
         "selection": select,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import platform
 import shlex
@@ -25,27 +26,86 @@ from pathlib import Path
 import h5py
 
 from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain, shard_dir
-from mpifl.results.writing import check_writable
+from mpifl.results.writing import check_names, check_writable, creating_name
 from mpifl.schema import ConfigError
 
 UNFINISHED = ("running", "interrupted", "failed")
 """The statuses of a run that did not complete: its file is the only record of the rounds it did."""
 
+CHECKPOINT_DEFAULTS = {"checkpoint_every": 0, "checkpoint_minutes": 10}
+"""What a results file written before a checkpoint setting existed ran with."""
+
 
 @dataclass(frozen=True)
 class OutputState:
-    """What a path holds, as far as claiming it is concerned."""
+    """What a path holds, as far as claiming it is concerned, and where the run in it stands: the one account
+    that ``run`` (its refusals, ``--resume``), ``report`` (text, ``--json``, a folder's summary) and ``sweep``
+    give."""
 
     path: Path
     kind: str  # "absent", "foreign" (a file that is not an mpifl results file) or "results"
-    status: str | None = None  # a results file's: running | completed | interrupted | failed
+    status: str | None = None  # a results file's attribute: running | completed | interrupted | failed
     config: str | None = None  # the YAML config it was written with
     rounds_completed: int = 0
     checkpoint_round: int | None = None  # the round of the checkpoint it holds, if any
+    launcher: str = ""  # how its last segment was launched ("mpirun -n 3 --oversubscribe"; "": one process)
 
     @property
     def unfinished(self) -> bool:
         return self.kind == "results" and self.status in UNFINISHED
+
+    @functools.cached_property  # a snapshot, as the rest of the state is
+    def condition(self) -> str | None:
+        """The run's status as it really is: the file's, except that a file still marked "running" whose lock no
+        live process holds was stopped without a word (``kill -9``, a lost node, mpirun's Ctrl-C): "stopped"."""
+        if self.status == "running" and not being_written(self.path):
+            return "stopped"
+        return self.status
+
+    @functools.cached_property
+    def settings(self) -> dict[str, object]:
+        """The run's config as stored (a mapping; empty if it does not parse)."""
+        import yaml
+
+        try:
+            raw = yaml.safe_load(self.config or "")
+        except yaml.YAMLError:
+            raw = None
+        return raw if isinstance(raw, dict) else {}
+
+    def where(self) -> str:
+        """``stopped at round R of N`` (or ``running, R of N rounds so far``): the start of :meth:`standing`."""
+        of = f" of {self.settings['rounds']}" if "rounds" in self.settings else ""
+        if self.condition == "running":
+            return f"running, {self.rounds_completed}{of} rounds so far"
+        return f"{self.condition} at round {self.rounds_completed}{of}"
+
+    def standing(self) -> str | None:
+        """Where an unfinished run stands, as one sentence that names the cure: still running, or stopped and
+        resumable from which round (with the command), or stopped and not resumable (``None``: completed)."""
+        if not self.unfinished:
+            return None
+        if self.condition == "running":
+            return f"{self.where()}: a process holds its lock"
+        if self.checkpoint_round is None:
+            return f"{self.where()}, not resumable (no checkpoint): --overwrite starts it again"
+        return (f"{self.where()}, resumable from round {self.checkpoint_round}: "
+                f"{resume_command(self.path, self.launcher)} (any rank count)")
+
+    def without_checkpoint(self) -> str:
+        """Why ``--resume`` cannot continue this run (it holds no checkpoint), with the settings that would have
+        saved one and what is lost."""
+        settings = {key: self.settings.get(key, default) for key, default in CHECKPOINT_DEFAULTS.items()}
+        minutes, every = f"{float(str(settings['checkpoint_minutes'])):g}", settings["checkpoint_every"]
+        taken = (f"checkpoint_minutes: {minutes} takes one after each {minutes} minutes of training"
+                 if minutes != "0" else "checkpoint_minutes: 0 takes none by time")
+        taken += f", checkpoint_every: {every} " + (f"one every {every} rounds" if every else "none by round")
+        if self.status == "completed":
+            return (f"--resume: {self.path} holds a completed run of {self.rounds_completed} rounds but no checkpoint "
+                    f"to extend it from ({taken}); --overwrite with --set rounds=N runs it again, longer")
+        return (f"--resume: {self.path} holds no checkpoint: the run {self.where()}, before its first ({taken}); "
+                f"its {self.rounds_completed} rounds are lost: --overwrite starts it again (a smaller "
+                "checkpoint_minutes or a checkpoint_every > 0 loses less next time)")
 
 
 def inspect_output(path: str | Path) -> OutputState:
@@ -58,21 +118,24 @@ def inspect_output(path: str | Path) -> OutputState:
     try:
         with open_results_file(path, "r", locking=False) as f:
             attrs = {k: plain(v) for k, v in f.attrs.items()}
+            old = attrs.get("layout") != "append"  # its checkpoints were written whole, unmarked
             checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
-                               if name in f and f[name].attrs.get("complete", False)), None)
+                               if name in f and f[name].attrs.get("complete", old)), None)
             round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
     except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
         return OutputState(path, "foreign")
     if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
         return OutputState(path, "foreign")
+    ranks = int(attrs.get("world_size", 1))  # a file written before the launcher was recorded: mpirun -n P
+    launcher = str(attrs.get("launcher", f"mpirun -n {ranks}" if ranks > 1 else ""))
     return OutputState(path, "results", str(attrs["status"]), str(attrs["config"]),
-                       int(attrs.get("rounds_completed", 0)), round_)
+                       int(attrs.get("rounds_completed", 0)), round_, launcher)
 
 
-def resume_command(path: str | Path, ranks: int) -> str:
-    """The command that continues the run in results file ``path`` (on any rank count; ``ranks`` as before)."""
-    launch = f"mpirun -n {ranks} " if ranks > 1 else ""
-    return f"{launch}python -m mpifl run --resume {shlex.quote(str(path))}"
+def resume_command(path: str | Path, launcher: str) -> str:
+    """The command that continues the run in results file ``path`` (on any rank count), launched as before
+    (``launcher``: the words before ``python``, with the options the run was started with)."""
+    return f"{launcher + ' ' if launcher else ''}python -m mpifl run --resume {shlex.quote(str(path))}"
 
 
 def refusal(state: OutputState, resume: bool, overwrite: bool) -> str | None:
@@ -82,23 +145,30 @@ def refusal(state: OutputState, resume: bool, overwrite: bool) -> str | None:
         what = "a directory" if path.is_dir() else "a file that is not an mpifl results file"
         return f"output {path}: is {what}; it is never replaced: give another --out"
     if resume:
-        return None if state.kind == "results" else f"--resume: results file {path} does not exist"
+        if state.kind != "results":
+            return f"--resume: results file {path} does not exist"
+        return state.without_checkpoint() if state.checkpoint_round is None else None
     if state.kind == "absent" or overwrite:
         return None
     if state.status == "completed":
         return (f"output {path} holds a completed run ({state.rounds_completed} rounds); --overwrite replaces it, "
                 "or give another --out")
     if state.checkpoint_round is not None:
-        return (f"output {path} holds an unfinished run ({state.status}, checkpoint at round "
-                f"{state.checkpoint_round}); continue it with: {resume_command(path, 1)} "
-                "(any rank count), or start again with --overwrite")
-    return (f"output {path} holds an unfinished run ({state.status}, {state.rounds_completed} rounds, no "
-            "checkpoint to resume from); --overwrite starts it again, or give another --out")
+        return f"output {path} holds an unfinished run: {state.standing()}; or --overwrite starts it again"
+    return f"output {path} holds an unfinished run: {state.standing()}, or give another --out"
 
 
 def lock_file(path: Path) -> Path:
     """The hidden file beside an output whose lock a writing run holds."""
     return path.with_name(f".{path.name}.lock")
+
+
+def results_names(path: str | Path, resume: bool) -> tuple[tuple[str, str], ...]:
+    """What a run writes beside its results file ``path``, named: the lock, the checkpoint folder and (a new
+    file) the temporary name it is created under."""
+    path = Path(path)
+    names = (("lock file", lock_file(path).name), ("checkpoint folder", shard_dir(path).name))
+    return names if resume else (*names, ("temporary file", creating_name(path).name))
 
 
 def being_written(path: str | Path) -> bool:
@@ -115,20 +185,6 @@ def being_written(path: str | Path) -> bool:
     finally:
         os.close(fd)  # also drops the lock just taken
     return False
-
-
-def standing(state: OutputState) -> str | None:
-    """Where an unfinished run stands, for ``report``: still running, or stopped and resumable from which round
-    (``None`` for a completed run)."""
-    if not state.unfinished:
-        return None
-    if state.status == "running" and being_written(state.path):
-        return "running: a process holds its lock"
-    stopped = f"stopped at round {state.rounds_completed}"
-    if state.checkpoint_round is None:
-        return f"{stopped}, not resumable (no checkpoint): --overwrite starts it again"
-    return (f"{stopped}, resumable from round {state.checkpoint_round}: "
-            f"{resume_command(state.path, 1)} (any rank count)")
 
 
 class OutputLock:
@@ -201,7 +257,7 @@ def claim_results(path: str | Path, resume: bool, overwrite: bool) -> ResultsCla
     :class:`ConfigError` (one line) otherwise, leaving the file untouched."""
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts it again: give one of them")
-    check_writable(path)  # first: the lock file is created beside it
+    check_writable(path, results_names(path, resume))  # first: the lock file is created beside it
     lock = OutputLock.acquire(path)
     state = inspect_output(path)  # under the lock: no other run changes it now
     reason = refusal(state, resume, overwrite)
@@ -231,6 +287,7 @@ def writable_directory(path: str | Path, what: str) -> Path:
     there: permission bits alone say nothing for root, who is refused only by a read-only file system. One line
     (:class:`ConfigError`) otherwise; nothing is left behind."""
     path = Path(path)
+    check_names(path, what=what)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{what} {path}: is a file, not a directory")
     try:

@@ -3,6 +3,7 @@ and committing them (:mod:`.layout`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -40,11 +41,54 @@ def write_attrs(node: h5py.Group, attrs: dict[str, Any]) -> None:
         node.attrs[key] = value
 
 
-def check_writable(path: str | Path) -> None:
-    """Refuse, before anything trains, a results path the first write would fail on: not a directory, and
-    its nearest existing directory (where the missing ones will be created) takes a new file. A file
-    probed there is removed at once, so a refused run leaves nothing behind."""
+PATH_MAX = 4096  # Linux's limit on a whole path, in bytes
+
+
+def _short(name: str) -> str:
+    """A long name as one line can show it: its start and end."""
+    return name if len(name) <= 40 else f"{name[:24]}…{name[-12:]}"
+
+
+def check_names(path: str | Path, beside: tuple[tuple[str, str], ...] = (), what: str = "output") -> None:
+    """Refuse (one line) a path that the file system would answer with "File name too long" in the middle of a
+    write: a folder's or the file's own name longer than the file system allows (``NAME_MAX``, 255 bytes on
+    most), a name the command creates beside it (``beside``: (what it is, its name), e.g. a lock, a temporary
+    name, a checkpoint folder) longer still, or a whole path past ``PATH_MAX``. Checks names only, so it runs
+    before anything is looked at or created."""
     path = Path(path)
+    existing = next((p for p in (path.parent, *path.parent.parents) if os.path.isdir(p)), Path("."))
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in path.parts:
+        if len(os.fsencode(part)) > limit:
+            raise ConfigError(f"{what} {path}: the name {_short(part)!r} is {len(os.fsencode(part))} bytes, past the "
+                              f"{limit} this file system allows in a name; give a shorter one")
+    own = len(os.fsencode(path.name))
+    for description, name in beside:
+        extra = len(os.fsencode(name)) - own
+        if own + extra > limit:
+            raise ConfigError(f"{what} {path}: its name is {own} bytes, and the {description} written beside it "
+                              f"({_short(name)!r}) adds {extra}, past the {limit} this file system allows in a "
+                              f"name; give a name of at most {limit - extra} bytes")
+    if len(os.fsencode(os.path.abspath(path))) + max((len(n) for _, n in beside), default=0) >= PATH_MAX:
+        raise ConfigError(f"{what} {_short(str(path))}: the whole path passes the {PATH_MAX} bytes a path may have; "
+                          "give a shorter one")
+
+
+def creating_name(path: Path) -> Path:
+    """The temporary name a new results file is written under until its first write is committed."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def check_writable(path: str | Path, beside: tuple[tuple[str, str], ...] = ()) -> None:
+    """Refuse, before anything trains, a results path the first write would fail on: names the file system
+    takes (:func:`check_names`, with the names created ``beside`` it), not a directory, and its nearest
+    existing directory (where the missing ones will be created) takes a new file. A file probed there is removed
+    at once, so a refused run leaves nothing behind."""
+    path = Path(path)
+    check_names(path, beside)
     if path.is_dir():
         raise ConfigError(f"output {path}: is a directory, not a results file")
     existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
@@ -66,7 +110,7 @@ class AppendOnlyFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # a new file is made under a temporary name and renamed once its first write is committed: a kill while
         # HDF5 lays out a new file leaves no file rather than a broken one
-        self.creating = None if resume else self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.creating = None if resume else creating_name(self.path)
         # no HDF5 file lock: others (report, a test) may read the committed rows while the job runs
         self.file = (h5py.File(self.creating, "w", locking=False) if self.creating
                      else open_results_file(self.path, "r+", locking=False))
@@ -149,18 +193,32 @@ class AppendOnlyFile:
         f.move(CHECKPOINT_PENDING, "checkpoint")
         if SHARDS in blobs:  # committed: the files of checkpoints no longer kept (and unfinished ones) can go, not
             f.flush()       # those of later rounds (a resumed run's redone rounds write them again)
-            kept = [json.loads(blobs[SHARDS].tobytes())]
-            kept += [k["shards"] for k in json.loads(blobs[KEPT].tobytes())] if KEPT in blobs else []
-            keep = {entry["file"] for entries in kept for entry in entries}
-            for file in shard_dir(self.path).glob("*"):
-                written = re.fullmatch(r"\.?round(\d+)-(rank\d+|server)\.h5(\.tmp)?", file.name)
-                if written and int(written.group(1)) <= round_ and file.name not in keep:
-                    file.unlink(missing_ok=True)
+            prune_checkpoints(self.path, blobs, round_)
 
     def close(self) -> None:
         self.file.close()
         if self.creating is not None:  # closed before its first write (a failure): nothing to keep
             self.creating.unlink()
+
+
+def prune_checkpoints(path: Path, blobs: dict[str, np.ndarray] | None, up_to: int | None = None) -> None:
+    """Delete the checkpoint files beside results file ``path`` that the committed checkpoint ``blobs`` (its
+    manifest; ``None``: none) does not keep: of rounds up to ``up_to``, or, at the end of a run (``None``), of
+    any round (an unfinished checkpoint of a segment killed past the round its resume started from); the
+    folder goes too when nothing is left in it."""
+    keep: set[str] = set()
+    if blobs is not None and SHARDS in blobs:
+        kept = [json.loads(blobs[SHARDS].tobytes())]
+        kept += [k["shards"] for k in json.loads(blobs[KEPT].tobytes())] if KEPT in blobs else []
+        keep = {entry["file"] for entries in kept for entry in entries}
+    folder = shard_dir(path)
+    for file in folder.glob("*"):
+        written = re.fullmatch(r"\.?round(\d+)-(rank\d+|server|runtime)\.h5(\.tmp)?", file.name)
+        if written and (up_to is None or int(written.group(1)) <= up_to) and file.name not in keep:
+            file.unlink(missing_ok=True)
+    if up_to is None:
+        with contextlib.suppress(OSError):  # not empty, or not there
+            folder.rmdir()
 
 
 def _length(columns: dict[str, np.ndarray]) -> int:

@@ -28,6 +28,7 @@ from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm
 from mpifl.results.guard import ResultsClaim, claim_results
+from mpifl.results.writing import prune_checkpoints
 from mpifl.runtime.assembly import assemble, check_run, client_state, wire_format
 from mpifl.runtime.faults import inject_fault
 from mpifl.runtime.progress import Heartbeat
@@ -198,3 +199,5 @@ class Engine:
         if self.profile is not None:
             final["profile"] = Profile.table([r[1] for r in per_rank])
         self._write("completed", final, wait=True)
+        latest = self.checkpointer.latest  # the checkpoint the file commits: only its files (and the kept) stay
+        prune_checkpoints(self.output, latest["blobs"] if latest is not None else None)

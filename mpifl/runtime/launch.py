@@ -8,12 +8,16 @@
   file keeps the last completed evaluation; the line says how to continue from the last checkpoint.
 * SIGINT (Ctrl-C) or SIGTERM (Slurm's time limit, a preemption) stops the job at the end of the round
   under way: every rank saves a checkpoint, rank 0 marks the file "interrupted" and prints the command
-  that continues it. A second signal stops at once (as a failure).
+  that continues it. A second signal stops at once (as a failure). Under Open MPI's ``mpirun``, whose Ctrl-C
+  stops the forwarding of output and kills the ranks half a second later, rank 0 writes to the terminal
+  itself (:mod:`.stopping`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import sys
 import traceback
 from dataclasses import dataclass
@@ -24,9 +28,11 @@ import yaml
 from mpifl.algorithms.base import AsynchronousProtocol, Protocol
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
-from mpifl.results.guard import inspect_output, resume_command
+from mpifl.results.guard import inspect_output, results_names, resume_command
+from mpifl.results.writing import check_names
 from mpifl.runtime.faults import selection_size
-from mpifl.runtime.stopping import StopRequest
+from mpifl.runtime.launcher import launcher_prefix
+from mpifl.runtime.stopping import StopRequest, to_terminal
 from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
@@ -83,6 +89,7 @@ def job_config(config_path: str | None, overrides: list[str], resume: str | None
         return load_config(config_path, overrides)
     if resume is None:
         raise ConfigError("run: give a CONFIG file, or --resume RESULTS.h5 to continue a run from its file alone")
+    check_names(resume, results_names(resume, resume=True), what="--resume")  # before the path is looked at
     state = inspect_output(resume)
     if state.kind != "results" or state.config is None:
         raise ConfigError(f"--resume: {resume} " + ("does not exist" if state.kind == "absent"
@@ -100,14 +107,23 @@ def _clients_at_once(protocol: Protocol, cfg: RunConfig) -> int:
 
 
 def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, rounds: int) -> str:
-    return (f"{stop.signal_name}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
-            f"{resume_command(output, size)} (any rank count)")
+    asked = "Ctrl-C or SIGTERM to mpirun" if stop.launcher_ending else stop.signal_name
+    return (f"{asked}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
+            f"{resume_command(output, launcher_prefix(size))} (any rank count)")
+
+
+def _ending_note(output: Path) -> str:
+    """What rank 0 writes to the terminal as soon as ``mpirun`` starts ending the job: true however it ends."""
+    return ("mpifl: Ctrl-C or SIGTERM to mpirun: it kills the ranks half a second later; saving a checkpoint after "
+            f"the round under way if there is time; then python -m mpifl report {shlex.quote(str(output))} says "
+            "where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with time to save)")
 
 
 def _failed_hint(checkpoint_round: int | None, output: Path, size: int) -> str:
     if checkpoint_round is None:
         return "; no checkpoint was taken yet: start again with --overwrite"
-    return f"; continue from its last checkpoint (round {checkpoint_round}) with: {resume_command(output, size)}"
+    return (f"; continue from its last checkpoint (round {checkpoint_round}) with: "
+            f"{resume_command(output, launcher_prefix(size))}")
 
 
 def load_mpi():  # noqa: ANN201 - mpi4py's MPI module
@@ -152,6 +168,8 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
             _error(str(exc))
         return EXIT_BAD_INPUT
     path = Path(resume or output or cfg.output)
+    if rank == 0 and size > 1:
+        stop.terminal_note = _ending_note(path)
     engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite)
     failed = _prepare_everywhere(engine, comm)
     if failed is not None:
@@ -177,6 +195,11 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         return EXIT_FAILURE
     if stopped_at is not None:
         if rank == 0:
-            sys.stderr.write(f"mpifl: {_stopped_line(stop, path, size, stopped_at, cfg.rounds)}\n")
+            line = f"mpifl: {_stopped_line(stop, path, size, stopped_at, cfg.rounds)}"
+            if stop.launcher_ending:  # mpirun forwards no output any more: straight to the terminal
+                to_terminal(line)
+            with contextlib.suppress(OSError):  # mpirun may have closed the pipe
+                sys.stderr.write(f"{line}\n")
+                sys.stderr.flush()
         return 128 + stop.signum
     return 0

@@ -23,6 +23,7 @@ from mpifl.comm.ledger import STAGES
 from mpifl.config import RunConfig, config_to_dict
 from mpifl.data import FederatedLayout
 from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
+from mpifl.runtime.launcher import launcher_prefix
 from mpifl.runtime.metrics import summarize
 
 SEGMENT_COLUMNS = (("first_round", np.int64), ("last_round", np.int64), ("world_size", np.int64),
@@ -199,6 +200,7 @@ class Recorder:
             "mpi4py_version": mpi4py.__version__,
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "hostname": platform.node(),
+            "launcher": launcher_prefix(self.world_size),  # what the command that continues the run starts with
         }
 
     def settle(self) -> None:
