@@ -72,9 +72,9 @@ class DistributedSum:
         """Fold several accepted clients' rows at once (``rows``: clients × numel, a device tensor's rows are
         folded there with one wait for all: ``ExactSum.add_rows``), each into its group's total."""
         for group in np.unique(groups).tolist():
-            members = np.flatnonzero(groups == group)
-            part = rows if len(members) == len(rows) else rows[members.tolist()]
-            self.totals[group].add_rows(part, weights[members])
+            # the other groups' rows weigh 0 and are left out where the rows are (a list index on a device tensor
+            # would be copied there from pageable memory, a wait for the device)
+            self.totals[group].add_rows(rows, np.where(groups == group, weights, 0.0))
         if self.kept is not None:
             if (len(self.kept) + len(rows)) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
                 self.kept = None
