@@ -192,7 +192,9 @@ class _TorchOps:
 
         self.torch, self.device = torch, torch.device(device)
         self.name = f"torch-{self.device.type}"
-        self.reads_free = self.device.type == "cpu"  # on a GPU each read waits for the device
+        # never on the CPU either: a GPU's reads wait for the device, and the CPU runs (and the sync check sees)
+        # the GPU's path
+        self.reads_free = False
         self.dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                        np.dtype(np.float64): torch.float64}
         self.kinds: dict[Any, np.dtype] = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
