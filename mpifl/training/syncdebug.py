@@ -105,7 +105,8 @@ def host_reads() -> Iterator[Counter[str]]:
 
         return counted
 
-    patches = [(torch.Tensor, name, read(name, getattr(torch.Tensor, name))) for name in READS]
+    patches: list[tuple[Any, str, Callable[..., Any]]] = [
+        (torch.Tensor, name, read(name, getattr(torch.Tensor, name))) for name in READS]
     patches += [(torch.Tensor, name, moved(getattr(torch.Tensor, name))) for name in UPLOADS]
     patches += [(torch, name, built(getattr(torch, name))) for name in CONSTRUCTORS]
     saved = [(owner, name, name in vars(owner), getattr(owner, name)) for owner, name, _ in patches]
