@@ -483,6 +483,13 @@ class ExactSum:
         return 0 if self._levels is None or self._ops is None else self._ops.nbytes(self._levels)
 
     @property
+    def round_device(self) -> torch.device | None:
+        """Where sums of this total's wire are best rounded: the GPU it folds on (``round_sum`` there reads nothing
+        back), else ``None``, numpy on the host (the faster on a CPU)."""
+        ops = self._ops
+        return ops.device if isinstance(ops, _TorchOps) and ops.device.type != "cpu" else None
+
+    @property
     def backend(self) -> str | None:
         """Where the fold runs ("numpy", "torch-cpu", "torch-cuda"); ``None`` until a row chose it."""
         return None if self._ops is None else self._ops.name
