@@ -18,13 +18,14 @@ core.
 ``--parts`` times, in one process, the pieces of that serial path on W2-sized rows (1,626,442 entries; the exact
 sum of 50 float32 deltas of weight 1/50, as three ranks' words add): ``round_sum`` of the whole wire (rank 0's
 before), of one worker's share at P = 3, the FedAvg server step (``GlobalModel.step``, float64 on 1.6 M
-entries). CPU seconds (``time.process_time``: the machine is shared; its load average is printed), minimum and
-median of ``--repeats``.
+entries, with the division by the weights' total). CPU seconds (``time.process_time``: the machine is shared; its
+load average is printed), minimum and median of ``--repeats``; from an older checkout too.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -100,7 +101,6 @@ def parts(repeats: int) -> dict[str, tuple[float, float]]:
 
     from mpifl.algorithms.fedavg import GlobalModel
     from mpifl.comm import exactsum
-    from mpifl.comm.distributed_sum import _worker_shares
 
     torch.set_num_threads(1)
     total = exactsum.ExactSum(W2_SIZE)
@@ -110,15 +110,17 @@ def parts(repeats: int) -> dict[str, tuple[float, float]]:
     terms = 3 * 50  # the agreed bound at three ranks
     wire = total.export(total.window, terms) * 3  # three ranks' words, as the reduction adds them
     per = exactsum.words(total.window, terms)
-    share = int(_worker_shares(W2_SIZE, W2_SIZE, 2)[1])
+    share = -(-(W2_SIZE // 2) // exactsum.CHUNK) * exactsum.CHUNK  # the first of two workers' whole chunks
     server = SimpleNamespace(optimizer="sgd", momentum=0.0, lr=1.0)
     model = GlobalModel(SimpleNamespace(cfg=SimpleNamespace(server=server)),
                         np.random.default_rng(0).standard_normal(W2_SIZE).astype(np.float32))
     summed = exactsum.round_sum(wire, total.window, terms)
+    fused = "divisor" in inspect.signature(GlobalModel.step).parameters  # the step divides span by span (after)
     return {"round_sum, the whole wire": cpu_ms(lambda: exactsum.round_sum(wire, total.window, terms), repeats),
             "round_sum, one worker's share at P = 3": cpu_ms(
                 lambda: exactsum.round_sum(wire[: share * per], total.window, terms), repeats),
-            "server step (GlobalModel.step, FedAvg)": cpu_ms(lambda: model.step(summed, divisor=50), repeats)}
+            "server step (GlobalModel.step, FedAvg)": cpu_ms(
+                lambda: model.step(summed, divisor=50) if fused else model.step(summed / 50), repeats)}
 
 
 def main() -> None:

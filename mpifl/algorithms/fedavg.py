@@ -81,18 +81,23 @@ class GlobalModel:
         else:
             spans = [slice(None)]  # one span of any shape (mean_delta broadcast, say)
         new, old, delta, *moments = views
+        scratch = np.empty(delta.size if len(spans) == 1 else STEP_SPAN)  # the mean's span
         for span in spans:
-            mean = delta[span] if divisor is None else delta[span] / divisor
-            new[span] = (old[span] + self._update(mean, [moment[span] for moment in moments])).astype(np.float32)
+            piece = delta[span]
+            out = scratch[: piece.size].reshape(piece.shape)
+            mean = piece if divisor is None else np.divide(piece, divisor, out=out)
+            moved = np.add(old[span], self._update(mean, [moment[span] for moment in moments]), dtype=np.float64)
+            new[span] = moved  # rounded to float32, as astype does
         self.params = params
 
     def _update(self, delta: np.ndarray, state: list[np.ndarray]) -> np.ndarray:
         """The step to add to the parameters, the optimizer's ``state`` there (views: the velocity, or the first and
         second moments) advanced in place by ``delta``."""
-        if self.server.optimizer == "sgd":
+        if self.server.optimizer == "sgd":  # v ← μ·v + Δ in place, each product and sum rounded as before
             velocity = state[0]
-            velocity[...] = self.server.momentum * velocity + delta
-            return self.server.lr * velocity
+            np.multiply(velocity, self.server.momentum, out=velocity)
+            np.add(velocity, delta, out=velocity)
+            return velocity if self.server.lr == 1.0 else self.server.lr * velocity  # 1.0·v is v, bit for bit
         server, (m, v) = self.server, state
         m[...] = server.beta1 * m + (1 - server.beta1) * delta
         square = delta * delta
