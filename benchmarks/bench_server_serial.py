@@ -16,8 +16,9 @@ reads the transport's log, so the same file run from an older checkout measures 
 core.
 
 ``--parts`` times, in one process, the pieces of that serial path on W2-sized rows (1,626,442 entries; the exact
-sum of 50 float32 deltas of weight 1/50, as three ranks' words add): ``round_sum`` of the whole wire (rank 0's
-before), of one worker's share at P = 3, the FedAvg server step (``GlobalModel.step``, float64 on 1.6 M
+sum of 50 float32 deltas of weight 1/50, as three ranks' words add): a worker's export, one rank's rounding of
+its own total, ``round_sum`` of the whole wire (rank 0's before), of one worker's share at P = 3, the FedAvg server
+step (``GlobalModel.step``, float64 on 1.6 M
 entries, with the division by the weights' total). CPU seconds (``time.process_time``: the machine is shared; its
 load average is printed), minimum and median of ``--repeats``; from an older checkout too.
 """
@@ -116,7 +117,9 @@ def parts(repeats: int) -> dict[str, tuple[float, float]]:
                         np.random.default_rng(0).standard_normal(W2_SIZE).astype(np.float32))
     summed = exactsum.round_sum(wire, total.window, terms)
     fused = "divisor" in inspect.signature(GlobalModel.step).parameters  # the step divides span by span (after)
-    return {"round_sum, the whole wire": cpu_ms(lambda: exactsum.round_sum(wire, total.window, terms), repeats),
+    return {"a worker's export (two words an entry)": cpu_ms(lambda: total.export(total.window, terms), repeats),
+            "one rank's rounding (ExactSum.rounded)": cpu_ms(total.rounded, repeats),
+            "round_sum, the whole wire": cpu_ms(lambda: exactsum.round_sum(wire, total.window, terms), repeats),
             "round_sum, one worker's share at P = 3": cpu_ms(
                 lambda: exactsum.round_sum(wire[: share * per], total.window, terms), repeats),
             "server step (GlobalModel.step, FedAvg)": cpu_ms(
