@@ -6,14 +6,18 @@ as they finish, and keeps copies of those rows while they are few. Then, a colle
 1. the ranks agree on one window of bits and learn the most terms any rank kept and folded (one all-reduce of four
    int64): the folded count bounds the sum's terms, which sizes the wire (a word less for fewer than 2^15 terms);
 2. where every rank's kept rows are fewer bytes than the totals' wire words, the rows travel (a gather of bytes)
-   and rank 0 folds them into exact totals of its own; otherwise each rank exports its totals onto the window and
-   one reduce of int64 words (MPI.SUM, associative) adds them on rank 0;
-3. rank 0 rounds each entry once.
+   and rank 0 folds them into exact totals of its own, then rounds each entry once; otherwise each worker exports
+   its totals onto the window, one reduce-scatter of int64 words among the workers (MPI.SUM, associative) gives
+   each its share of whole chunks, it rounds each entry of its share once, and rank 0 gathers the float64 sums:
+   rank 0, which every worker waits for between its upload and the next broadcast, neither exports nor rounds.
+   (Were rank 0 to hold terms of its own, every rank would export and one reduce would add them on rank 0, which
+   rounds.)
 
 On one rank nothing moves: each total is rounded where it is (:meth:`ExactSum.rounded`).
 
 Either way the result is the correctly rounded exact sum, so the choice changes traffic, never a bit. The
-transport only moves the bytes (:class:`~mpifl.comm.transport.Transport`'s all-reduce, reduce and gather).
+transport only moves the bytes (:class:`~mpifl.comm.transport.Transport`'s all-reduce, reduce, reduce-scatter and
+gathers).
 """
 
 from __future__ import annotations

@@ -346,16 +346,23 @@ def backend_wire(rows: np.ndarray, weights: np.ndarray, backend: str, window: Wi
     return total, total.export(total.window if window is None else window)
 
 
+def chunked(monkeypatch, backend: str, chunk: int, spans: str) -> str:  # noqa: ANN001
+    """The wire's blocks ``chunk`` entries long; a "whole rows" backend is torch on the CPU working in one span as on
+    a GPU (``_TorchOps``' method ``spans``: the fold's or the rounding's). Returns the backend to use."""
+    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    if not backend.endswith("whole rows"):
+        return backend
+    monkeypatch.setattr(exactsum._TorchOps, spans, lambda self, size: max(size, 1))
+    return "torch-cpu"
+
+
 @pytest.mark.parametrize("chunk", [8, 1 << 16])
 @pytest.mark.parametrize("backend", ["torch-cpu", "torch-cpu, whole rows", pytest.param("torch-cuda", marks=CUDA)])
 def test_torch_and_numpy_give_the_same_wire_words_and_sums(monkeypatch, backend, chunk):
     """Word for word the same wire buffers (and so the same rounded sums, the exact ones) from numpy and torch
     totals, with several chunks per row or one; "whole rows" folds each row in one span as on a GPU, which lays
     the wire's blocks out after the cut."""
-    monkeypatch.setattr(exactsum, "CHUNK", chunk)
-    if backend.endswith("whole rows"):
-        monkeypatch.setattr(exactsum._TorchOps, "span", lambda self, size: max(size, 1))
-        backend = "torch-cpu"
+    backend = chunked(monkeypatch, backend, chunk, "span")
     rng = np.random.default_rng(4)
     for name, (rows, weights) in comparison_rows(rng).items():
         expected_total, expected_wire = backend_wire(rows, weights, "numpy")
@@ -505,10 +512,7 @@ def test_round_sum_on_every_backend_gives_the_exact_bits_where_it_runs(monkeypat
     """A reduced wire rounded by numpy, by torch on the CPU, and by torch on CUDA (and on the CPU in one span, as
     on a GPU: every whole block at once) gives the exactly rounded sums, bitwise, and returns them where it
     rounded: a host array, or a tensor on the device; a host wire given a device is rounded there."""
-    monkeypatch.setattr(exactsum, "CHUNK", chunk)
-    if backend.endswith("whole rows"):
-        monkeypatch.setattr(exactsum._TorchOps, "round_span", lambda self, size: max(size, 1))
-        backend = "torch-cpu"
+    backend = chunked(monkeypatch, backend, chunk, "round_span")
     rng = np.random.default_rng(11)
     for name, (rows, weights) in rounding_cases(rng).items():
         total, wire = backend_wire(rows, weights, "numpy")
