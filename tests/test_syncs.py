@@ -14,12 +14,25 @@ import torch
 from mpi4py import MPI
 
 from mpifl.algorithms.base import ClientAlgorithm
+from mpifl.comm import Message, Placement, Transport, exactsum
+from mpifl.comm.distributed_sum import DistributedSum
+from mpifl.comm.exactsum import ExactSum
 from mpifl.registry import get_algorithm
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
 from mpifl.training.executor import VECTORIZABLE_MODELS, local_sgd
 from mpifl.training.sgd import client_generator, evaluate
-from mpifl.training.syncdebug import CASES, HostSyncError, check, example, host_reads, refusing_host_syncs, step_configs
+from mpifl.training.syncdebug import (
+    CASES,
+    UPLOAD,
+    HostSyncError,
+    check,
+    example,
+    host_reads,
+    host_syncs,
+    refusing_host_syncs,
+    step_configs,
+)
 from tests.conftest import CUDA_ONLY, _merge, run_engine
 from tests.test_checkpoint import CONFIGS
 
@@ -35,6 +48,60 @@ def test_the_counter_sees_every_kind_of_read():
     assert counts == Counter({"__bool__": 1, "__float__": 1, "__int__": 1, "item": 1, "tolist": 1, "numpy": 1,
                               "cpu": 1, "__array__": 1, "__index__": 1})
     assert "__bool__" not in vars(torch.Tensor) and bool(torch.tensor(1.0))  # the methods are torch's own again
+
+
+def test_the_counter_sees_blocking_uploads_and_not_the_others():
+    """A host tensor or host data moved to a device with a wait counts as an upload (on the CPU, the constructors
+    that name a device: the copy they would make on a GPU); a pinned, non-blocking copy, a dtype change and a
+    constructor without a device do not."""
+    t = torch.arange(3.0)
+    with host_reads() as counts:
+        torch.tensor([1.0, 2.0], device="cpu"), torch.as_tensor(np.ones(3), device="cpu")
+        torch.tensor([1.0]), torch.as_tensor(t, device="cpu"), t.to(torch.float64), t.to("cpu"), t.clone().copy_(t)
+    assert counts == Counter({UPLOAD: 2})
+    assert "to" not in vars(torch.Tensor) and torch.tensor.__module__ != __name__  # torch's own again
+    if torch.cuda.is_available():
+        with host_reads() as counts:
+            t.to("cuda"), t.cuda(), torch.zeros(3, device="cuda").copy_(t), t.pin_memory().to("cuda")
+            t.pin_memory().to("cuda", non_blocking=True), torch.zeros(3, device="cuda").copy_(t.pin_memory(), True)
+        assert counts == Counter({UPLOAD: 4})
+
+
+def syncs_do_not_grow(work, sizes=(2, 6)) -> list[int]:  # noqa: ANN001 - a callable of a batch size
+    """The generic check: ``work(n)``'s host syncs (reads and blocking uploads) for each ``n`` of ``sizes`` (clients
+    or rows of one batch) are equal, or the assertion says how they grew; returns them."""
+    syncs = host_syncs(work, sizes)
+    assert len(set(syncs)) == 1, f"host syncs grow with the batch: {dict(zip(sizes, syncs))}"
+    return syncs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_exact_fold_syncs_once_per_batch_whatever_its_clients_and_groups(device):
+    """The walker's fold of a worker's device rows (``DistributedSum.add_rows``, several groups: each group's total
+    leaves the others' rows out on the device) reads the windows once per group and uploads nothing with a wait,
+    for 2 or 6 clients; so does the batched fold alone (syncdebug's case)."""
+    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def fold(clients: int) -> None:
+        msg = Message("delta", "up", 300, summed="weighting", groups=2)
+        summed = DistributedSum(msg, Transport(None, Placement.balanced(np.ones(6, dtype=np.int64), 1)))
+        summed.totals = [ExactSum(300, device=device) for _ in range(2)]  # torch's fold (CPU rows fold with numpy)
+        summed.add_rows(rows[:clients], np.linspace(0.5, 1.0, clients), np.arange(clients) % 2)
+
+    assert syncs_do_not_grow(fold) == [2, 2]
+    assert dict(check(device, []))["exact fold of a batch of rows"] is None
+
+
+def test_a_pageable_upload_per_block_fails_the_fold_check(monkeypatch):
+    """Host arrays uploaded as the fold's weights were before (``torch.tensor(weights, device=...)``, pageable: a
+    wait per block of rows) fail syncdebug's fold case, and a sync per row fails the generic check."""
+    monkeypatch.setattr(exactsum._TorchOps, "upload",
+                        lambda self, array: torch.tensor(array, device=self.device))
+    failure = dict(check("cpu", []))["exact fold of a batch of rows"]
+    # the weights' and the kept rows' index uploads wait, beside the windows' read; so does a host wire's upload
+    assert failure == "host syncs for 2 and 6 rows: [3, 3]; rounding a host and a device wire: [1, 0]"
+    with pytest.raises(AssertionError, match="grow with the batch"):
+        syncs_do_not_grow(lambda n: [torch.tensor([1.0] * 4, device="cpu") for _ in range(n)])
 
 
 def test_refusing_fails_on_a_read_and_passes_without():

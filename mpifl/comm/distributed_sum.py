@@ -6,14 +6,18 @@ as they finish, and keeps copies of those rows while they are few. Then, a colle
 1. the ranks agree on one window of bits and learn the most terms any rank kept and folded (one all-reduce of four
    int64): the folded count bounds the sum's terms, which sizes the wire (a word less for fewer than 2^15 terms);
 2. where every rank's kept rows are fewer bytes than the totals' wire words, the rows travel (a gather of bytes)
-   and rank 0 folds them into exact totals of its own; otherwise each rank exports its totals onto the window and
-   one reduce of int64 words (MPI.SUM, associative) adds them on rank 0;
-3. rank 0 rounds each entry once.
+   and rank 0 folds them into exact totals of its own, then rounds each entry once; otherwise each worker exports
+   its totals onto the window, one reduce-scatter of int64 words among the workers (MPI.SUM, associative) gives
+   each its share of whole chunks, it rounds each entry of its share once, and rank 0 gathers the float64 sums:
+   rank 0, which every worker waits for between its upload and the next broadcast, neither exports nor rounds.
+   (Were rank 0 to hold terms of its own, every rank would export and one reduce would add them on rank 0, which
+   rounds.)
 
 On one rank nothing moves: each total is rounded where it is (:meth:`ExactSum.rounded`).
 
 Either way the result is the correctly rounded exact sum, so the choice changes traffic, never a bit. The
-transport only moves the bytes (:class:`~mpifl.comm.transport.Transport`'s all-reduce, reduce and gather).
+transport only moves the bytes (:class:`~mpifl.comm.transport.Transport`'s all-reduce, reduce, reduce-scatter and
+gathers).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from mpifl.comm import exactsum
 from mpifl.comm.exactsum import Array, ExactSum, Window, host_copy, round_sum, words
-from mpifl.comm.messages import Message
+from mpifl.comm.messages import Message, require
 from mpifl.comm.transport import Transport
 
 KEEP_BYTES_PER_ENTRY = 32
@@ -72,9 +77,9 @@ class DistributedSum:
         """Fold several accepted clients' rows at once (``rows``: clients × numel, a device tensor's rows are
         folded there with one wait for all: ``ExactSum.add_rows``), each into its group's total."""
         for group in np.unique(groups).tolist():
-            members = np.flatnonzero(groups == group)
-            part = rows if len(members) == len(rows) else rows[members.tolist()]
-            self.totals[group].add_rows(part, weights[members])
+            # the other groups' rows weigh 0 and are left out where the rows are (a list index on a device tensor
+            # would be copied there from pageable memory, a wait for the device)
+            self.totals[group].add_rows(rows, np.where(groups == group, weights, 0.0))
         if self.kept is not None:
             if (len(self.kept) + len(rows)) * self.msg.itemsize > KEEP_BYTES_PER_ENTRY:
                 self.kept = None
@@ -90,17 +95,50 @@ class DistributedSum:
         for part in self.totals:
             window = window.union(part.window)
         most = max(part.terms for part in self.totals)
-        agreement = np.append(window.maxima(), [len(self.kept) if self.kept is not None else _UNKEPT, most])
+        on_server = most if self.transport.is_server else 0
+        agreement = np.append(window.maxima(), [len(self.kept) if self.kept is not None else _UNKEPT, most, on_server])
         agreement = self.transport.allreduce_max(round_, f"{self.msg.name}_window", agreement)
         agreed, terms = Window.from_maxima(agreement[:2]), int(agreement[3]) * self.transport.size
         if int(agreement[2]) * self.msg.itemsize < words(agreed, terms) * 8:
             return self._total_of_terms(round_)
+        if not agreement[4]:  # the server folded nothing (it hosts no clients): the workers sum and round
+            return self._rounded_by_workers(round_, agreed, terms)
         wire = self._timed(lambda: _joined([part.export(agreed, terms) for part in self.totals]))
         summed = self.transport.reduce_words(round_, self.msg.name, wire)
         if summed is None:
             return None
         return self._timed(lambda: _rows([round_sum(part, agreed, terms)
                                           for part in np.split(summed, len(self.totals))]))
+
+    def _rounded_by_workers(self, round_: int, agreed: Window, terms: int) -> np.ndarray | None:
+        """The workers' totals summed and rounded by the workers themselves, each its share of whole chunks of the
+        entries (a reduce-scatter of the wire words among them), and gathered on rank 0 as float64: rank 0, which the
+        workers wait for between their upload and the next broadcast, neither exports nor rounds. The same bits as
+        rank 0 rounding the whole sum: each entry is rounded once, from the same exact total."""
+        transport, groups, numel = self.transport, len(self.totals), self.msg.numel
+        transport.workers()  # every rank: made together the first time
+        shares = _worker_shares(groups * numel, numel, transport.size - 1)
+        counts = np.diff(shares)
+        if transport.is_server:
+            sums = transport.gather_floats(round_, self.msg.name, np.empty(0), np.append(0, counts))
+            return require(sums, "the gathered sums").reshape(groups, numel)
+        per, first, last = words(agreed, terms), int(shares[transport.rank - 1]), int(shares[transport.rank])
+        wire = self._timed(lambda: _joined([part.export(agreed, terms) for part in self.totals]))
+        mine = transport.reduce_scatter_words(round_, self.msg.name, wire, [int(c) * per for c in counts])
+
+        def rounded() -> np.ndarray:
+            device = self.totals[0].round_device
+            pieces = []
+            for group in range(first // numel, -(-last // numel)):  # the groups this share reaches into
+                start, stop = max(first, group * numel), min(last, (group + 1) * numel)
+                if start >= stop:
+                    continue
+                part = round_sum(mine[(start - first) * per : (stop - first) * per], agreed, terms, device)
+                pieces.append(part if isinstance(part, np.ndarray) else part.cpu().numpy())
+            return _joined(pieces) if pieces else np.empty(0)
+
+        transport.gather_floats(round_, self.msg.name, self._timed(rounded), counts)
+        return None
 
     def _total_of_terms(self, round_: int) -> np.ndarray | None:
         """The cheap way: each rank's kept terms (weight and group of each, then its rows in ``msg``'s dtype)
@@ -140,6 +178,16 @@ class DistributedSum:
         result = work()
         self.transport.pack_seconds += time.perf_counter() - start
         return result
+
+
+def _worker_shares(entries: int, numel: int, workers: int) -> np.ndarray:
+    """Where each worker's share of the groups' ``entries`` (``numel`` a group, end to end) starts, and the end:
+    whole chunks of ``CHUNK`` entries of each group (where the wire may be split), as even as they allow."""
+    starts = np.concatenate([group * numel + np.arange(0, numel, exactsum.CHUNK, dtype=np.int64)
+                             for group in range(entries // max(numel, 1))] or [np.zeros(0, dtype=np.int64)])
+    fair = np.arange(workers) * entries / workers
+    return np.append(starts[np.minimum(np.searchsorted(starts, fair), len(starts) - 1)] if len(starts) else
+                     np.zeros(workers, dtype=np.int64), entries)
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

@@ -51,7 +51,11 @@ are, with the same bits: numpy on the host, or torch on a tensor's device (CUDA:
 kernels and reductions only, no atomics; one pass over a whole row, one copy of the wire to the host per
 total). On CPU numpy is the faster fold (torch's int64 add is about 3x numpy's; benchmarks/bench_exactsum.py:
 about 1.4x per fold), so host rows, CPU tensors included, fold with numpy unless a total names ``device="cpu"``.
-``round_sum`` runs on the host, where the reduced wire arrives.
+``round_sum`` and ``rounded`` are written once over the same operations too, so a GPU rank can round a wire (or
+its own total) on its device with nothing read back; on the host they look at each block first and, where at most
+two words are nonzero and below 2^53 (a W2 round's), add them in one correctly rounded addition: the same bits,
+at a quarter of the time (benchmarks/bench_server_serial.py). Host arrays reach a device from pinned memory without
+a wait (``_TorchOps.upload``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ MAX_RANKS = 2 ** (64 - WIRE_WIDTH) - 1
 MAX_EXPONENT = 900  # every term must have |x| < 2**900 (so that 2**50 of them still sum to a finite float64)
 LOWEST = -1074  # float64's smallest unit (a subnormal's ulp)
 CHUNK = 1 << 16  # entries cut at a time: the temporaries stay in the CPU's cache
+ROUND_SPAN = 1 << 13  # entries rounded at a time on the CPU: 2.7x faster than CHUNK (the temporaries stay in L2)
 _BATCH_BYTES = 1 << 28  # ExactSum.add_rows: the float64 temporaries of at most this many bytes at a time
 FOLDS_PER_NORMALISATION = 2 ** (63 - WIDTH)
 ANY_TERMS = 2**50  # the most terms a sum may have (the carries of any fewer fit in int64)
@@ -112,6 +117,7 @@ class _NumpyOps:
     temporaries stay in cache. The faster fold on CPU (benchmarks/bench_exactsum.py), so CPU tensors use it too."""
 
     name = "numpy"
+    reads_free = True  # reading a value back costs nothing: the rounding may look at a block before it works
     add = staticmethod(np.add)
     subtract = staticmethod(np.subtract)
     bitwise_and = staticmethod(np.bitwise_and)
@@ -120,8 +126,19 @@ class _NumpyOps:
         """Entries folded at a time."""
         return CHUNK
 
-    def zeros(self, *shape: int) -> Array:
-        return np.zeros(shape, dtype=np.int64)
+    def round_span(self, size: int) -> int:
+        """Entries rounded at a time: the rounding's dozen temporaries stay in the core's cache."""
+        return ROUND_SPAN
+
+    signbit = staticmethod(np.signbit)
+    sign = staticmethod(np.sign)
+
+    def upload(self, array: np.ndarray) -> Array:
+        """A host array on the backend: itself."""
+        return array
+
+    def zeros(self, *shape: int, dtype: type = np.int64) -> Array:
+        return np.zeros(shape, dtype=dtype)
 
     def empty(self, size: int, dtype: np.dtype) -> Array:
         return np.empty(size, dtype=dtype)
@@ -175,6 +192,9 @@ class _TorchOps:
 
         self.torch, self.device = torch, torch.device(device)
         self.name = f"torch-{self.device.type}"
+        # never on the CPU either: a GPU's reads wait for the device, and the CPU runs (and the sync check sees)
+        # the GPU's path
+        self.reads_free = False
         self.dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                        np.dtype(np.float64): torch.float64}
         self.kinds: dict[Any, np.dtype] = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -182,8 +202,26 @@ class _TorchOps:
     def span(self, size: int) -> int:
         return CHUNK if self.device.type == "cpu" else max(size, 1)
 
-    def zeros(self, *shape: int) -> Array:
-        return self.torch.zeros(shape, dtype=self.torch.int64, device=self.device)
+    def round_span(self, size: int) -> int:
+        """As numpy's on the CPU; on a GPU every entry at once (a few kernels, no read back)."""
+        return ROUND_SPAN if self.device.type == "cpu" else max(size, 1)
+
+    def signbit(self, array: Array) -> Array:
+        return self.torch.signbit(array)
+
+    def sign(self, array: Array) -> Array:
+        return self.torch.sign(array)
+
+    def upload(self, array: np.ndarray) -> Array:
+        """A host array on the device: shared on the CPU, else copied from pinned memory without waiting (a copy
+        from pageable memory blocks the host until the device has run everything queued before it)."""
+        tensor = self.torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def zeros(self, *shape: int, dtype: type = np.int64) -> Array:
+        return self.torch.zeros(shape, dtype=self.dtypes[np.dtype(dtype)], device=self.device)
 
     def empty(self, size: int, dtype: np.dtype) -> Array:
         return self.torch.empty(size, dtype=self.dtypes[np.dtype(dtype)], device=self.device)
@@ -191,8 +229,12 @@ class _TorchOps:
     def row(self, row: Any) -> Array:
         """``row`` as a contiguous tensor on the device, float16 and bfloat16 widened (exactly) to float32."""
         torch = self.torch
-        row = row.detach() if _is_tensor(row) else torch.from_numpy(np.ascontiguousarray(row))
-        row = row.to(self.device)
+        if not _is_tensor(row):
+            row = self.upload(row)
+        elif row.device.type == "cpu" and self.device.type != "cpu":  # a host tensor: as a host array
+            row = row.detach().pin_memory().to(self.device, non_blocking=True)
+        else:
+            row = row.detach().to(self.device)
         return (row.float() if row.dtype in (torch.float16, torch.bfloat16) else row).contiguous()
 
     def kind(self, row: Array) -> np.dtype | None:
@@ -441,6 +483,13 @@ class ExactSum:
         return 0 if self._levels is None or self._ops is None else self._ops.nbytes(self._levels)
 
     @property
+    def round_device(self) -> torch.device | None:
+        """Where sums of this total's wire are best rounded: the GPU it folds on (``round_sum`` there reads nothing
+        back), else ``None``, numpy on the host (the faster on a CPU)."""
+        ops = self._ops
+        return ops.device if isinstance(ops, _TorchOps) and ops.device.type != "cpu" else None
+
+    @property
     def backend(self) -> str | None:
         """Where the fold runs ("numpy", "torch-cpu", "torch-cuda"); ``None`` until a row chose it."""
         return None if self._ops is None else self._ops.name
@@ -508,7 +557,9 @@ class ExactSum:
                 raise ValueError(f"exact sum: weight {weight} is not finite")
         ops = self._ops
         keep = [i for i, weight in enumerate(weights) if weight != 0.0]
-        rows = ops.row(rows[keep] if len(keep) < len(rows) else rows)
+        rows = ops.row(rows)
+        if len(keep) < len(rows):  # the index uploaded as rows are (indexing with a list would copy it pageable)
+            rows = rows.index_select(0, ops.upload(np.array(keep, dtype=np.int64)))
         kind = ops.kind(rows)
         if tuple(rows.shape) != (len(keep), self.size) or kind not in _BITS:
             raise ValueError(f"exact sum: rows of shape {tuple(rows.shape)} and type {rows.dtype} do not fit a "
@@ -530,11 +581,12 @@ class ExactSum:
             self._widen(union, 0)
         self.window = self.window.union(union)
         step = max(1, min(FOLDS_PER_NORMALISATION, _BATCH_BYTES // (16 * self.size)))
+        factors_all = ops.upload(np.array(weights, dtype=np.float64))  # one upload for every block, no wait
         start = 0
         while start < len(weights):
             count = min(step, len(weights) - start, FOLDS_PER_NORMALISATION - self._folds)
             block = rows[start : start + count]
-            factors = ops.torch.tensor(weights[start : start + count], dtype=ops.torch.float64, device=ops.device)
+            factors = factors_all[start : start + count]
             self._failed = True
             x = block.to(ops.torch.float64) * factors[:, None]  # fl64(weight·row), as add's ``weighted``
             _cut(ops, x, ops.torch.empty_like(x), self._levels, self._grid.constants, self._grid.levels - 1)
@@ -688,11 +740,11 @@ class ExactSum:
         if self._grid is None:
             return np.zeros(self.size)
         self._normalise()
-        levels = self._ops_or_raise.host(self._levels)  # one copy from a GPU
-        out = np.empty(self.size)
-        for start, stop in _chunks(self.size):
-            out[start:stop] = _round_block(levels[:, start:stop], self._grid)
-        return out
+        ops = self._ops_or_raise
+        out = ops.empty(self.size, np.dtype(np.float64))
+        for start, stop in _chunks(self.size, ops.round_span(self.size)):  # on a GPU, all at once
+            out[start:stop] = _round_block(ops, self._levels[:, start:stop], self._grid)
+        return ops.host(out)  # one copy from a GPU, of the float64 sums
 
 
 @dataclass(frozen=True)
@@ -723,47 +775,99 @@ def words(window: Window, terms: int = ANY_TERMS) -> int:
     return _Wire.of(window, terms).words
 
 
-def round_sum(wire: np.ndarray, window: Window, terms: int = ANY_TERMS) -> np.ndarray:
+def round_sum(wire: Array, window: Window, terms: int = ANY_TERMS, device: str | torch.device | None = None
+              ) -> Array:
     """The float64 nearest (ties to even) to each exact total held by ``wire``: the MPI.SUM of every rank's
-    ``export(window, terms)``, or a part of it that starts at a multiple of ``CHUNK * words(window, terms)``."""
+    ``export(window, terms)``, or a part of it that starts at a multiple of ``CHUNK * words(window, terms)``.
+    It rounds where ``device`` says (as ``ExactSum``'s; ``None``: where ``wire`` is, numpy for host arrays and CPU
+    tensors) and returns the sums there: a numpy array, or a tensor on the device, the same bits on each."""
+    ops = _ops_for(device, wire)
+    wire = ops.row(wire)
     layout = _Wire.of(window, terms)
     if wire.ndim != 1 or len(wire) % layout.words:
-        raise ValueError(f"exact sum: a wire buffer of shape {wire.shape} does not hold {layout.words} words "
+        raise ValueError(f"exact sum: a wire buffer of shape {tuple(wire.shape)} does not hold {layout.words} words "
                          "per entry")
     entries = len(wire) // layout.words
-    out = np.empty(entries)
+    out = ops.empty(entries, np.dtype(np.float64))
+    span = ops.round_span(entries)
+    whole = entries // CHUNK * CHUNK
+    if span >= entries and whole:  # a GPU: every whole block of the wire at once (words × blocks × CHUNK)
+        blocks = wire[: whole * layout.words].reshape(whole // CHUNK, layout.words, CHUNK).swapaxes(0, 1)
+        out[:whole] = _round_block(ops, blocks, layout.grid).reshape(-1)
+        if whole < entries:
+            out[whole:] = _round_block(ops, layout.block(wire, whole, entries), layout.grid)
+        return out
     for start, stop in _chunks(entries):
-        out[start:stop] = _round_block(layout.block(wire, start, stop), layout.grid)
+        block = layout.block(wire, start, stop)
+        for first, last in _chunks(stop - start, span):
+            out[start + first : start + last] = _round_block(ops, block[:, first:last], layout.grid)
     return out
 
 
-def _round_block(wire: np.ndarray, grid: _Grid) -> np.ndarray:
-    """``round_sum`` of one block (words × entries; a top word that took the carries holds less than
-    ``FEW_TERMS``·2^(w−1), so adding 2^(w−1) to it stays in int64). Balanced digits (|d| ≤ 2^(w−1), one spare
-    level on top so that every digit is below 2^53) are exact floats that do not overlap, and each dominates the
-    sum of those below it. They are added from the top, exactly, until an addition rounds (CPython's ``math.fsum``
-    ends the same way): that sum is the answer unless its rounding error is exactly half an ulp and the digits
-    left over have the error's sign, which moves it one ulp further. Masks are 0/1 factors: no branches."""
-    digits = np.zeros((len(wire) + 1, wire.shape[1]), dtype=np.int64)
+def _round_block(ops: Ops, wire: Array, grid: _Grid) -> Array:
+    """``round_sum`` of one block (words × entries, or words × any shape; a top word that took the carries holds
+    less than ``FEW_TERMS``·2^(w−1), so adding 2^(w−1) to it stays in int64), on ``ops``' backend. Balanced digits
+    (|d| ≤ 2^(w−1), one spare level on top so that every digit is below 2^53) are exact floats that do not overlap,
+    and each dominates the sum of those below it. They are added from the top, exactly, until an addition rounds
+    (CPython's ``math.fsum`` ends the same way): that sum is the answer unless its rounding error is exactly half an
+    ulp and the digits left over have the error's sign, which moves it one ulp further. Masks are 0/1 factors: no
+    branches, nothing read back. Once an addition rounds, the error stays as it is (the later digits are taken
+    times 0), so "every addition so far was exact" is "error == 0"; the first addition is exact before it."""
+    shape = tuple(wire.shape[1:])
+    if ops.reads_free and (few := _round_few(ops, wire, grid)) is not None:
+        return few
+    digits = ops.zeros(len(wire) + 1, *shape)
     digits[:-1] = wire
     _carry(digits, grid.width, balanced=True)
-    values = np.empty(digits.shape)
-    for k, level in enumerate(digits):
-        np.ldexp(level, np.int32(grid.unit(k)), out=values[k], dtype=np.float64)
-    total = values[-1].copy()
-    error, rest = np.zeros(len(total)), np.zeros(len(total))
-    exact = np.ones(len(total))  # 1 while every addition so far was exact
-    for value in values[-2::-1]:
-        taken = value * exact
-        rest += value - taken
+
+    def value(k: int) -> Array:
+        out = ops.empty(math.prod(shape), np.dtype(np.float64)).reshape(shape)
+        ops.ldexp(digits[k], grid.unit(k), out=out)
+        return out
+
+    top = len(digits) - 1
+    total, below = value(top), value(top - 1)
+    summed = total + below
+    error = below - (summed - total)
+    total = summed
+    rest = ops.zeros(*shape, dtype=np.float64)
+    for k in range(top - 2, -1, -1):
+        digit = value(k)
+        taken = digit * (error == 0)
+        rest += digit - taken
         summed = total + taken
         error += taken - (summed - total)
         total = summed
-        exact *= error == 0
     twice = error * 2
     step = (total + twice) - total
-    same_sign = (np.signbit(error) == np.signbit(rest)) & (error != 0) & (rest != 0)
+    same_sign = ops.sign(error) * ops.sign(rest) > 0  # both nonzero, of one sign
     return total + step * ((step == twice) & same_sign)
+
+
+def _round_few(ops: Ops, wire: Array, grid: _Grid) -> Array | None:
+    """A host block's sums in one addition where they need no more: at most two of its words are nonzero anywhere
+    in it, and none is 2^53 or more (a W2 round's two words, three ranks' digits added). Such words are exact
+    floats times their units, and one float addition is correctly rounded (ties to even, an exact zero +0.0): the
+    bits of the general way, at a fifth of its passes (no carries, no masks). ``None`` where the block needs the
+    general way. Reading the block's extremes is free on the host, not on a GPU, which never asks."""
+    used = []
+    for k, level in enumerate(wire):
+        high, low = int(level.max()), int(level.min())
+        if max(high, -low) >= 1 << 53:
+            return None
+        if high or low:
+            used.append(k)
+    if len(used) > 2:
+        return None
+    shape = tuple(wire.shape[1:])
+    values = []
+    for k in used:
+        value = ops.empty(math.prod(shape), np.dtype(np.float64)).reshape(shape)
+        ops.ldexp(wire[k], grid.unit(k), out=value)
+        values.append(value)
+    if not values:
+        return ops.zeros(*shape, dtype=np.float64)
+    return values[0] if len(values) == 1 else values[0] + values[1]
 
 
 def exact_sum(rows: Array, weights: Array | None = None, device: str | torch.device | None = None) -> np.ndarray:

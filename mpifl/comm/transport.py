@@ -48,6 +48,7 @@ class Transport:
     placement: Placement
     physical: PhysicalLog = field(default_factory=PhysicalLog)
     pack_seconds: float = 0.0  # copying rows into and out of the flat, rank-ordered MPI buffers; exact sums' words
+    _workers: Any = field(default=None, init=False, repr=False)  # the workers' communicator, made when first needed
 
     def __post_init__(self) -> None:
         self.physical.keep_rows = self.is_server  # only the server's collectives are listed in the results file
@@ -146,6 +147,41 @@ class Transport:
         summed = np.empty_like(words) if self.is_server else None
         self._timed(round_, name, "reduce", words.nbytes, self.comm.Ireduce(words, summed, op=MPI.SUM, root=0))
         return summed
+
+    def workers(self) -> Any:
+        """The communicator of the worker ranks (1..P−1), for collectives the server takes no part in; ``None`` on
+        the server and alone. Made at the first call, which every rank makes together (``Comm.Split``)."""
+        if self.size == 1:
+            return None
+        if self._workers is None:
+            from mpi4py import MPI
+
+            self._workers = self.comm.Split(MPI.UNDEFINED if self.is_server else 1, self.rank)
+        return None if self.is_server else self._workers
+
+    def reduce_scatter_words(self, round_: int, name: str, words: np.ndarray, counts: list[int]) -> np.ndarray:
+        """A worker's part of the workers' entrywise sum of their int64 ``words`` (``Ireduce_scatter``, MPI.SUM,
+        on :meth:`workers`: the server holds no terms and takes no part): worker r keeps ``counts[r − 1]`` words, those
+        after the workers' before it."""
+        from mpi4py import MPI
+
+        mine = np.empty(counts[self.rank - 1], dtype=np.int64)
+        self._timed(round_, name, "reduce_scatter", words.nbytes,
+                    self.workers().Ireduce_scatter(words, mine, recvcounts=counts, op=MPI.SUM))
+        return mine
+
+    def gather_floats(self, round_: int, name: str, values: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
+        """Every rank's float64 ``values`` end to end on the server, rank by rank (``Igatherv``; ``counts[r]``, known
+        to every rank, is how many rank r sends); ``None`` elsewhere."""
+        from mpi4py import MPI
+
+        if not self.is_server:
+            self._timed(round_, name, "gatherv", values.nbytes, self.comm.Igatherv(values, None, root=0))
+            return None
+        recv = np.empty(int(counts.sum()))
+        request = self.comm.Igatherv(values, [recv, counts, _displacements(counts), MPI.DOUBLE], root=0)
+        self._timed(round_, name, "gatherv", recv.nbytes, request)
+        return recv
 
     def _gather_blobs(self, round_: int, msg: Message, blobs: list[np.ndarray],
                       order: tuple[np.ndarray, np.ndarray] | None) -> list[np.ndarray] | None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpifl.comm.exactsum import ExactSum
+from mpifl.comm.exactsum import ExactSum, round_sum
 from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
@@ -42,38 +42,93 @@ READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "
 """The ``torch.Tensor`` methods that hand a value to the host (on a GPU: wait for the device, then copy)."""
 
 
+UPLOADS = ("to", "cuda", "copy_")
+"""The ``torch.Tensor`` methods that may copy host memory to a device: from pageable memory (or without
+``non_blocking``) the copy waits for the device, as a read does."""
+CONSTRUCTORS = ("tensor", "as_tensor")
+"""The ``torch`` functions that build a tensor from host data (lists, numpy arrays) on the ``device`` they name:
+on a GPU, a copy from pageable memory, which waits for the device."""
+UPLOAD = "upload"
+"""The count of blocking host→device copies in :func:`host_reads`' counter."""
+
+
 @contextlib.contextmanager
 def host_reads() -> Iterator[Counter[str]]:
     """Count, by method name, the tensor reads of :data:`READS` made inside the block (a read made by another
-    counted method, ``__array__`` calling ``numpy``, counts once)."""
+    counted method, ``__array__`` calling ``numpy``, counts once), and as :data:`UPLOAD` the blocking host→device
+    copies: a CPU tensor that is not pinned, or is copied without ``non_blocking``, moved to a device by ``to``,
+    ``cuda`` or ``copy_``, and host data given to ``torch.tensor`` or ``torch.as_tensor`` with a ``device`` (on the
+    CPU too: the copy it would make on a GPU, as a read of a CPU tensor counts)."""
     counts: Counter[str] = Counter()
     depth = [0]
-    own = {name: name in vars(torch.Tensor) for name in READS}
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
 
-    def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def once(name: str, work: Callable[[], Any]) -> Any:
+        """``work()``, counted under ``name`` unless a counted call made it."""
+        if depth[0] == 0 and name:
+            counts[name] += 1
+        depth[0] += 1
+        try:
+            return work()
+        finally:
+            depth[0] -= 1
+
+    def read(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
-                counts[name] += 1
-            depth[0] += 1
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                depth[0] -= 1
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return once(name, lambda: method(self, *args, **kwargs))
 
-        return read
+        return counted
 
-    for name, method in originals.items():
-        setattr(torch.Tensor, name, counted(name, method))
+    def moved(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            flags = [a for a in args if isinstance(a, bool)]  # the first positional bool is non_blocking
+            waits = not kwargs.get("non_blocking", flags[0] if flags else False)
+            if method.__name__ == "copy_":
+                source, target = args[0] if args else kwargs["src"], self
+            else:
+                source, target = self, None
+            result = once("", lambda: method(self, *args, **kwargs))
+            target = result if target is None else target
+            if _blocking_upload(source, target, waits):
+                counts[UPLOAD] += depth[0] == 0
+            return result
+
+        return counted
+
+    def built(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def counted(data: Any, *args: Any, **kwargs: Any) -> Any:
+            host = not isinstance(data, torch.Tensor) and kwargs.get("device") is not None
+            return once(UPLOAD if host else "", lambda: function(data, *args, **kwargs))
+
+        return counted
+
+    patches: list[tuple[Any, str, Callable[..., Any]]] = [
+        (torch.Tensor, name, read(name, getattr(torch.Tensor, name))) for name in READS]
+    patches += [(torch.Tensor, name, moved(getattr(torch.Tensor, name))) for name in UPLOADS]
+    patches += [(torch, name, built(getattr(torch, name))) for name in CONSTRUCTORS]
+    saved = [(owner, name, name in vars(owner), getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, patched in patches:
+        setattr(owner, name, patched)
     try:
         yield counts
     finally:
-        for name, method in originals.items():
-            if own[name]:
-                setattr(torch.Tensor, name, method)
+        for owner, name, own, original in saved:
+            if own:
+                setattr(owner, name, original)
             else:
-                delattr(torch.Tensor, name)
+                delattr(owner, name)
+
+
+def _blocking_upload(source: object, target: object, waits: bool) -> bool:
+    """Whether copying ``source`` to ``target`` (tensors) copies host memory to a device with a wait: from pageable
+    memory, or from pinned memory without ``non_blocking``."""
+    if not (isinstance(source, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    if source.device.type != "cpu" or target.device.type == "cpu":
+        return False
+    return waits or not source.is_pinned()
 
 
 class HostSyncError(RuntimeError):
@@ -183,16 +238,36 @@ def _kernel_failure(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor,
     return _refused(lambda: kernel.train(runs, LocalStep(delta=True), cfg), x.device)
 
 
-def _fold_failure(device: torch.device) -> str | None:
-    """A batch of device rows into an exact total reads once (all their windows), whatever the batch's size."""
-    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(device)
-    reads = []
-    for count in (2, 6):
-        total = ExactSum(1000, device=device)
+def host_syncs(work: Callable[[int], object], sizes: Sequence[int] = (2, 6)) -> list[int]:
+    """The host syncs (reads and blocking uploads, :func:`host_reads`) of ``work(n)`` for each ``n`` of ``sizes``
+    (clients, rows): a batched path's syncs must not grow with the clients in the batch, so they are equal."""
+    syncs = []
+    for size in sizes:
         with host_reads() as counts:
-            total.add_rows(rows[:count], [1.0] * count)
-        reads.append(sum(counts.values()))
-    return None if reads == [1, 1] else f"host reads for 2 and 6 rows: {reads}"
+            work(size)
+        syncs.append(sum(counts.values()))
+    return syncs
+
+
+def _fold_failure(device: torch.device) -> str | None:
+    """A batch of device rows into an exact total reads once (all their windows) and uploads nothing with a wait,
+    whatever the batch's size (some rows weighing 0: they are left out on the device); the total's rounding on the
+    device neither reads nor waits, from a wire on the device or one on the host."""
+    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def fold(count: int) -> ExactSum:
+        total = ExactSum(1000, device=device)
+        total.add_rows(rows[:count], [1.0, 0.0] * (count // 2))
+        return total
+
+    folds = host_syncs(fold)
+    total = fold(6)
+    wire = total.export(total.window)
+    device_wire = torch.from_numpy(wire).to(device)
+    rounding = host_syncs(lambda size: round_sum(device_wire if size else wire, total.window, device=device), (0, 1))
+    if folds == [1, 1] and rounding == [0, 0]:
+        return None
+    return f"host syncs for 2 and 6 rows: {folds}; rounding a host and a device wire: {rounding}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpifl.algorithms import fedavg
 from mpifl.algorithms.base import RunContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.data import build_federated_dataset
@@ -125,3 +126,34 @@ def test_momentum_belongs_to_sgd():
     with pytest.raises(ConfigError, match="server.momentum: momentum is sgd's; yogi's first moment decays with "
                                           "server.beta1"):
         parse_config(_merge(SHARDS, {"algorithm": "fedavg", "server": {"optimizer": "yogi", "momentum": 0.9}}))
+
+
+@pytest.mark.parametrize("server", [{}, {"lr": 0.7, "momentum": 0.9}, {"optimizer": "yogi", "lr": 0.01},
+                                    {"optimizer": "adam", "lr": 0.01}, {"optimizer": "adagrad", "lr": 0.1}])
+def test_the_step_span_by_span_has_the_whole_arrays_bits(monkeypatch, server):
+    """Rank 0's step in cache-sized spans (several here, the last one short), the mean divided span by span, gives
+    the bits of the step on whole arrays (one span; for SGD, whose velocity is now updated in place, the expressions
+    it was before issue 48: v ← μ·v + Δ, x ← fl32(x + η·v)), signed zeros included, for a model and a part of it."""
+    rng = np.random.default_rng(5)
+    size = 2 * 16384 + 77
+    spans, whole = model(size, **server), model(size, **server)
+    spans.params = whole.params = rng.standard_normal(size).astype(np.float32)
+    spans.params[:4] = [0.0, -0.0, -0.0, 0.0]
+    velocity = np.zeros(size)
+    for part in (slice(None), slice(100, size - 5), slice(None)):
+        total = rng.standard_normal(size)[part] * 10.0 ** rng.uniform(-9, 1, size)[part]
+        total[:3] = [-0.0, 0.0, -0.0]
+        before = spans.params
+        spans.step(total, part, divisor=7)
+        with monkeypatch.context() as one:
+            one.setattr(fedavg, "STEP_SPAN", size)
+            whole.step(total / 7, part)
+        assert np.array_equal(spans.params.view(np.int32), whole.params.view(np.int32))
+        states = ((spans.velocity, whole.velocity) if spans.server.optimizer == "sgd" else
+                  ((spans.first_moment, whole.first_moment), (spans.second_moment, whole.second_moment)))
+        assert all(np.array_equal(a.view(np.int64), b.view(np.int64)) for a, b in np.reshape(states, (-1, 2, size)))
+        if spans.server.optimizer == "sgd":
+            velocity[part] = spans.server.momentum * velocity[part] + total / 7
+            expected = before.copy()
+            expected[part] = (before[part] + spans.server.lr * velocity[part]).astype(np.float32)
+            assert np.array_equal(spans.params.view(np.int32), expected.view(np.int32))

@@ -346,16 +346,23 @@ def backend_wire(rows: np.ndarray, weights: np.ndarray, backend: str, window: Wi
     return total, total.export(total.window if window is None else window)
 
 
+def chunked(monkeypatch, backend: str, chunk: int, spans: str) -> str:  # noqa: ANN001
+    """The wire's blocks ``chunk`` entries long; a "whole rows" backend is torch on the CPU working in one span as on
+    a GPU (``_TorchOps``' method ``spans``: the fold's or the rounding's). Returns the backend to use."""
+    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    if not backend.endswith("whole rows"):
+        return backend
+    monkeypatch.setattr(exactsum._TorchOps, spans, lambda self, size: max(size, 1))
+    return "torch-cpu"
+
+
 @pytest.mark.parametrize("chunk", [8, 1 << 16])
 @pytest.mark.parametrize("backend", ["torch-cpu", "torch-cpu, whole rows", pytest.param("torch-cuda", marks=CUDA)])
 def test_torch_and_numpy_give_the_same_wire_words_and_sums(monkeypatch, backend, chunk):
     """Word for word the same wire buffers (and so the same rounded sums, the exact ones) from numpy and torch
     totals, with several chunks per row or one; "whole rows" folds each row in one span as on a GPU, which lays
     the wire's blocks out after the cut."""
-    monkeypatch.setattr(exactsum, "CHUNK", chunk)
-    if backend.endswith("whole rows"):
-        monkeypatch.setattr(exactsum._TorchOps, "span", lambda self, size: max(size, 1))
-        backend = "torch-cpu"
+    backend = chunked(monkeypatch, backend, chunk, "span")
     rng = np.random.default_rng(4)
     for name, (rows, weights) in comparison_rows(rng).items():
         expected_total, expected_wire = backend_wire(rows, weights, "numpy")
@@ -484,3 +491,59 @@ def test_a_batch_with_a_bad_row_raises_before_folding_any(backend):
         total.add_rows(on(backend, rows), [1.0, 1.0, 1.0])
     total.add(on(backend, rows[1]), 1.0)  # nothing of the batch went in: the total is usable and holds 2
     assert same_bits(total.rounded(), np.full(6, 2.0))
+
+
+def rounding_cases(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The fold's paths (``comparison_rows``), adversarial rows, the ties, and typical deltas, whose wire words
+    take the host's one-addition shortcut."""
+    cases = comparison_rows(rng)
+    cases["adversarial"] = (adversarial_rows(rng, 7, 40), 10.0 ** rng.uniform(-4, 4, 7) * rng.choice([-1.0, 1.0], 7))
+    ties = np.zeros((3, 40))
+    ties[:, :4] = [[1.0, 1.0 + 2.0**-52, 1.0, -1.0], [2.0**-53, 2.0**-53, 2.0**-53, -(2.0**-53)], [0, 0, TINY, 0]]
+    cases["ties"] = (ties, np.ones(3))
+    deltas = (rng.standard_normal((5, 40)) * 1e-3).astype(np.float32)
+    cases["typical deltas"] = (deltas, np.full(5, 1 / 50))
+    return cases
+
+
+@pytest.mark.parametrize("chunk", [8, 1 << 16])
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch-cpu, whole rows"])
+def test_round_sum_on_every_backend_gives_the_exact_bits_where_it_runs(monkeypatch, backend, chunk):
+    """A reduced wire rounded by numpy, by torch on the CPU, and by torch on CUDA (and on the CPU in one span, as
+    on a GPU: every whole block at once) gives the exactly rounded sums, bitwise, and returns them where it
+    rounded: a host array, or a tensor on the device; a host wire given a device is rounded there."""
+    backend = chunked(monkeypatch, backend, chunk, "round_span")
+    rng = np.random.default_rng(11)
+    for name, (rows, weights) in rounding_cases(rng).items():
+        total, wire = backend_wire(rows, weights, "numpy")
+        exact = reference(rows.astype(np.float64), weights)
+        for terms in (exactsum.ANY_TERMS, 3 * len(rows)):
+            wire = total.export(total.window, terms)
+            for arrived in (wire, on(backend, wire)):
+                result = round_sum(arrived, total.window, terms, device=DEVICES[backend])
+                if backend != "numpy":
+                    assert isinstance(result, torch.Tensor) and result.device.type == DEVICES[backend], name
+                    result = result.cpu().numpy()
+                assert same_bits(result, exact), (name, terms)
+
+
+def test_the_hosts_one_addition_gives_the_general_ways_bits(monkeypatch):
+    """Where a block's words allow it, numpy adds them in one addition; without the shortcut (as torch rounds) the
+    general way gives the same bits, and both are exact; a block with three nonzero words, or a word of 2^53 or
+    more, takes the general way."""
+    rng = np.random.default_rng(11)  # (some seeds draw a term out of range)
+    taken = []
+    original = exactsum._round_few
+    monkeypatch.setattr(exactsum, "_round_few", lambda *args: taken.append(out := original(*args)) or out)
+    for name, (rows, weights) in rounding_cases(rng).items():
+        total, wire = backend_wire(rows, weights, "numpy")
+        with monkeypatch.context() as general:
+            general.setattr(exactsum._NumpyOps, "reads_free", False)
+            slow = round_sum(wire, total.window)
+        assert same_bits(round_sum(wire, total.window), slow), name
+        assert same_bits(slow, reference(rows.astype(np.float64), weights)), name
+    assert any(out is None for out in taken) and any(out is not None for out in taken)
+    grid = exactsum._Grid(0, 3, exactsum.WIRE_WIDTH)
+    assert original(exactsum._NumpyOps(), np.array([[1], [1], [1]]), grid) is None
+    assert original(exactsum._NumpyOps(), np.array([[2**53], [0], [0]]), grid) is None
+    assert same_bits(original(exactsum._NumpyOps(), np.array([[3], [0], [-1]]), grid), np.array([3.0 - 2.0**96]))

@@ -94,7 +94,8 @@ def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data, device):
 @pytest.mark.parametrize("few", [True, False])
 def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(data, few):
     """Two float64 rows per worker (16 B per entry) are cheaper than the totals' wire words: they are gathered
-    and folded on rank 0. A worker that kept none (too many to keep) makes every rank reduce. Either way each
+    and folded on rank 0. A worker that kept none (too many to keep) makes the workers reduce-scatter their words
+    and round their shares, and rank 0 gathers the float64 sums (it neither exports nor rounds). Either way each
     group's sum is the correctly rounded exact sum, bit for bit."""
     from mpi4py import MPI
 
@@ -117,14 +118,14 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     sums = part.total(1)
     if comm.Get_rank() == 0:
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
-        assert ops == ({"gatherv"} if few else {"reduce"})
+        assert ops == {"gatherv"}  # rank 0 takes no part in the workers' reduce-scatter
         moved = {(name, op): nbytes for _, name, op, nbytes, _ in transport.physical.rows}
-        assert moved[("delta_window", "allreduce")] == 4 * 8  # lowest and highest bit, most terms kept and folded
+        assert moved[("delta_window", "allreduce")] == 5 * 8  # lowest and highest bit, terms kept, folded, on rank 0
         if few:  # each term: its weight and group (two float64), then its row
             assert moved[("delta_sizes", "gather")] == 8
             assert moved[("delta", "gatherv")] == 2 * workers * (16 + SIZE * 8)
-        else:  # each group's total: whole int64 words per entry
-            assert moved[("delta", "reduce")] % (2 * SIZE * 8) == 0
+        else:  # each group's sums, rounded by the workers: one float64 per entry
+            assert moved[("delta", "gatherv")] == 2 * SIZE * 8
         for group in (0, 1):
             chosen = list(range(group, 2 * workers, 2))
             assert same_bits(sums[group], reference(rows[chosen], weights[chosen])), group
