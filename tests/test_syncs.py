@@ -219,3 +219,38 @@ def test_each_algorithm_reads_per_client_not_per_step(algorithm, device, tmp_pat
     few, many = counted
     assert few.calls and few.calls == many.calls
     assert few.cuda_syncs == many.cuda_syncs
+
+
+# the algorithms whose clients' local step is to read the host at most a few times a round, however many clients
+BATCHED = ("fedavg", "fedprox", "scaffold", "fedals", "ifca", "fedbuff", "pefll")
+
+
+@pytest.mark.parametrize("algorithm", BATCHED)
+def test_a_batched_local_step_syncs_as_often_for_2_or_6_clients(algorithm, tmp_path, monkeypatch):
+    """Through the executor's batch (``client.vectorize: true``), a call of the local step for 2 or for 6 clients
+    makes the same number of host syncs (reads and blocking uploads): the losses, the rows kept on the host, the
+    pick of IFCA's clusters each read once for all clients, never once per client."""
+    client_type = get_algorithm(algorithm).client
+    original = client_type.compute_clients
+    per_call: list[int] = []
+
+    def counted(client, step, clients):  # noqa: ANN001, ANN202
+        with host_reads() as counts:
+            seconds = original(client, step, clients)
+        if step.stage == "train" and len(clients):
+            per_call.append(sum(counts.values()))
+        return seconds
+
+    monkeypatch.setattr(client_type, "compute_clients", counted)
+
+    def job(clients: int) -> None:
+        per_call.clear()
+        raw = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 2, "clients_per_round": clients,
+                                          "client": {"vectorize": True}})
+        run_engine(raw, MPI.COMM_SELF, tmp_path / f"{clients}.h5")
+
+    syncs = {}
+    for clients in (2, 6):
+        job(clients)
+        syncs[clients] = sorted(set(per_call))
+    assert syncs[2] == syncs[6] and len(syncs[2]) == 1 and syncs[2][0] <= 3, syncs

@@ -23,6 +23,7 @@ from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
 from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.sgd import to_device
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class IFCAClient(ClientToolkit):
         """For each client, the cluster whose model has the lowest loss on its training split (ties: lowest
         index): each cluster model loaded once, every loss read in one copy."""
         losses = []
-        for model in self.models:
+        models = to_device(torch.from_numpy(np.array(self.models)), self.device)  # one asynchronous upload
+        for model in models:
             self.workspace.load(model)
             losses += [self.loss_fn(self.workspace.module(self.data[c].x_train), self.data[c].y_train) for c in clients]
         return np.argmin(host_floats(losses).reshape(len(self.models), len(clients)), axis=0)
