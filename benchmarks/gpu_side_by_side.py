@@ -1,7 +1,8 @@
 """W2 on one GPU, mpifl beside pfl-research and the bare floors, and the round's trace: one lease command.
 
     python benchmarks/gpu_side_by_side.py --out DIR [--device cuda] [--rounds 6] [--budget 360] [--cohort 50]
-                                          [--pfl-site DIR] [--set KEY=VALUE ...] [--only NAMES] [--cap-scale 1]
+                                          [--pfl-site DIR] [--set KEY=VALUE ...] [--only SLUGS] [--skip SLUGS]
+                                          [--cap-scale 1]
 
 Runs, most valuable first, each as its own process with its own cap, the whole under ``--budget`` seconds (a step
 that would not fit is recorded as not run; the caps add up to at most 70% of the default budget, so what overruns
@@ -68,7 +69,7 @@ class Setting:
 
     @property
     def slug(self) -> str:
-        """The setting's name as a file name."""
+        """The setting's name as a file name (and as ``--only`` and ``--skip`` name it)."""
         return re.sub(r"[^a-z0-9]+", "_", self.name.lower()).strip("_")
 
 
@@ -158,7 +159,8 @@ def main() -> int:
                         help="every cap times this (a CPU rehearsal: the caps are a GPU's)")
     parser.add_argument("--pfl-site", type=Path, help="pfl-research and its dependencies (pip --target)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--only", help="comma-separated substrings of the settings to run (a rehearsal)")
+    parser.add_argument("--only", help="comma-separated substrings of the settings' slugs to run (a rehearsal)")
+    parser.add_argument("--skip", help="comma-separated substrings of the settings' slugs not to run")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (round 1 stages the clients and is not timed)")
@@ -166,7 +168,8 @@ def main() -> int:
     report = args.out / "side_by_side.md"
     scratch = Path(tempfile.mkdtemp(prefix="mpifl-side-by-side-"))
     deadline = time.monotonic() + args.budget
-    chosen = [s for s in SETTINGS if not args.only or any(part in s.name for part in args.only.split(","))]
+    chosen = [s for s in SETTINGS if (not args.only or any(part in s.slug for part in args.only.split(",")))
+              and not (args.skip and any(part in s.slug for part in args.skip.split(",")))]
     caps = {s.name: round(s.cap * args.cap_scale) for s in chosen}
     medians: dict[str, float] = {}
 
