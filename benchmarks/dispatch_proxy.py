@@ -22,15 +22,17 @@ run on W2 is reported as such, and the table goes on.
 
 The GPU's path, as far as the CPU can take it (the default; ``--cpu-path`` counts the CPU's own): on the CPU the
 kernel computes each client's reported loss alone (the loop's bits; on a GPU it comes out of the vmapped call, no
-operation more), so those operations are counted apart and left out of the GPU path's columns; and the kernel's
-deltas, host views on the CPU, stay tensors (as on a GPU), so the walker screens them with one read and folds them
-with ``ExactSum.add_rows`` through the exact sum's torch backend in whole-row passes (on a GPU; on the CPU it would
-fold with numpy, which no dispatcher sees). Each row's "÷ floor" is the GPU path's count over the floor's; the
-issue's target is ≤ 1.25× and ≤ 2 host reads a round. Further CPU-only operations stay in: the batch plans'
-``randperm`` and ``cat`` are host-side draws on CPU tensors (no GPU launches), so the GPU path's count is an upper
-bound. The emulation patches private names of mpifl (``ClientToolkit.train_deltas_together``,
-``exactsum._ops_for``, ``exactsum._TorchOps``, ``VectorizedSGD._losses``); where one is missing after a change the
-table's header says which part of the GPU's path was not emulated, and the counts are the CPU's there.
+operation more), so those operations are counted apart and left out of the GPU path's columns; and an upload that
+is a row of the kernel's result (a host view of it on the CPU: FedAvg's deltas; not a row computed on the host, as
+IFCA's and PeFLL's deltas, which a GPU copies out too) leaves the client as a tensor, as it would on a GPU, so the
+walker screens those rows with one read and folds them with ``ExactSum.add_rows`` through the exact sum's torch
+backend in whole-row passes (as on a GPU; on the CPU it would fold with numpy, which no dispatcher sees). Each
+row's "÷ floor" is the GPU path's count over the floor's; the issue's target is ≤ 1.25× and ≤ 2 host reads a
+round. Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are host-side draws on CPU
+tensors (no GPU launches), so the GPU path's count is an upper bound. The emulation patches private names of
+mpifl (``PlanWalker._leaving``, ``exactsum._ops_for``, ``exactsum._TorchOps``, the kernel's ``_losses``:
+:data:`KERNELS`); where one is missing after a change the table's header says which part of the GPU's path was not
+emulated, and the counts are the CPU's there.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ W2 = REPO / "configs" / "w2.yaml"
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedals", "ifca", "fedbuff", "pefll")
 KINDS = ("all", "launching", "cpu losses", "cpu losses launching")
 TARGET_RATIO, TARGET_READS = 1.25, 2
+KERNELS = (("mpifl.training.vectorized", "VectorizedSGD"), ("mpifl.training.executor", "LocalSGD"))
+"""Where the kernel's ``_losses`` (the CPU-only per-client losses) has lived: at a638abb, and after issue 48's
+rewrite of the local step."""
 
 
 @dataclass
@@ -105,7 +110,8 @@ class Count:
 @contextlib.contextmanager
 def patched(owner: object, name: str, make: Callable[[Any], Any], applied: list[str]) -> Iterator[None]:
     """``owner.name`` replaced by ``make(original)`` inside the block, if it exists (noted in ``applied``)."""
-    original = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    original = None if owner is None else vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name,
+                                                                                                          None)
     if original is None:
         yield
         return
@@ -121,11 +127,13 @@ def patched(owner: object, name: str, make: Callable[[Any], Any], applied: list[
 def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[None]:
     """The CPU-only losses marked in ``counter``; with ``gpu_path`` the deltas kept as tensors and folded by the
     exact sum's torch backend in whole-row passes, as on a GPU (see the module's docstring)."""
+    import importlib
+
+    import numpy as np
     import torch
 
-    from mpifl.algorithms.toolkit import ClientToolkit
     from mpifl.comm import exactsum
-    from mpifl.training.vectorized import VectorizedSGD
+    from mpifl.runtime.walker import PlanWalker
 
     def marking(losses: Callable) -> Callable:
         def counted_losses(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
@@ -137,11 +145,11 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
 
         return counted_losses
 
-    def as_tensors(train: Callable) -> Callable:
-        def kept_on_device(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
-            rows, seconds = train(*args, **kwargs)
-            return {c: torch.from_numpy(row) if not isinstance(row, torch.Tensor) else row
-                    for c, row in rows.items()}, seconds
+    def as_tensors(leaving: Callable) -> Callable:
+        def kept_on_device(walker: Any, msg: Any, round_: int, client: int, sent: Any) -> Any:  # noqa: ANN401
+            if isinstance(sent, np.ndarray) and sent.ndim == 1 and getattr(sent.base, "ndim", 0) == 2:
+                sent = torch.from_numpy(sent)  # a row of the kernel's result: on a GPU, a row of a device tensor
+            return leaving(walker, msg, round_, client, sent)
 
         return kept_on_device
 
@@ -162,9 +170,12 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
         return device_ops
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(VectorizedSGD, "_losses", marking, applied))
+        for module, name in KERNELS:
+            with contextlib.suppress(ImportError):
+                stack.enter_context(patched(getattr(importlib.import_module(module), name, None), "_losses", marking,
+                                            applied))
         if gpu_path:
-            stack.enter_context(patched(ClientToolkit, "train_deltas_together", as_tensors, applied))
+            stack.enter_context(patched(PlanWalker, "_leaving", as_tensors, applied))
             stack.enter_context(patched(exactsum, "_ops_for", whole_rows, applied))
         with counter.mode:
             yield
@@ -269,9 +280,9 @@ def main() -> int:
             if vectorize and counted.kernel_clients == 0:
                 name += " — does not take the kernel (clients_trained_vectorized 0): the loop's counts"
             rows.append(row(name, counted, floor, gpu_path))
-    wanted = ["VectorizedSGD._losses"] + (["ClientToolkit.train_deltas_together", "mpifl.comm.exactsum._ops_for"]
-                                          if gpu_path else [])
-    missing = [w for w in wanted if w not in applied]
+    wanted = ["the kernel's _losses"] + (["PlanWalker._leaving", "mpifl.comm.exactsum._ops_for"] if gpu_path else [])
+    found = ["the kernel's _losses" if name.endswith("._losses") else name for name in applied]
+    missing = [w for w in wanted if w not in found]
     print(f"W2 round, 1 rank, {args.clients} clients, client.vectorize_chunk {args.chunk}; "
           + ("the GPU's path as far as the CPU can take it" if gpu_path else "the CPU's own path")
           + (f" (not emulated, missing after a change: {', '.join(missing)})" if missing else "") + "\n")
