@@ -271,9 +271,12 @@ def main() -> int:
         for algorithm, vectorize in settings:
             name = f"{algorithm}" + ("" if vectorize else " (the loop)")
             raw = w2(algorithm, args.clients, args.chunk, vectorize)
+
+            def job(config: dict, name: str = name) -> Counted:
+                return mpifl_job(config, folder / f"{name}_{config['rounds']}.h5", gpu_path, applied)
+
             try:
-                counted = per_round(lambda r, n=name: mpifl_job(r, folder / f"{n}_{r['rounds']}.h5", gpu_path, applied),
-                                    raw)
+                counted = per_round(job, raw)
             except Exception as exc:  # noqa: BLE001 - an algorithm that does not run on W2 is a row, not the end
                 rows.append(f"| {name} | does not run on W2: {type(exc).__name__}: {str(exc)[:100]} | | | | | | |")
                 continue

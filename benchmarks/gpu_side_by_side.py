@@ -181,6 +181,7 @@ def main() -> int:
     write(f"`python benchmarks/gpu_side_by_side.py --device {args.device} --rounds {args.rounds} --cohort "
           f"{args.cohort} --budget {args.budget:g}"
           + (f" --cap-scale {args.cap_scale:g}" if args.cap_scale != 1 else "")
+          + (f" --only {args.only}" if args.only else "") + (f" --skip {args.skip}" if args.skip else "")
           + "".join(f" --set {o}" for o in args.overrides) + "`")
     write("")
     if sum(caps.values()) > CAP_SHARE * args.budget:
@@ -200,13 +201,15 @@ def main() -> int:
             continue
         cmd, env = command(setting, args, scratch)
         began = time.monotonic()
+        code: int | str
         try:
             done = subprocess.run(cmd, env=env, cwd=BENCH, capture_output=True, text=True, timeout=cap)
             code, stdout = done.returncode, done.stdout
             log = done.stdout + done.stderr
         except subprocess.TimeoutExpired as stopped:
             code, stdout = "cap", ""
-            log = f"{stopped.stdout or ''}{stopped.stderr or ''}"
+            log = "".join(out.decode(errors="replace") if isinstance(out, bytes) else out or ""  # bytes, even so
+                          for out in (stopped.stdout, stopped.stderr))
         seconds = time.monotonic() - began
         (scratch / f"{setting.slug}.log").write_text(str(log)[-20000:])
         median, note = None, ""
