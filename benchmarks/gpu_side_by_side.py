@@ -165,8 +165,14 @@ def main() -> int:
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (round 1 stages the clients and is not timed)")
     args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mpifl-side-by-side-") as tmp:  # what matters is in logs.tar.gz
+        run_all(args, Path(tmp))
+    return 0
+
+
+def run_all(args: argparse.Namespace, scratch: Path) -> None:
+    """Every chosen setting in turn, each row of ``side_by_side.md`` as it comes, then the targets."""
     report = args.out / "side_by_side.md"
-    scratch = Path(tempfile.mkdtemp(prefix="mpifl-side-by-side-"))
     deadline = time.monotonic() + args.budget
     chosen = [s for s in SETTINGS if (not args.only or any(part in s.slug for part in args.only.split(",")))
               and not (args.skip and any(part in s.slug for part in args.skip.split(",")))]
@@ -236,7 +242,6 @@ def main() -> int:
             for line in header:
                 write(line)
     targets(write, medians)
-    return 0
 
 
 def targets(write: Callable[[str], None], medians: dict[str, float]) -> None:
