@@ -57,6 +57,11 @@ W2 = REPO / "configs" / "w2.yaml"
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedals", "ifca", "fedbuff", "pefll")
 KINDS = ("all", "launching", "cpu losses", "cpu losses launching")
 TARGET_RATIO, TARGET_READS = 1.25, 2
+SETTINGS: dict[str, dict[str, Any]] = {
+    "fedbuff": {"network": {"compute": "model"}, "fedbuff": {"buffer_size": 50}},
+}
+"""What an algorithm needs beyond W2's config: FedBuff's events come from the simulated clock (``network.compute:
+model``), and with a buffer of the cohort's 50 (and as many training at once) a server step is W2's round."""
 KERNELS = (("mpifl.training.vectorized", "VectorizedSGD"), ("mpifl.training.executor", "LocalSGD"))
 """Where the kernel's ``_losses`` (the CPU-only per-client losses) has lived: at a638abb, and after issue 48's
 rewrite of the local step."""
@@ -226,7 +231,7 @@ def w2(algorithm: str, clients: int, chunk: int, vectorize: bool) -> dict:
     base = yaml.safe_load(W2.read_text())
     base.update(algorithm=algorithm, eval_every=1000, data={**base["data"], "num_clients": clients},
                 client={**base["client"], "vectorize": vectorize, "vectorize_chunk": chunk})
-    return base
+    return {**base, **SETTINGS.get(algorithm, {})}
 
 
 def per_round(job: Callable[[dict], Counted], raw: dict) -> Counted:
