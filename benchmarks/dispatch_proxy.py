@@ -8,7 +8,7 @@ follows. Both are counted here on any machine: every ATen operation that reaches
 would launch a kernel (not views, which only make new tensor metadata), and every tensor read of
 :data:`mpifl.training.syncdebug.READS`. A round's count is (a 3-round job − a 1-round job) / 2, so set-up and
 the final evaluation cancel; W2 with 100 clients (50 a round, 5 local steps each), 1 rank, in process, the
-kernel's calls as a GPU makes them (``client.vectorize_chunk`` 64, ``auto``'s on a GPU)::
+kernel's calls as a GPU makes them (``client.vectorize_chunk`` as ``auto`` sets it on a GPU: :func:`gpu_chunk`)::
 
     python benchmarks/dispatch_proxy.py                                  # the floor, then every algorithm below
     python benchmarks/dispatch_proxy.py --algorithm fedavg --algorithm scaffold
@@ -226,6 +226,18 @@ def floor_job(raw: dict) -> Counted:
     return Counted(counter.ops, sum(reads.values()))
 
 
+def gpu_chunk(cohort: int) -> int:
+    """``client.vectorize_chunk: auto`` on a GPU for ``cohort`` clients a round: ``executor.auto_chunk``'s answer
+    (from the config alone, after issue 48's rewrite), else 64 (auto's on a GPU at a638abb)."""
+    import torch
+
+    try:
+        from mpifl.training.executor import auto_chunk  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return 64
+    return int(auto_chunk(cohort, torch.device("cuda")))  # only the device's type is read: no GPU needed
+
+
 def w2(algorithm: str, clients: int, chunk: int, vectorize: bool) -> dict:
     """W2's config for ``algorithm`` through the kernel (or not), without evaluation before the end."""
     base = yaml.safe_load(W2.read_text())
@@ -260,11 +272,13 @@ def main() -> int:
     parser.add_argument("--algorithm", action="append", choices=ALGORITHMS,
                         help="an algorithm to count (repeatable; default all of them)")
     parser.add_argument("--clients", type=int, default=100, help="data.num_clients (default 100; 50 a round)")
-    parser.add_argument("--chunk", type=int, default=64, help="client.vectorize_chunk (default 64, a GPU's)")
+    parser.add_argument("--chunk", type=int,
+                        help="client.vectorize_chunk (default: what auto gives on a GPU, see gpu_chunk)")
     parser.add_argument("--loop", action="store_true", help="also FedAvg through the loop (client.vectorize false)")
     parser.add_argument("--cpu-path", action="store_true",
                         help="count the CPU's own path (losses per client, deltas folded by numpy)")
     args = parser.parse_args()
+    args.chunk = args.chunk or gpu_chunk(yaml.safe_load(W2.read_text())["clients_per_round"])
     gpu_path = not args.cpu_path
     applied: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
