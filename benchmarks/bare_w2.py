@@ -1,6 +1,7 @@
 """Workload W2's floor: the same FedAvg rounds in plain PyTorch, one process, one thread, no mpifl runtime.
 
-    python benchmarks/bare_w2.py [--rounds 1500] [--device cpu|cuda] [--batched] [--set KEY=VALUE ...] [--write]
+    python benchmarks/bare_w2.py [--rounds 1500] [--device cpu|cuda] [--batched [--graph]] [--set KEY=VALUE ...]
+                                 [--write]
 
 What a round of W2 cannot do without (configs/w2.yaml, as benchmarks/bench_w2.py and benchmarks/pfl_w2.py run
 it): the same clients, built by mpifl's data code from the same config and seed and put on the device once
@@ -19,6 +20,13 @@ local step one ``torch.func.vmap`` of the gradient over all of them (each client
 permutation, drawn on the device), then ``rows -= lr × gradients``; the weighted mean of the rows' deltas and the
 server step. No fixed call shape, no padding, no exact sum, no loss kept: the arithmetic floor of a batched round.
 
+``--batched --graph``: the same round with one local step captured as a CUDA graph (``torch.cuda.graph``) and
+replayed for every step: the step reads its batch from fixed buffers (the round's clients' data copied in once a
+round, each step's sample indices copied in before its replay), so a step is one graph launch instead of the
+hundred-odd kernels of a vmapped forward and backward. An experiment of the floor's, to measure what a captured
+step would save mpifl's kernel. On the CPU there is nothing to capture: the same fixed-buffer step runs eagerly
+(the same bits as ``--batched``, printed as the final weights' digest) and the line says why it was not captured.
+
 Reported, as bench_w2.py: the median seconds of a round over rounds 2..R, and the run's seconds per round with
 the set-up (building the clients' data) included. ``benchmarks/compare_w2.py`` runs it between mpifl and
 pfl-research.
@@ -27,8 +35,10 @@ pfl-research.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,8 +53,9 @@ from mpifl.runtime.sampling import sample_clients
 CONFIG = REPO / "configs" / "w2.yaml"
 
 
-def bare_rounds(cfg, device: torch.device) -> list[float]:  # noqa: ANN001 - a RunConfig
-    """Train ``cfg``'s FedAvg rounds in a plain loop on one thread; each round's seconds."""
+def bare_rounds(cfg, device: torch.device) -> tuple[list[float], torch.Tensor]:  # noqa: ANN001 - a RunConfig
+    """Train ``cfg``'s FedAvg rounds in a plain loop on one thread; each round's seconds and the final global
+    weights (flat)."""
     c = cfg.client
     if c.steps is not None or c.clip_norm is not None or c.augment != "none" or c.batch_sampling != "epochs":
         raise SystemExit("bare_w2: the floor runs plain local SGD in epochs only (W2's client section)")
@@ -89,11 +100,30 @@ def bare_rounds(cfg, device: torch.device) -> list[float]:  # noqa: ANN001 - a R
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return times
+    return times, torch.cat([g.reshape(-1) for g in global_])
 
 
-def batched_rounds(cfg, device: torch.device) -> list[float]:  # noqa: ANN001 - a RunConfig
-    """Train ``cfg``'s FedAvg rounds with each round's clients as one batched computation; each round's seconds."""
+def captured(step: Callable[[], None], device: torch.device) -> tuple[Callable[[], None], str]:
+    """``step`` (which reads and writes only fixed tensors) as a replay of its CUDA graph, and how it ran. As
+    torch.cuda.graphs asks, ``step`` runs once on a side stream before the capture (vmap's and autograd's first
+    call, the allocator's blocks): that call changes the buffers, which the caller fills anew before each round.
+    Captured, the step is recorded, not run. On the CPU: ``step`` itself, eagerly."""
+    if device.type != "cuda":
+        return step, "not captured: CUDA graphs need a CUDA device; the fixed-buffer step ran eagerly"
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, "captured: one CUDA graph a local step, replayed"
+
+
+def batched_rounds(cfg, device: torch.device, graph: bool = False) -> tuple[list[float], torch.Tensor, str]:  # noqa: ANN001 - a RunConfig
+    """Train ``cfg``'s FedAvg rounds with each round's clients as one batched computation: each round's seconds,
+    the final global weights, and (``graph``) how the captured step ran."""
     from torch.func import functional_call, grad, vmap
 
     c = cfg.client
@@ -121,18 +151,33 @@ def batched_rounds(cfg, device: torch.device) -> list[float]:  # noqa: ANN001 - 
     gradients = vmap(grad(loss))
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     n, everyone, times = int(sizes[0]), np.arange(len(sizes)), []
+    cohort = cfg.clients_per_round
+    which = torch.arange(cohort, device=device)[:, None]
+    # the captured step's fixed buffers: the round's rows and data, and the step's sample indices
+    rows = torch.empty(cohort, len(global_), device=device)
+    x, y = torch.empty((cohort, *xs.shape[1:]), device=device), torch.empty(cohort, n, dtype=ys.dtype, device=device)
+    idx = torch.zeros(cohort, c.batch_size, dtype=torch.long, device=device)
+
+    def step() -> None:
+        rows.sub_(gradients(rows, x[which, idx], y[which, idx]), alpha=c.lr)
+
+    how = ""
+    if graph:
+        if c.drop_last is False and n % c.batch_size:
+            raise SystemExit("bare_w2 --graph: every batch of one size (W2's 50 images in batches of 10)")
+        step, how = captured(step, device)
     for round_ in range(1, cfg.rounds + 1):
         start = time.perf_counter()
-        sampled = sample_clients(cfg.seed, round_, everyone, cfg.clients_per_round)
+        sampled = sample_clients(cfg.seed, round_, everyone, cohort)
         picked = torch.from_numpy(sampled).to(device)
-        rows = global_.expand(len(sampled), -1).clone()
-        x, y = xs[picked], ys[picked]
-        which = torch.arange(len(sampled), device=device)[:, None]
+        rows.copy_(global_.expand(len(sampled), -1))
+        x.copy_(xs[picked])
+        y.copy_(ys[picked])
         for _ in range(c.epochs):
             order = torch.stack([torch.randperm(n, generator=gen, device=device) for _ in sampled])
             for i in range(0, n - (c.batch_size - 1 if c.drop_last else 0), c.batch_size):
-                idx = order[:, i : i + c.batch_size]
-                rows.sub_(gradients(rows, x[which, idx], y[which, idx]), alpha=c.lr)
+                idx.copy_(order[:, i : i + c.batch_size])
+                step()
         weights = (np.full(len(sampled), 1 / len(sampled)) if cfg.server.weighting == "uniform"
                    else sizes[sampled] / sizes[sampled].sum())
         w = torch.as_tensor(weights, dtype=rows.dtype, device=device)
@@ -140,29 +185,44 @@ def batched_rounds(cfg, device: torch.device) -> list[float]:  # noqa: ANN001 - 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return times
+    return times, global_, how
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """The first 12 hex digits of the sha256 of ``tensor``'s bytes: the same weights, the same digest."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
     parser.add_argument("--batched", action="store_true", help="the batched floor (all clients as one vmap)")
+    parser.add_argument("--graph", action="store_true",
+                        help="with --batched: one local step captured as a CUDA graph and replayed (eager on the CPU)")
     job_options(parser, "config overrides of configs/w2.yaml, as mpifl run --set")
     args = parser.parse_args()
+    if args.graph and not args.batched:
+        parser.error("--graph captures the batched step: give --batched too")
     cfg = load_config(CONFIG, [f"rounds={args.rounds}", *args.overrides])
+    device = torch.device(args.device)
     began = time.perf_counter()
-    times = (batched_rounds if args.batched else bare_rounds)(cfg, torch.device(args.device))
+    if args.batched:
+        times, final, how = batched_rounds(cfg, device, args.graph)
+    else:
+        (times, final), how = bare_rounds(cfg, device), ""
     run = (time.perf_counter() - began) / args.rounds
     median = float(np.median(times[1:] if len(times) > 1 else times))
     load = os.getloadavg()[0]
-    print(f"bare {'batched' if args.batched else 'loop'}: {median:.3f} s/round (median), {run:.3f} s/round for the "
-          f"whole run, load average {load:.1f}", flush=True)
+    name = "loop" if not args.batched else "batched, graph" if args.graph else "batched"
+    print(f"bare {name}: {median:.3f} s/round (median), {run:.3f} s/round for the whole run, load average "
+          f"{load:.1f}, final weights {digest(final)}" + (f"; graph {how}" if how else ""), flush=True)
     record([
-        heading(f"W2 floor: bare PyTorch FedAvg {'batched round' if args.batched else 'loop'}, 1 process, 1 thread, "
-                f"{cfg.model.name}, device {args.device}"),
+        heading(f"W2 floor: bare PyTorch FedAvg {'batched round' if args.batched else 'loop'}"
+                + (" (a CUDA graph a step)" if args.graph else "") + f", 1 process, 1 thread, {cfg.model.name}, "
+                f"device {args.device}"),
         "",
         f"`python benchmarks/bare_w2.py --rounds {args.rounds} --device {args.device}"
-        + (" --batched" if args.batched else "")
+        + (" --batched" if args.batched else "") + (" --graph" if args.graph else "")
         + "".join(f" --set {o}" for o in args.overrides) + "`",
         "",
         "| median s/round (rounds 2..R) | run s/round (set-up included) | load average (1 min) at the end |",

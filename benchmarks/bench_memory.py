@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from common import REPO, heading, record
+from common import REPO, heading, launched, record
 
 CONFIG = REPO / "configs" / "b1.yaml"
 MB = 1024.0  # smaps_rollup reports kB
@@ -210,12 +209,8 @@ def write_trace(mem: JobMemory, path: Path) -> None:
 
 
 def job_command(ranks: int, rounds: int, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "mpifl", "run", str(CONFIG), "--out", str(out), "--quiet",
-           "--set", f"rounds={rounds}", "--set", f"eval_every={rounds}"]
-    if ranks > 1:
-        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *cmd]
-    return cmd
+    return launched([sys.executable, "-m", "mpifl", "run", str(CONFIG), "--out", str(out), "--quiet",
+                     "--set", f"rounds={rounds}", "--set", f"eval_every={rounds}"], ranks)
 
 
 def baseline(statement: str) -> dict[str, float]:

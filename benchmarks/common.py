@@ -37,13 +37,18 @@ def mpifl_job(config: Path, ranks: int, out: Path, overrides: Sequence[str] = ()
         if code := main(args):
             raise SystemExit(f"mpifl {shlex.join(args)}: exit code {code}")
         return read_results(out)
-    cmd = [sys.executable, "-m", "mpifl", *args]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if ranks > 1:
-        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
-        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", *cmd]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO)
+    subprocess.run(launched([sys.executable, "-m", "mpifl", *args], ranks), check=True, env=env, cwd=REPO)
     return read_results(out)
+
+
+def launched(cmd: list[str], ranks: int) -> list[str]:
+    """``cmd`` as ``ranks`` MPI ranks: under ``mpirun -n ranks --oversubscribe`` (this interpreter's venv's
+    ``mpirun`` first: the one its mpi4py was built with) when ranks > 1, else as it is."""
+    if ranks <= 1:
+        return cmd
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    return [mpirun or "mpirun", "-n", str(ranks), "--oversubscribe", *cmd]
 
 
 def heading(title: str) -> str:

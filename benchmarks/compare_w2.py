@@ -81,7 +81,7 @@ def floor_median(args: argparse.Namespace, workload: str) -> float:
     if workload == "w1":
         return median_after_first(bare_loop(args.rounds))
     cfg = load_config(CONFIGS["w2"], [f"rounds={args.rounds}", *args.overrides])
-    return median_after_first(bare_rounds(cfg, torch.device(args.device)))
+    return median_after_first(bare_rounds(cfg, torch.device(args.device))[0])
 
 
 def main() -> None:

@@ -19,9 +19,17 @@ processes' deltas with one ``all_reduce`` a round. Every process builds all the 
 same config and seed, and numpy's global seed is set to the config's seed before pfl draws its random states
 (pfl's workers agree only if it is the same on each), so the cohorts are the same users as in one process
 (round r: users 50(r-1) .. 50r-1 of pfl's ``minimize_reuse`` cycle; with 2 processes the even ones on rank 0,
-the odd ones on rank 1). Rank 0 times and reports. This is how to set pfl-research beside mpifl on P ranks:
-mpifl's P = 3 (1 server + 2 workers) against ``--processes 2``. With ``--device cuda`` each process takes
-``cuda:LOCAL_RANK`` (one process a GPU; pfl uses NCCL there).
+the odd ones on rank 1). Rank 0 times and reports. This is how to set pfl-research beside mpifl on W worker
+ranks: mpifl's P = 3 ranks (1 server + 2 workers) against ``--processes 2``.
+
+Every process uses the one device ``--device`` names (``cuda`` is the current GPU, ``cuda:0``), as pfl's
+documentation runs several processes per GPU ("Multi-process training"), and the processes' collectives run
+over gloo, which sums CUDA tensors as well. pfl 0.6 would do neither under ``torchrun``: it takes
+``cuda:LOCAL_RANK`` (absent on a one-GPU machine from the second process on) and picks NCCL whenever CUDA is
+available (``PyTorchDistributedContext``: no setting chooses the backend), and NCCL refuses two ranks on one
+GPU. So (:func:`shared_device`) the device is ``PFL_PYTORCH_DEVICE`` (pfl's own override), and pfl builds its
+process group while ``torch.cuda.is_available`` answers False, which is the CPU's path: the same code runs on
+the CPU (a rehearsal of it) and on a GPU, and the backend and device are printed. Nothing of pfl is changed.
 
 ``--check`` prints, on every process, the digests of the training data and of the initial weights, the users
 the process trained each round, and the final weights' norm and update norm: the same digests and the union of
@@ -89,10 +97,9 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     if world != args.processes:
         sys.exit(f"pfl_w2: {world} processes started, --processes {args.processes} asked")
-    device = args.device if args.device == "cpu" or world == 1 else f"cuda:{os.environ['LOCAL_RANK']}"
-    os.environ["PFL_PYTORCH_DEVICE"] = device  # read by pfl when it picks its device
     import torch
 
+    device = shared_device(args.device)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [f"rounds={args.rounds}", *args.overrides])
     began = time.perf_counter()
@@ -103,8 +110,10 @@ def main() -> None:
     training = [t for i, t in enumerate(times) if i > 0 and i % cfg.eval_every]
     median = float(np.median(training or times))
     load = os.getloadavg()[0]
-    print(f"pfl {pfl_version}, {world} process{'es' if world > 1 else ''}: {median:.3f} s/iteration (median), "
-          f"{total / args.rounds:.3f} s/iteration for the whole run, load average {load:.1f}", flush=True)
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    print(f"pfl {pfl_version}, {world} process{'es' if world > 1 else ''} on {device} (backend {backend}): "
+          f"{median:.3f} s/iteration (median), {total / args.rounds:.3f} s/iteration for the whole run, "
+          f"load average {load:.1f}", flush=True)
     if args.times:
         args.times.write_text(json.dumps({"times": times, "median": median, "run": total / args.rounds}))
     name = "W2" if args.config.name == "w2.yaml" else args.config.name
@@ -122,6 +131,27 @@ def main() -> None:
         "|---|---|---|",
         f"| {median:.3f} | {total / args.rounds:.3f} | {load:.1f} |",
     ], args.write)
+
+
+def shared_device(name: str):  # noqa: ANN201 - a torch.device
+    """The one device every process of this job uses (``cpu``, or ``cuda`` as ``cuda:0``), with pfl's process
+    group built over gloo: pfl reads its device from ``PFL_PYTORCH_DEVICE`` and builds its process group when
+    its torch operations are imported, picking NCCL (and ``cuda:LOCAL_RANK``) if CUDA is available, so it is
+    imported here with ``torch.cuda.is_available`` answering False (restored right after). On the CPU that is
+    what it answers anyway: a CPU run goes through this same path."""
+    import torch
+
+    device = torch.device("cuda:0" if name == "cuda" else name)
+    os.environ["PFL_PYTORCH_DEVICE"] = str(device)
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    try:
+        import pfl.internal.ops.pytorch_ops  # noqa: F401 - builds pfl's process group (gloo) on import
+    finally:
+        torch.cuda.is_available = available  # type: ignore[assignment]
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":
+        sys.exit(f"pfl_w2: pfl's process group uses {torch.distributed.get_backend()}, not gloo")
+    return device
 
 
 def digest(tensors) -> str:  # noqa: ANN001 - torch tensors
