@@ -1,5 +1,5 @@
 """Padded work of the batched executor's call shapes: rows computed per real client row when a round's cohort is
-spread evenly over 1, 2, 4 and 8 worker ranks, each rank's clients in calls of exactly ``chunk`` rows, and the
+spread evenly over 1, 2 and 4 worker ranks, each rank's clients in calls of exactly ``chunk`` rows, and the
 calls a local step makes on the busiest worker (each call is one vmapped gradient's launches on a GPU).
 
     python benchmarks/bench_padding.py [--cohort 50 1000]
@@ -28,10 +28,10 @@ def table(cohort: int) -> list[str]:
     auto = auto_chunk(cohort, torch.device("cuda"))
     lines = [f"cohort {cohort} (auto: {auto})", "",
              "| chunk | " + " | ".join(f"{w} worker{'s' if w > 1 else ''}" for w in WORKER_COUNTS)
-             + " | calls a step, 1 / 8 workers |", "|---|" + "---|" * (len(WORKER_COUNTS) + 1)]
+             + " | calls a step, 1 / 4 workers |", "|---|" + "---|" * (len(WORKER_COUNTS) + 1)]
     for chunk in sorted({*OPTIONS, auto}, reverse=True):
         cells = " | ".join(f"{padded_work(cohort, w, chunk):.2f}×" for w in WORKER_COUNTS)
-        calls = f"{math.ceil(cohort / chunk)} / {math.ceil(math.ceil(cohort / 8) / chunk)}"
+        calls = f"{math.ceil(cohort / chunk)} / {math.ceil(math.ceil(cohort / 4) / chunk)}"
         lines.append(f"| {chunk}{' (auto)' if chunk == auto else ''} | {cells} | {calls} |")
     return lines
 

@@ -36,7 +36,7 @@ class ClientConfig:
     # clients per kernel call where the kernel's rounding may depend on that count (convolutions; any model on a
     # GPU): every call is padded to exactly this many, so a client's update does not depend on the rank count;
     # auto: 16 on the CPU; on a GPU the largest size up to 64 whose padding stays within 1.25x for the round's
-    # cohort spread over 1, 2, 4 or 8 workers (W2's 50 clients: 7), from the config alone
+    # cohort spread over 1, 2 or 4 workers (W2's 50 clients: 13), from the config alone
     vectorize_chunk: int | Literal["auto"] = field(default="auto", metadata=limits(ge=1))
 
     def for_epochs(self, epochs: int) -> ClientConfig:

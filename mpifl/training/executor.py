@@ -184,7 +184,7 @@ def kernel_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_
 PADDING_BOUND = 1.25
 """The most rows a GPU's calls may compute per real client row, for a round's cohort spread evenly over any of
 :data:`WORKER_COUNTS` worker ranks (padding copies are work whose results are dropped)."""
-WORKER_COUNTS = (1, 2, 4, 8)
+WORKER_COUNTS = (1, 2, 4)
 
 
 def padded_work(cohort: int, workers: int, chunk: int) -> float:
@@ -198,16 +198,18 @@ def auto_chunk(cohort: int, device: torch.device) -> int:
     """``client.vectorize_chunk: auto``: the rows of every call. A client's bits may depend on the call's size (a
     grouped convolution's algorithm may change with it), never on its company, so the size is fixed for a run by
     its config alone, never by the rank count. On the CPU 16, as before (CPU results keep their bits); on a GPU the
-    largest size up to 64 whose padding stays within :data:`PADDING_BOUND` for the round's ``cohort`` on each of
-    :data:`WORKER_COUNTS` worker ranks (W2's 50 clients a round: 7, 1.12× on 1, 2, 4 and 8 workers, where 64 rows
-    were 1.28×, 2.56× and 5.1× on 1, 2 and 4; 1,000 clients a round: 64, 1.02×)."""
+    size up to 64 whose padding stays within :data:`PADDING_BOUND` for the round's ``cohort`` on each of
+    :data:`WORKER_COUNTS` worker ranks that makes the fewest calls, the least padded of those (W2's 50 clients a
+    round: 13, 4 calls a step, 1.04× on 1, 2 and 4 workers, where 64 rows were 1.28×, 2.56× and 5.1×; 1,000 clients
+    a round: 64, 1.02×). Fewest calls first, because every call is a launch of the whole step: a smaller chunk pads
+    less on more workers (7 rows: 1.12× on 8 too) but takes twice the calls (bench_padding.py)."""
     if device.type == "cpu":
         return CPU_CHUNK
-    counts = [w for w in WORKER_COUNTS if w <= max(cohort, 1)]
-    for chunk in range(GPU_CHUNK, 1, -1):
-        if all(padded_work(max(cohort, 1), w, chunk) <= PADDING_BOUND for w in counts):
-            return chunk
-    return 1
+    cohort = max(cohort, 1)
+    counts = [w for w in WORKER_COUNTS if w <= cohort]
+    padding = {chunk: max(padded_work(cohort, w, chunk) for w in counts) for chunk in range(1, GPU_CHUNK + 1)}
+    return min((chunk for chunk, worst in padding.items() if worst <= PADDING_BOUND),
+               key=lambda chunk: (math.ceil(cohort / chunk), padding[chunk]))
 
 
 class LocalSGD:
