@@ -167,6 +167,9 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
             def span(self, size: int) -> int:
                 return max(size, 1)  # one pass over a whole row, as on a GPU (the CPU's chunks keep its cache)
 
+            def round_span(self, size: int) -> int:
+                return max(size, 1)  # the total rounded in one pass, as on a GPU (the CPU's spans keep its cache)
+
         def device_ops(device: Any, row: object) -> Any:  # noqa: ANN401
             if device is None and isinstance(row, torch.Tensor):
                 return DeviceOps(row.device)
