@@ -213,7 +213,7 @@ def test_a_heartbeat_between_evaluations(write_config, capsys, tmp_path):
     assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e-9"]) == 0
     beats = [line for line in capsys.readouterr().out.splitlines() if "rounds/s" in line]
     assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 7)]  # 6: the evaluation's
-    assert all(re.search(r" \| elapsed (\d+h)?\d+m\d\ds \| ETA ", line) for line in beats)  # minutes: any, on a busy machine
+    assert all(re.search(r" \| elapsed (\d+h)?\d+m\d\ds \| ETA ", line) for line in beats)  # any minutes: a busy host
     assert " | loss " in beats[-1] and beats[-1].endswith("ETA 0m00s")
     assert main(["run", str(config), "--out", str(tmp_path / "q.h5"), "--heartbeat", "1e-9", "--quiet"]) == 0
     assert "rounds/s" not in capsys.readouterr().out
