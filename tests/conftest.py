@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 import re
 import shutil
@@ -143,6 +144,38 @@ def run_mpifl(args: list[str], ranks: int = 0, timeout: float = HANG_S) -> subpr
     """Run ``python -m mpifl ARGS`` (under ``mpirun -n ranks`` when ranks > 0)."""
     cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
+
+
+def run_mpifl_batch(jobs: list[list[str]], ranks: int, folder: Path,
+                    env: list[dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """``python -m mpifl JOB`` for every job, as :func:`run_mpifl` runs one, but all in one launch (``mpirun -n
+    ranks``, or one process when ranks = 0): one result per job, its stdout and stderr every rank's (tests/batch.py).
+    A job that ends its launch (``MPI_Abort``) gets the launch's exit code and output, and the jobs after it run
+    in a new launch."""
+    folder.mkdir(parents=True, exist_ok=True)
+    envs = env or [{}] * len(jobs)
+
+    def logs(i: int) -> tuple[str, str]:
+        ranks_logs = sorted(folder.glob(f"job{i}.*"))
+        return tuple("".join(p.read_text() for p in ranks_logs if p.suffix == kind) for kind in (".out", ".err"))
+
+    results: list[subprocess.CompletedProcess] = []
+    while len(results) < len(jobs):
+        first = len(results)
+        manifest, status = folder / f"manifest{first}.json", folder / f"status{first}"
+        manifest.write_text(json.dumps([{"argv": jobs[i], "env": envs[i], "log": str(folder / f"job{i}")}
+                                        for i in range(first, len(jobs))]))
+        cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "tests.batch", str(manifest), str(status)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=mpi_env(), cwd=REPO)
+        for line in status.read_text().splitlines() if status.exists() else []:
+            i = first + int(line.split()[1])
+            results.append(subprocess.CompletedProcess(jobs[i], int(line.split()[2]), *logs(i)))
+        if len(results) < len(jobs):  # the next job ended the launch (or the launch never started)
+            assert proc.returncode != 0, proc.stderr
+            out, err = logs(len(results))
+            results.append(subprocess.CompletedProcess(jobs[len(results)], proc.returncode, out + proc.stdout,
+                                                       err + proc.stderr))
+    return results
 
 
 def run_config(config: Path, out: Path, ranks: int = 0) -> None:
