@@ -62,6 +62,9 @@ LAUNCH = re.compile(r"subprocess|Popen|run_mpifl|mpirun|\branks=[1-9]|assert_ran
 """What a test's own source says when it starts processes (mpirun, ``python -m mpifl``, setup.sh): such a
 test is marked ``launches`` and left out of the quick tier (scripts/test_quick.sh), as is every test that
 shares a fixture built once per module or session, and the :data:`SERIAL` ones."""
+ALONE = ("tests/multinode/test_netmodel.py",)
+"""Tests that measure wall time against a model (shaped links): marked ``alone``, which scripts/test.sh runs
+after the two-worker run, with nothing else of the suite beside them."""
 SERIAL = ("tests/slurm/", "tests/multinode/")
 """Tests that start daemons on fixed ports (a local Slurm) or build network-namespace nodes and measure shaped
 links: under pytest-xdist they run one at a time, on one worker (:func:`pytest_collection_modifyitems`)."""
@@ -83,6 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = item.path.relative_to(REPO).as_posix() if item.path.is_relative_to(REPO) else ""
         names = ["serial"] if path.startswith(SERIAL) else []
+        if path.startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
         info = getattr(item, "_fixtureinfo", None)
         for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
             if defs[-1].scope != "function" and defs[-1].baseid:  # built once, by a test file (not pytest's own)

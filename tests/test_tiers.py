@@ -13,22 +13,25 @@ VALUED = ("-n", "--dist", "-p")
 """pytest options whose value is the next word and that change how tests run, not which."""
 
 
-def selection(script: str) -> tuple[str, list[str]]:
-    """The ``-m`` expression and the paths of the one ``python -m pytest`` line of the single-process suite in
-    ``script`` (the pytest-mpi lines, under mpirun, are not it)."""
+def selections(script: str) -> list[tuple[str, list[str]]]:
+    """The ``-m`` expression and the paths of each single-process ``python -m pytest`` line in ``script`` (the
+    pytest-mpi lines, under mpirun, are not one)."""
     lines = [line for line in (REPO / script).read_text().splitlines()
              if "python -m pytest" in line and "mpirun" not in line and "--with-mpi" not in line]
-    assert len(lines) == 1, f"{script}: one single-process pytest line, found {lines}"
-    words = iter(shlex.split(lines[0].split("python -m pytest", 1)[1].replace('"$@"', "")))
-    marks, paths = "", []
-    for word in words:
-        if word == "-m":
-            marks = next(words)
-        elif word in VALUED:
-            next(words)
-        elif not word.startswith("-"):
-            paths.append(word)
-    return marks, paths
+    assert lines, f"{script}: no single-process pytest line"
+    found = []
+    for line in lines:
+        words = iter(shlex.split(line.split("python -m pytest", 1)[1].replace('"$@"', "")))
+        marks, paths = "", []
+        for word in words:
+            if word == "-m":
+                marks = next(words)
+            elif word in VALUED:
+                next(words)
+            elif not word.startswith("-"):
+                paths.append(word)
+        found.append((marks, paths))
+    return found
 
 
 def collected(args: list[str]) -> set[str]:
@@ -39,9 +42,12 @@ def collected(args: list[str]) -> set[str]:
 
 
 def test_the_quick_tier_is_a_part_of_the_full_suite():
-    (full, full_paths), (quick, quick_paths) = selection("scripts/test.sh"), selection("scripts/test_quick.sh")
-    assert quick == f"{full} and not launches" and quick_paths == full_paths == []
-    everything, fast = collected(["-m", full]), collected(["-m", quick])
+    full, [(quick, quick_paths)] = selections("scripts/test.sh"), selections("scripts/test_quick.sh")
+    assert quick == "not slow and not launches" and quick_paths == [] and all(paths == [] for _, paths in full)
+    runs = [collected(["-m", marks]) for marks, _ in full]
+    everything, fast = set().union(*runs), collected(["-m", quick])
     assert fast and fast < everything, sorted(fast - everything)[:20]
-    # what it leaves out: the tests that start processes or share a module-wide fixture, and only those
-    assert collected(["-m", f"({full}) and launches"]) == everything - fast
+    # the full runs together are every test but the slow ones (left to local runs), once each
+    assert everything == collected(["-m", "not slow"]) and sum(map(len, runs)) == len(everything)
+    # what the quick tier leaves out: the tests that start processes or share a module-wide fixture, only those
+    assert collected(["-m", "not slow and launches"]) == everything - fast
