@@ -34,20 +34,43 @@ def selections(script: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def collected(args: list[str]) -> set[str]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+MARKS = """
+import sys, pytest
+class Marks:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print("MARKS", item.nodeid, *sorted({mark.name for mark in item.iter_markers()}))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Marks()]))
+"""
+
+
+def every_test_and_its_marks() -> dict[str, set[str]]:
+    """The whole suite as collected, once, with each test's marks (what ``-m`` selects on)."""
+    proc = subprocess.run([sys.executable, "-c", MARKS], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {line for line in proc.stdout.splitlines() if "::" in line}
+    return {words[1]: set(words[2:]) for words in map(str.split, proc.stdout.splitlines()) if words[:1] == ["MARKS"]}
+
+
+def selected(suite: dict[str, set[str]], marks: str) -> set[str]:
+    """The tests ``pytest -m MARKS`` runs, by pytest's own reading of the expression."""
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(marks)
+    def marked(names: set[str]):  # noqa: ANN202
+        return lambda name, /, **_: name in names
+
+    return {test for test, names in suite.items() if expression.evaluate(marked(names))}
 
 
 def test_the_quick_tier_is_a_part_of_the_full_suite():
     full, [(quick, quick_paths)] = selections("scripts/test.sh"), selections("scripts/test_quick.sh")
     assert quick == "not slow and not launches" and quick_paths == [] and all(paths == [] for _, paths in full)
-    runs = [collected(["-m", marks]) for marks, _ in full]
-    everything, fast = set().union(*runs), collected(["-m", quick])
+    suite = every_test_and_its_marks()
+    runs = [selected(suite, marks) for marks, _ in full]
+    everything, fast = set().union(*runs), selected(suite, quick)
     assert fast and fast < everything, sorted(fast - everything)[:20]
     # the full runs together are every test but the slow ones (left to local runs), once each
-    assert everything == collected(["-m", "not slow"]) and sum(map(len, runs)) == len(everything)
+    assert everything == selected(suite, "not slow") and sum(map(len, runs)) == len(everything)
     # what the quick tier leaves out: the tests that start processes or share a module-wide fixture, only those
-    assert collected(["-m", "not slow and launches"]) == everything - fast
+    assert selected(suite, "not slow and launches") == everything - fast
+    assert "launches" in suite["tests/test_mpi_jobs.py::test_validate_command"]  # run_mpifl in its source
