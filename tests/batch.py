@@ -17,30 +17,9 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-
-@contextmanager
-def output_to(out: Path, err: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) written to ``out`` and ``err``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    targets = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), \
-        os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(targets[0], 1)
-        os.dup2(targets[1], 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*targets, *saved):
-            os.close(fd)
+from benchmarks.gpu_runs import output_to
 
 
 def run(argv: list[str], env: dict[str, str]) -> int:
