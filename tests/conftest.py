@@ -62,6 +62,10 @@ LAUNCH = re.compile(r"subprocess|Popen|run_mpifl|mpirun|\branks=[1-9]|assert_ran
 """What a test's own source says when it starts processes (mpirun, ``python -m mpifl``, setup.sh): such a
 test is marked ``launches`` and left out of the quick tier (scripts/test_quick.sh), as is every test that
 shares a fixture built once per module or session, and the :data:`SERIAL` ones."""
+RUNS = re.compile(r"\brun\w*\(|main\(\[\"(run|sweep|prepare)\"|\bEngine\(")
+"""What a test's own source says when it runs a whole job in this process (``main(["run", ...])``,
+``run_engine``, ``run_algo``, a file's own ``run(...)`` helper): such a test is marked ``runs`` and left out of
+the quick tier too, which keeps the unit-level tests."""
 ALONE = ("tests/multinode/test_netmodel.py",)
 """Tests that measure wall time against a model (shaped links): marked ``alone``, which scripts/test.sh runs
 after the two-worker run, with nothing else of the suite beside them."""
@@ -96,8 +100,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             parent[root(name)] = root(names[0])
         shared[item.nodeid] = names
         function = getattr(item, "function", None)
-        if names or (function is not None and LAUNCH.search(inspect.getsource(function))):
+        source = inspect.getsource(function) if function is not None else ""
+        if names or LAUNCH.search(source):
             item.add_marker(pytest.mark.launches)
+        if RUNS.search(source):
+            item.add_marker(pytest.mark.runs)
     for item in items:
         if shared[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0])))

@@ -64,13 +64,16 @@ def selected(suite: dict[str, set[str]], marks: str) -> set[str]:
 
 def test_the_quick_tier_is_a_part_of_the_full_suite():
     full, [(quick, quick_paths)] = selections("scripts/test.sh"), selections("scripts/test_quick.sh")
-    assert quick == "not slow and not launches" and quick_paths == [] and all(paths == [] for _, paths in full)
+    assert quick == "not slow and not launches and not runs" and quick_paths == [] and all(
+        paths == [] for _, paths in full)
     suite = every_test_and_its_marks()
     runs = [selected(suite, marks) for marks, _ in full]
     everything, fast = set().union(*runs), selected(suite, quick)
     assert fast and fast < everything, sorted(fast - everything)[:20]
     # the full runs together are every test but the slow ones (left to local runs), once each
     assert everything == selected(suite, "not slow") and sum(map(len, runs)) == len(everything)
-    # what the quick tier leaves out: the tests that start processes or share a module-wide fixture, only those
-    assert selected(suite, "not slow and launches") == everything - fast
+    # what the quick tier leaves out: the tests that start processes, share a module-wide fixture or run a whole
+    # job, and only those
+    assert selected(suite, "not slow and (launches or runs)") == everything - fast
     assert "launches" in suite["tests/test_mpi_jobs.py::test_validate_command"]  # run_mpifl in its source
+    assert "runs" in suite["tests/test_checkpoint.py::test_checkpoints_hold_no_pickle"]  # main(["run", ...])
