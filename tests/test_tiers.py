@@ -39,7 +39,7 @@ import sys, pytest
 class Marks:
     def pytest_collection_finish(self, session):
         for item in session.items:
-            print("MARKS", item.nodeid, *sorted({mark.name for mark in item.iter_markers()}))
+            print("MARKS", item.nodeid, " ".join(sorted({mark.name for mark in item.iter_markers()})), sep="\t")
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Marks()]))
 """
 
@@ -48,7 +48,10 @@ def every_test_and_its_marks() -> dict[str, set[str]]:
     """The whole suite as collected, once, with each test's marks (what ``-m`` selects on)."""
     proc = subprocess.run([sys.executable, "-c", MARKS], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {words[1]: set(words[2:]) for words in map(str.split, proc.stdout.splitlines()) if words[:1] == ["MARKS"]}
+    fields = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("MARKS\t")]
+    suite = {test: set(marks.split()) for _, test, marks in fields}
+    assert f"\n{len(suite)} tests collected" in proc.stdout, proc.stdout[-500:]  # each once, whatever its id holds
+    return suite
 
 
 def selected(suite: dict[str, set[str]], marks: str) -> set[str]:
