@@ -58,14 +58,15 @@ def rank_dependent(column: str) -> bool:
     return column in ("owner", "load_imbalance") or column.endswith(("time_s", "seconds"))
 
 
-LAUNCH = re.compile(r"subprocess|Popen|run_mpifl|mpirun|\branks=[1-9]|assert_rank_invariant|_offline\(|_setup\(")
+LAUNCH = re.compile(r"subprocess|Popen|run_mpifl|mpirun|\branks=[1-9]|assert_rank_invariant|_offline\(|_setup\(|"
+                    r"\bgpu_check\(")
 """What a test's own source says when it starts processes (mpirun, ``python -m mpifl``, setup.sh): such a
 test is marked ``launches`` and left out of the quick tier (scripts/test_quick.sh), as is every test that
 shares a fixture built once per module or session, and the :data:`SERIAL` ones."""
-RUNS = re.compile(r"\brun\w*\(|main\(\[\"(run|sweep|prepare)\"|\bEngine\(")
+RUNS = re.compile(r"\brun\w*\(|main\(\[\"(run|sweep|prepare)\"|\bEngine\(|\bload_sweep\(")
 """What a test's own source says when it runs a whole job in this process (``main(["run", ...])``,
-``run_engine``, ``run_algo``, a file's own ``run(...)`` helper): such a test is marked ``runs`` and left out of
-the quick tier too, which keeps the unit-level tests."""
+``run_engine``, ``run_algo``, a file's own ``run(...)`` helper, an evidence sweep's smoke runs): such a test is
+marked ``runs`` and left out of the quick tier too, which keeps the unit-level tests."""
 ALONE = ("tests/multinode/test_netmodel.py",)
 """Tests that measure wall time against a model (shaped links): marked ``alone``, which scripts/test.sh runs
 after the two-worker run, with nothing else of the suite beside them."""
