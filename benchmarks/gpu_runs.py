@@ -28,22 +28,23 @@ sys.path.insert(0, str(REPO))
 
 
 @contextmanager
-def output_to(log: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2, so C and MPI writes too) appended to ``log``."""
+def output_to(log: Path, errors: Path | None = None) -> Iterator[None]:
+    """This process's stdout and stderr (file descriptors 1 and 2, so C and MPI writes too) appended to ``log``
+    (stderr to ``errors`` instead, if given: tests/batch.py keeps them apart)."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    targets = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) for path in (log, errors) if path]
     try:
-        os.dup2(target, 1)
-        os.dup2(target, 2)
+        os.dup2(targets[0], 1)
+        os.dup2(targets[-1], 2)
         yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        for fd in (target, *saved):
+        for fd in (*targets, *saved):
             os.close(fd)
 
 

@@ -26,5 +26,8 @@ echo "== pytest-mpi on 4 ranks (transport, engine, every algorithm on 1-4 ranks)
 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
   tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py tests/mpi/test_rank_counts_mpi.py
 echo "== single-process suite"
-# "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs).
-python -m pytest -q -p no:cacheprovider --durations=40 -m "not slow"
+# "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs). Two
+# pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the tests that share a fixture.
+python -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadgroup -m "not slow and not alone"
+echo "== the tests that measure wall time (shaped links), with nothing of the suite beside them"
+python -m pytest -q -p no:cacheprovider -m "not slow and alone"

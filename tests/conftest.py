@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +34,12 @@ TINY = {
 }
 
 
+HANG_S = 600
+"""The bound on every wait in the tests (a subprocess, a job's next write, a daemon coming up): what catches a
+hang, never a pace. The suite runs on shared 2-core machines where a job can take many times its quiet-machine
+time, so no test asserts how long something took."""
+
+
 CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 """The marks of a test (or a ``pytest.param``) that needs a CUDA GPU: skipped without one, and selected by
 ``pytest -m cuda``, which is how scripts/gpu_check.sh runs exactly the GPU tests."""
@@ -47,6 +56,59 @@ def rank_dependent(column: str) -> bool:
     """Results columns that legitimately differ with the rank count or the machine: timings, where
     clients lived, and how evenly a round's work was spread."""
     return column in ("owner", "load_imbalance") or column.endswith(("time_s", "seconds"))
+
+
+LAUNCH = re.compile(r"subprocess|Popen|run_mpifl|mpirun|\branks=[1-9]|assert_rank_invariant|_offline\(|_setup\(|"
+                    r"\bgpu_check\(")
+"""What a test's own source says when it starts processes (mpirun, ``python -m mpifl``, setup.sh): such a
+test is marked ``launches`` and left out of the quick tier (scripts/test_quick.sh), as is every test that
+shares a fixture built once per module or session, and the :data:`SERIAL` ones."""
+RUNS = re.compile(r"\brun\w*\(|main\(\[\"(run|sweep|prepare)\"|\bEngine\(|\bload_sweep\(")
+"""What a test's own source says when it runs a whole job in this process (``main(["run", ...])``,
+``run_engine``, ``run_algo``, a file's own ``run(...)`` helper, an evidence sweep's smoke runs): such a test is
+marked ``runs`` and left out of the quick tier too, which keeps the unit-level tests."""
+ALONE = ("tests/multinode/test_netmodel.py",)
+"""Tests that measure wall time against a model (shaped links): marked ``alone``, which scripts/test.sh runs
+after the two-worker run, with nothing else of the suite beside them."""
+SERIAL = ("tests/slurm/", "tests/multinode/")
+"""Tests that start daemons on fixed ports (a local Slurm) or build network-namespace nodes and measure shaped
+links: under pytest-xdist they run one at a time, on one worker (:func:`pytest_collection_modifyitems`)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``launches`` mark (see :data:`LAUNCH`), and groups for ``pytest -n 2 --dist loadgroup`` (how
+    scripts/test.sh runs this suite): the tests that share a fixture built once per module or session (a
+    wheelhouse, a reference run, a prepared image) go to one worker, so it is still built once; the
+    :data:`SERIAL` tests go to one worker together. Without xdist the groups do nothing."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    shared: dict[str, list[str]] = {}
+    for item in items:
+        path = item.path.relative_to(REPO).as_posix() if item.path.is_relative_to(REPO) else ""
+        names = ["serial"] if path.startswith(SERIAL) else []
+        if path.startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
+        info = getattr(item, "_fixtureinfo", None)
+        for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+            if defs[-1].scope != "function" and defs[-1].baseid:  # built once, by a test file (not pytest's own)
+                names.append(f"{defs[-1].baseid}::{name}")
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+        shared[item.nodeid] = names
+        function = getattr(item, "function", None)
+        source = inspect.getsource(function) if function is not None else ""
+        if names or LAUNCH.search(source):
+            item.add_marker(pytest.mark.launches)
+        if RUNS.search(source):
+            item.add_marker(pytest.mark.runs)
+    for item in items:
+        if shared[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0])))
 
 
 @pytest.fixture(autouse=True)
@@ -91,10 +153,42 @@ def mpirun_cmd(n: int) -> list[str]:
     return [mpirun, "-n", str(n), "--oversubscribe"]
 
 
-def run_mpifl(args: list[str], ranks: int = 0, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_mpifl(args: list[str], ranks: int = 0, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """Run ``python -m mpifl ARGS`` (under ``mpirun -n ranks`` when ranks > 0)."""
     cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
+
+
+def run_mpifl_batch(jobs: list[list[str]], ranks: int, folder: Path,
+                    env: list[dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """``python -m mpifl JOB`` for every job, as :func:`run_mpifl` runs one, but all in one launch (``mpirun -n
+    ranks``, or one process when ranks = 0): one result per job, its stdout and stderr every rank's (tests/batch.py).
+    A job that ends its launch (``MPI_Abort``) gets the launch's exit code and output, and the jobs after it run
+    in a new launch."""
+    folder.mkdir(parents=True, exist_ok=True)
+    envs = env or [{}] * len(jobs)
+
+    def logs(i: int) -> tuple[str, str]:
+        ranks_logs = sorted(folder.glob(f"job{i}.*"))
+        return tuple("".join(p.read_text() for p in ranks_logs if p.suffix == kind) for kind in (".out", ".err"))
+
+    results: list[subprocess.CompletedProcess] = []
+    while len(results) < len(jobs):
+        first = len(results)
+        manifest, status = folder / f"manifest{first}.json", folder / f"status{first}"
+        manifest.write_text(json.dumps([{"argv": jobs[i], "env": envs[i], "log": str(folder / f"job{i}")}
+                                        for i in range(first, len(jobs))]))
+        cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "tests.batch", str(manifest), str(status)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=mpi_env(), cwd=REPO)
+        for line in status.read_text().splitlines() if status.exists() else []:
+            i = first + int(line.split()[1])
+            results.append(subprocess.CompletedProcess(jobs[i], int(line.split()[2]), *logs(i)))
+        if len(results) < len(jobs):  # the next job ended the launch (or the launch never started)
+            assert proc.returncode != 0, proc.stderr
+            out, err = logs(len(results))
+            results.append(subprocess.CompletedProcess(jobs[len(results)], proc.returncode, out + proc.stdout,
+                                                       err + proc.stderr))
+    return results
 
 
 def run_config(config: Path, out: Path, ranks: int = 0) -> None:

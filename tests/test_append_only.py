@@ -17,7 +17,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import AppendOnlyFile, ledger_summaries, read_results
-from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.multinode.netns import peek
 from tests.test_checkpoint import kill_job
 
@@ -60,7 +60,7 @@ def kill_in_a_random_round(cmd: list[str], out: Path, rng: random.Random, rounds
     target = first + rng.randrange(max(1, (rounds - first) // 4))
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    timeout = time.monotonic() + 180  # a hung job's bound, not a pace: a loaded machine starts jobs slowly
+    timeout = time.monotonic() + HANG_S  # a hung job's bound, not a pace: a loaded machine starts jobs slowly
 
     def reached(round_: int) -> float:
         while job.poll() is None and peek(out)[0] < round_:

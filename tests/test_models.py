@@ -8,7 +8,7 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError
-from tests.conftest import run_mpifl
+from tests.conftest import HANG_S, run_mpifl
 
 
 def layout(shape, classes=10, task="classification", dtype="float32"):
@@ -120,7 +120,7 @@ def test_a_model_too_large_for_the_machine_is_one_error_line_before_any_allocati
     # digits (64 inputs, 10 classes): 64·2²⁰ + 2²⁰ + 2⁴⁰ + 2²⁰ + 10·2²⁰ + 10 weights, 4.4 TB, counted on
     # torch's meta device; allocating them would be a torch traceback
     config = write_config({"model": {"name": "mlp", "hidden": [2**20, 2**20]}})
-    proc = run_mpifl(["validate", str(config)], timeout=60)
+    proc = run_mpifl(["validate", str(config)], timeout=HANG_S)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(r"mpifl: error: model: 1,099,591,319,562 parameters \(4,398\.4 GB as float32, twice that "
                         r"with their gradients\) do not fit in this machine's memory \([\d,]+\.\d GB\)\n", proc.stderr)
@@ -147,7 +147,7 @@ def test_a_server_network_too_large_for_the_machine_is_one_error_line(write_conf
     # PeFLL's hypernetwork with hidden layers of 10⁷ units: 3·10¹⁴ weights, however small the client model
     config = write_config({"algorithm": "pefll", "rounds": 1, "model": {"name": "logistic"},
                            "pefll": {"hyper_hidden": 10**7, "embedding": "linear"}})
-    proc = run_mpifl(["run", str(config), "--quiet", "--out", str(config.with_suffix(".h5"))], timeout=120)
+    proc = run_mpifl(["run", str(config), "--quiet", "--out", str(config.with_suffix(".h5"))], timeout=HANG_S)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(r"mpifl: error: model: the hypernetwork or embedding this model needs: [\d,]+ parameters "
                         r"\([\d,.]+ GB as float32, twice that with their gradients\) do not fit in this machine's "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpifl.results import read_results
-from tests.conftest import assert_same, deterministic, run_config, run_mpifl
+from tests.conftest import HANG_S, assert_same, deterministic, run_config, run_mpifl
 from tests.test_append_only import check_committed
 
 
@@ -67,7 +67,7 @@ def test_unwritable_output_is_refused_before_training(write_config, tmp_path, ra
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     out = blocker / "sub" / "run.h5"
-    proc = run_mpifl(["run", str(write_config({"rounds": 20})), "--out", str(out)], ranks=ranks, timeout=90)
+    proc = run_mpifl(["run", str(write_config({"rounds": 20})), "--out", str(out)], ranks=ranks, timeout=HANG_S)
     assert proc.returncode == 2
     assert mpifl_lines(proc.stderr) == [f"mpifl: error: output {out}: cannot be written: Not a directory ({blocker})"]
     assert "round" not in proc.stdout  # nothing trained

@@ -17,7 +17,7 @@ import yaml
 
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results
-from tests.conftest import REPO, assert_same, deterministic, mpi_env, mpirun_cmd, run_config
+from tests.conftest import HANG_S, REPO, assert_same, deterministic, mpi_env, mpirun_cmd, run_config
 from tests.test_fuzz import call
 
 EXAMPLE = REPO / "examples" / "plugin"
@@ -34,7 +34,7 @@ def site(tmp_path_factory) -> Path:  # noqa: ANN001
     shutil.copytree(EXAMPLE, root / "src")
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
     proc = subprocess.run([*pip, "--target", str(root / "site"), str(root / "src")], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     return root / "site"
 
@@ -56,7 +56,7 @@ def run(site: Path, config: Path, out: Path, ranks: int) -> None:
     env = {**mpi_env(), "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
     cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
                                                       str(out), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -158,7 +158,7 @@ def test_a_broken_plugin_stops_3_ranks_with_one_line(site, tmp_path):
     config = write(tmp_path / "cfg.yaml", {**ENTRY_POINTS, "model": {"name": "broken_plugin:build"}})
     env = {**mpi_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(site), str(REPO)])}
     cmd = [*mpirun_cmd(3), sys.executable, "-m", "mpifl", "run", str(config), "--out", str(tmp_path / "x.h5")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=REPO)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert lines == ["mpifl: error: model.name: model plug-in 'broken_plugin:build': cannot import module "

@@ -6,6 +6,7 @@ Each test of a refusal checks that the file's bytes are unchanged afterwards."""
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import read_results, shard_dir
-from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.test_checkpoint import kill_job
 
 LONG = _merge(TINY, {"model": {"name": "logistic"}, "rounds": 400, "eval_every": 50, "checkpoint_every": 5})
@@ -36,7 +37,7 @@ def start(args: list[str], ranks: int = 0) -> subprocess.Popen:
 
 def wait_for_checkpoint(job: subprocess.Popen, out: Path, at_least: int = 1) -> None:
     """Until the running job has committed a checkpoint (of round ``at_least`` or later) in ``out``."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while True:
         assert job.poll() is None, job.communicate()
         assert time.monotonic() < deadline, "no checkpoint committed in two minutes"
@@ -142,7 +143,7 @@ def test_a_signal_stops_after_the_round_with_a_checkpoint_and_the_file_alone_res
             os.kill(int(pid), sig)
     else:
         job.send_signal(sig)
-    stdout, stderr = job.communicate(timeout=120)
+    stdout, stderr = job.communicate(timeout=HANG_S)
     assert job.returncode == 128 + sig, stderr
     assert stderr.count("and saved a checkpoint; continue with: ") == 1, stderr
     saved = read_results(out, checkpoint=True)
@@ -216,7 +217,7 @@ def test_a_heartbeat_between_evaluations(write_config, capsys, tmp_path):
     assert main(["run", str(config), "--out", str(tmp_path / "r.h5"), "--heartbeat", "1e-9"]) == 0
     beats = [line for line in capsys.readouterr().out.splitlines() if "rounds/s" in line]
     assert [line.split(" | ")[0] for line in beats] == [f"round {r}/6" for r in range(1, 7)]  # 6: the evaluation's
-    assert all(" | elapsed 0m" in line and " | ETA " in line for line in beats)
+    assert all(re.search(r" \| elapsed (\d+h)?\d+m\d\ds \| ETA ", line) for line in beats)  # any minutes: a busy host
     assert " | loss " in beats[-1] and beats[-1].endswith("ETA 0m00s")
     assert main(["run", str(config), "--out", str(tmp_path / "q.h5"), "--heartbeat", "1e-9", "--quiet"]) == 0
     assert "rounds/s" not in capsys.readouterr().out
@@ -238,7 +239,7 @@ def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp
     for ranks in (4, 3):
         proc = subprocess.run(mpirun_cmd(ranks) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
                                                    str(tmp_path / f"r{ranks}.h5")],
-                              env=mpi_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+                              env=mpi_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 0, proc.stderr
         notes.append([line for line in proc.stdout.splitlines() if line.startswith("mpifl: note:")])
     assert notes == [["mpifl: note: 3 worker ranks, but at most 2 clients train at once: 1 rank(s) idle every "

@@ -13,7 +13,7 @@ import yaml
 
 from mpifl.algorithms.state import ClientState
 from mpifl.cli import main
-from tests.conftest import _merge, assert_same, deterministic, run_config, run_mpifl
+from tests.conftest import _merge, assert_same, deterministic, run_config, run_mpifl_batch
 from tests.test_checkpoint import CONFIGS
 
 KB = 2**10
@@ -59,20 +59,43 @@ def test_the_least_recently_used_states_spill_and_come_back_bitwise():
 
 
 SPILL = {"state_memory_gb": KB / 2**30}  # under one client's state for most: nearly every state spills
+STATEFUL = ["scaffold", "feddeper", "fedrep"]
+BAD_SETTINGS = [
+    (["state_memory_gb=-1"], "state_memory_gb"),
+    (["state_memory_gb=1", "state_spill_dir=/nonexistent/spill"], "state_spill_dir: cannot make a spill folder"),
+]
 
 
-@pytest.mark.parametrize("algorithm", ["scaffold", "feddeper", "fedrep"])
-def test_stateful_algorithms_give_the_same_bits_with_their_state_on_disk(algorithm, tmp_path):
+def stateful_raw(algorithm: str) -> dict:
+    return _merge(CONFIGS[algorithm], {"rounds": 4, "faults": {"corrupt": 0.3}})
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> dict:
+    """The 3-rank jobs of this file, all in one launch: each :data:`STATEFUL` algorithm with its state spilled
+    (its results file), and each of :data:`BAD_SETTINGS` (its result)."""
+    folder = tmp_path_factory.mktemp("spill3")
+    jobs = [["run", str(write(folder, _merge(stateful_raw(a), SPILL), f"{a}.yaml")), "--out", str(folder / f"{a}.h5"),
+             "--quiet"] for a in STATEFUL]
+    jobs += [["run", str(write(folder, CONFIGS["scaffold"])), "--out", str(folder / f"bad{i}.h5"),
+              *[a for item in setting for a in ("--set", item)]] for i, (setting, _) in enumerate(BAD_SETTINGS)]
+    results = run_mpifl_batch(jobs, 3, folder / "batch")
+    for algorithm, proc in zip(STATEFUL, results):
+        assert proc.returncode == 0, (algorithm, proc.stderr)
+    return {**{a: folder / f"{a}.h5" for a in STATEFUL}, **dict(enumerate(results[len(STATEFUL):]))}
+
+
+@pytest.mark.parametrize("algorithm", STATEFUL)
+def test_stateful_algorithms_give_the_same_bits_with_their_state_on_disk(algorithm, tmp_path, three_ranks):
     """Rejected updates included (faults.corrupt): a client whose upload is refused keeps its spilled state."""
-    raw = _merge(CONFIGS[algorithm], {"rounds": 4, "faults": {"corrupt": 0.3}})
+    raw = stateful_raw(algorithm)
     run_config(write(tmp_path, raw), tmp_path / "memory.h5")
     spilled = write(tmp_path, _merge(raw, SPILL), "spill.yaml")
     run_config(spilled, tmp_path / "disk.h5")
-    run_config(spilled, tmp_path / "disk3.h5", ranks=3)
     reference = deterministic(tmp_path / "memory.h5")
     assert_same(reference, deterministic(tmp_path / "disk.h5"))
-    assert_same(reference, deterministic(tmp_path / "disk3.h5"))
-    with h5py.File(tmp_path / "disk3.h5") as f:
+    assert_same(reference, deterministic(three_ranks[algorithm]))
+    with h5py.File(three_ranks[algorithm]) as f:
         assert f["ranks"]["states_spilled"][1:].min() > 0 and f["ranks"]["states_reloaded"][1:].min() > 0
         assert f["rounds"]["rejected_updates"][()].sum() > 0
 
@@ -87,13 +110,8 @@ def test_a_resume_with_state_on_disk_is_bitwise(tmp_path, monkeypatch):
     assert_same(deterministic(tmp_path / "full.h5"), deterministic(tmp_path / "part.h5"))
 
 
-@pytest.mark.parametrize(("setting", "message"), [
-    (["state_memory_gb=-1"], "state_memory_gb"),
-    (["state_memory_gb=1", "state_spill_dir=/nonexistent/spill"], "state_spill_dir: cannot make a spill folder"),
-])
-def test_bad_spill_settings_are_one_line(tmp_path, setting, message):
-    args = [a for item in setting for a in ("--set", item)]
-    config = write(tmp_path, CONFIGS["scaffold"])
-    proc = run_mpifl(["run", str(config), "--out", str(tmp_path / "x.h5"), *args], ranks=3)
+@pytest.mark.parametrize(("setting", "message"), BAD_SETTINGS)
+def test_bad_spill_settings_are_one_line(three_ranks, setting, message):
+    proc = three_ranks[BAD_SETTINGS.index((setting, message))]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr

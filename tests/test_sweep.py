@@ -21,7 +21,7 @@ from mpifl.results import read_results
 from mpifl.results.guard import inspect_output
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
-from tests.conftest import REPO, mpi_env
+from tests.conftest import HANG_S, REPO, mpi_env
 
 
 def write_sweep(tmp_path, config, grid, seeds=(0, 1)):
@@ -358,12 +358,12 @@ def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(w
     job = subprocess.Popen([sys.executable, "-m", "mpifl", "sweep", str(sweep)], env=mpi_env(), cwd=tmp_path,
                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         while inspect_output(first).rounds_completed < 2:
             assert job.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         os.killpg(job.pid, signal.SIGINT)
-        assert job.wait(timeout=120) == 130
+        assert job.wait(timeout=HANG_S) == 130
     finally:
         if job.poll() is None:
             kill_session(job.pid)
@@ -373,5 +373,5 @@ def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(w
     assert inspect_output(first).status == "interrupted" and inspect_output(first).checkpoint_round is not None
     again = line.split("continue with: ")[1].replace("python", sys.executable, 1)
     proc = subprocess.run([*again.split(), "--dry-run"], env=mpi_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_S)
     assert proc.returncode == 0 and "3 runs: 1 resumed from a checkpoint, 2 new" in proc.stdout, proc.stderr

@@ -10,7 +10,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.registry import parse_config
 from mpifl.runtime.asynchronous import DISPATCH_TAG, Events
 from tests.algorithms.conftest import SHARDS, _merge, both_sides
-from tests.conftest import run_mpifl
+from tests.conftest import run_mpifl_batch
 from tests.test_checkpoint import CONFIGS
 
 FEDBUFF = CONFIGS["fedbuff"]
@@ -178,17 +178,30 @@ def test_dispatches_only_clients_online_at_that_time(run_algo, tmp_path):
     assert set(np.unique(res.table("ledger")["client"][res.table("ledger")["stage"] == 0])) <= {0, 2, 3, 5}
 
 
-@pytest.mark.parametrize(("extra", "message"), [
+CANNOT = [
     ({"network": {"compute": "measured"}}, "set network.compute: model"),
     ({"faults": {"deadline_s": 1.0}}, "faults.deadline_s: not available with the asynchronous fedbuff"),
     ({"network": {"server_down_mbps": 10}}, "network.server_down_mbps: not available"),
     ({"fedbuff": {"concurrency": 7}}, "fedbuff.concurrency: 7 clients training at once exceeds the 6 seen"),
-])
-def test_what_fedbuff_cannot_run_with_is_one_line(tmp_path, extra, message):
+]
+
+
+@pytest.fixture(scope="module")
+def cannot_run(tmp_path_factory) -> list:
+    """Every case of :data:`CANNOT` run as ``mpifl run`` on 2 ranks, all in one launch."""
     import yaml
 
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(_merge(_merge(SHARDS, FEDBUFF), extra)))
-    proc = run_mpifl(["run", str(config), "--out", str(tmp_path / "x.h5")], ranks=2)
+    folder = tmp_path_factory.mktemp("fedbuff_cannot")
+    jobs = []
+    for i, (extra, _) in enumerate(CANNOT):
+        config = folder / f"c{i}.yaml"
+        config.write_text(yaml.safe_dump(_merge(_merge(SHARDS, FEDBUFF), extra)))
+        jobs.append(["run", str(config), "--out", str(folder / f"x{i}.h5")])
+    return run_mpifl_batch(jobs, 2, folder / "batch")
+
+
+@pytest.mark.parametrize(("extra", "message"), CANNOT)
+def test_what_fedbuff_cannot_run_with_is_one_line(cannot_run, extra, message):
+    proc = cannot_run[CANNOT.index((extra, message))]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr

@@ -3,15 +3,17 @@ whole runs that sample only online clients, wait when nobody is online, and stay
 across a resume."""
 
 import re
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+import yaml
 
 from mpifl.cli import main
 from mpifl.comm.availability import Availability, OnOffPeriods, read_trace
 from mpifl.comm.config import AvailabilityConfig
-from tests.conftest import assert_same, deterministic, run_config, run_mpifl
+from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl_batch
 
 TRACE = "client,start_s,end_s\n2,5,15\n0,20,30\n0,0,10\n"  # unsorted on purpose; period: the last end, 30 s
 
@@ -138,16 +140,32 @@ def test_availability_is_the_same_on_one_and_three_ranks_and_across_a_resume(wri
     assert 0 < available.min() and len(set(available)) > 1  # about half of the 8 seen clients, changing
 
 
-@pytest.mark.parametrize(("network", "privacy", "message"), [
+CONFIG_ERRORS = [
     ({"availability": {"mode": "onoff"}}, {}, "set network.compute: model"),
     ({"compute": "model", "availability": {"mode": "onoff"}}, {"mode": "central", "noise_multiplier": 1.0},
      "amplification-by-sampling"),
     ({"compute": "model", "availability": {"mode": "trace"}}, {}, "a trace file is required"),
     ({"compute": "model", "availability": {"mode": "trace", "trace": "/nonexistent.csv"}}, {}, "cannot read it"),
-])
-def test_availability_config_errors_are_one_line_before_training(write_config, tmp_path, network, privacy, message):
-    extra = {"network": network, **({"privacy": privacy, "server": {"weighting": "uniform"}} if privacy else {})}
-    proc = run_mpifl(["run", str(write_config(extra)), "--out", str(tmp_path / "x.h5")], ranks=2)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
-    assert not (tmp_path / "x.h5").exists()
+]
+
+
+@pytest.fixture(scope="module")
+def config_errors(tmp_path_factory) -> tuple[Path, list]:
+    """Every case of :data:`CONFIG_ERRORS` run as ``mpifl run`` on 2 ranks, all in one launch."""
+    folder = tmp_path_factory.mktemp("availability_errors")
+    jobs = []
+    for i, (network, privacy, _) in enumerate(CONFIG_ERRORS):
+        extra = {"network": network, **({"privacy": privacy, "server": {"weighting": "uniform"}} if privacy else {})}
+        config = folder / f"c{i}.yaml"
+        config.write_text(yaml.safe_dump(_merge(TINY, extra)))
+        jobs.append(["run", str(config), "--out", str(folder / f"x{i}.h5")])
+    return folder, run_mpifl_batch(jobs, 2, folder / "batch")
+
+
+@pytest.mark.parametrize(("network", "privacy", "message"), CONFIG_ERRORS)
+def test_availability_config_errors_are_one_line_before_training(config_errors, network, privacy, message):
+    folder, results = config_errors
+    i = CONFIG_ERRORS.index((network, privacy, message))
+    lines = [line for line in results[i].stderr.splitlines() if line.startswith("mpifl")]
+    assert results[i].returncode == 2 and len(lines) == 1 and message in lines[0], results[i].stderr
+    assert not (folder / f"x{i}.h5").exists()

@@ -16,7 +16,7 @@ from mpifl.cli import main
 from mpifl.data import build_federated_dataset
 from mpifl.data.config import DataConfig
 from mpifl.data.prepared import FORMAT, SPLITS
-from tests.conftest import TINY, assert_same, deterministic, run_mpifl
+from tests.conftest import TINY, assert_same, deterministic, run_mpifl, run_mpifl_batch
 
 FIELDS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
@@ -109,16 +109,13 @@ def test_prepare_output_without_fingerprint_is_written_elsewhere(tmp_path):
 def test_own_data_runs_the_same_from_either_layout_on_any_rank_count(tmp_path):
     clients = own_clients()
     sources = {"h5": write_h5(tmp_path / "own.h5", clients), "npz": write_npz(tmp_path / "own", clients)}
-    results = {}
-    for name, ranks in (("h5", 0), ("h5", 3), ("npz", 3)):
-        out = tmp_path / f"{name}{ranks}.h5"
-        args = ["run", str(config(tmp_path, sources[name])), "--out", str(out), "--quiet"]
-        if ranks:
-            proc = run_mpifl(args, ranks=ranks)
-            assert proc.returncode == 0, proc.stderr
-        else:
-            assert main(args) == 0
-        results[name, ranks] = deterministic(out)
+    runs = {(name, ranks): ["run", str(config(tmp_path, sources[name]).rename(tmp_path / f"{name}{ranks}.yaml")),
+                            "--out", str(tmp_path / f"{name}{ranks}.h5"), "--quiet"]
+            for name, ranks in (("h5", 0), ("h5", 3), ("npz", 3))}
+    assert main(runs["h5", 0]) == 0
+    for proc in run_mpifl_batch([runs["h5", 3], runs["npz", 3]], 3, tmp_path / "batch"):  # one 3-rank launch
+        assert proc.returncode == 0, proc.stderr
+    results = {key: deterministic(tmp_path / f"{key[0]}{key[1]}.h5") for key in runs}
     assert "eval/global.unseen.val_acc_pooled" in results["h5", 0]  # the file's own validation split is evaluated
     assert_same(results["h5", 0], results["h5", 3])
     assert_same(results["h5", 3], results["npz", 3])

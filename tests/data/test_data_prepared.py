@@ -13,7 +13,7 @@ from mpifl.cli import main
 from mpifl.data import build_federated_dataset
 from mpifl.data.config import DataConfig
 from mpifl.schema import ConfigError
-from tests.conftest import run_mpifl
+from tests.conftest import run_mpifl, run_mpifl_batch
 from tests.data.data_files import tagged_images, write_mnist
 
 FIELDS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
@@ -56,16 +56,18 @@ def test_prepared_data_balances_rounds_with_the_same_results(write_config, tmp_p
     settings = gz_mnist(tmp_path)
     config = write_config({"rounds": 3, "clients_per_round": 8, "data": {**settings, "unseen_fraction": 0}})
     assert run_mpifl(["prepare", str(config), "--out", str(tmp_path / "data.h5")]).returncode == 0
-    other_seed = run_mpifl(["run", str(config), "--set", "seed=99", "--set", f"data.prepared={tmp_path / 'data.h5'}"],
-                           ranks=3)
+    prepared = ["--set", f"data.prepared={tmp_path / 'data.h5'}"]
+    # the three 3-rank jobs in one launch: another seed (refused), from the files, from the prepared file
+    other_seed, *jobs = run_mpifl_batch([["run", str(config), "--set", "seed=99", *prepared]] + [
+        ["run", str(config), "--out", str(tmp_path / f"{name}.h5"), "--quiet", *extra]
+        for name, extra in (("files", []), ("prepared", prepared))], 3, tmp_path / "batch")
     assert other_seed.returncode == 2
     assert [line for line in other_seed.stderr.splitlines() if line.startswith("mpifl")] == [
         f"mpifl: error: data.prepared: {tmp_path / 'data.h5'} was prepared for other data settings or seed; "
         "run `mpifl prepare` with this config"]
     runs = {}
-    for name, extra in (("files", []), ("prepared", ["--set", f"data.prepared={tmp_path / 'data.h5'}"])):
+    for name, proc in zip(("files", "prepared"), jobs):
         out = tmp_path / f"{name}.h5"
-        proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", *extra], ranks=3)
         assert proc.returncode == 0, proc.stderr
         with h5py.File(out) as f:
             runs[name] = [f[key][()] for key in ("model/global_model", "eval/global.seen.acc_pooled",

@@ -28,7 +28,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from tests.conftest import REPO, mpi_env, mpirun_cmd
+from tests.conftest import HANG_S, REPO, mpi_env, mpirun_cmd
 
 SUBNET = "10.77.0"
 SERIAL = itertools.count(1)  # node sets of this process: mpifl<pid>x<serial>-...
@@ -137,7 +137,7 @@ class Nodes:
         env.update({f"PRTE_MCA_oob_tcp_keepalive_{k}": v for k, v in KEEPALIVE.items()})
         return env
 
-    def run(self, hosts: list[int], cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
+    def run(self, hosts: list[int], cmd: list[str], timeout: float = HANG_S) -> subprocess.CompletedProcess:
         return subprocess.run(self.mpirun(hosts, cmd), capture_output=True, text=True, timeout=timeout,
                               env=self.env(), cwd=REPO)
 

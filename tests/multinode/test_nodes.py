@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from mpifl.results import read_results
-from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, run_config
+from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, run_config
 from tests.multinode.netns import Nodes, make_nodes, peek
 
 # A model of 1 MB (a wide hidden layer costs bytes, hardly any compute): MPI traffic dwarfs the launcher's
@@ -41,7 +41,7 @@ def test_nodes_go_away_with_whatever_ran_on_them_when_a_test_fails(tmp_path):
     sleeper = subprocess.Popen(two.on(2, ["sleep", "600"]))
     with pytest.raises(RuntimeError, match="a failing test"):
         setup.throw(RuntimeError("a failing test"))
-    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    assert sleeper.wait(timeout=HANG_S) == -signal.SIGKILL
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not [ns for ns in [*two.ns, two.switch] if ns in left]
 
@@ -107,13 +107,13 @@ def test_a_cut_link_ends_the_job_within_the_keepalive_bound_and_keeps_the_last_e
     job = subprocess.Popen(nodes.mpirun(HOSTS, mpifl_run(config, out)), env=nodes.env(), cwd=REPO,
                            stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while peek(out)[0] < 2:
             assert job.poll() is None and time.monotonic() < deadline, "the job did not reach round 2"
             time.sleep(0.1)
         threading.Thread(target=nodes.cut, args=(3,)).start()
         cut = time.monotonic()
-        _, stderr = job.communicate(timeout=60)
+        _, stderr = job.communicate(timeout=HANG_S)
         ended = time.monotonic() - cut
     finally:
         if job.poll() is None:

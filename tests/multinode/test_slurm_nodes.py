@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mpifl.results import read_results
-from tests.conftest import REPO, TINY, _merge, assert_same, deterministic, run_config
+from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, run_config
 from tests.multinode.netns import Nodes, inside, make_nodes, peek
 from tests.slurm.test_slurm import _sbin, missing, slurm_conf, start_munge
 
@@ -28,12 +28,12 @@ class Cluster:
     nodes: Nodes
     env: dict[str, str]
 
-    def command(self, cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    def command(self, cmd: list[str], timeout: float = HANG_S) -> subprocess.CompletedProcess:
         """A Slurm command (srun, sbatch, sinfo) as a user would type it on the head node."""
         return subprocess.run(inside(self.nodes.switch, HEAD[0], cmd, own_sysfs=False), capture_output=True,
                               text=True, env=self.env, cwd=REPO, timeout=timeout)
 
-    def wait(self, job: str, timeout: float = 180) -> str:
+    def wait(self, job: str, timeout: float = HANG_S) -> str:
         """Wait for ``job`` to end (polling: ``sbatch --wait`` backs off to tens of seconds) and return
         ``scontrol show job``'s record of it."""
         deadline = time.monotonic() + timeout
@@ -82,7 +82,7 @@ def test_two_node_batch_job_requeued_mid_run_resumes_to_the_one_node_bits(cluste
                               str(config), "--quiet"])
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not peek(out)[1]:
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.1)

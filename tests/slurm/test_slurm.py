@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from mpifl.cli import main
-from tests.conftest import REPO, mpi_env
+from tests.conftest import HANG_S, REPO, mpi_env
 from tests.multinode.netns import peek
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
@@ -84,7 +84,7 @@ def slurm(tmp_path_factory):
     subprocess.run([_sbin("slurmctld"), "-i", "-f", str(conf)], check=True, env=env)
     subprocess.run([_sbin("slurmd"), "-f", str(conf)], check=True, env=env)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout:
             assert time.monotonic() < deadline, "the local Slurm node never became idle"
             time.sleep(0.5)
@@ -100,7 +100,7 @@ def pmix_works(env) -> bool:
     return "pmix" in listing.stdout + listing.stderr and Path("/usr/lib/x86_64-linux-gnu/libpmix.so").exists()
 
 
-def sbatch(env, *args, timeout=240) -> subprocess.CompletedProcess:
+def sbatch(env, *args, timeout=HANG_S) -> subprocess.CompletedProcess:
     proc = subprocess.run(["sbatch", "--wait", *args], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -149,7 +149,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, write_config, tmp_path)
                              "jobs/mpifl-requeue.sbatch", str(config), "--quiet"],
                             capture_output=True, text=True, env=env, cwd=REPO, check=True)
     job = submit.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not peek(out)[1]:  # a read that falls in one of the job's writes fails: peek says "not yet"
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.2)

@@ -1,0 +1,62 @@
+"""Many ``mpifl`` command lines in one launch, one after another in this process on every rank, so that a family
+of test cases pays the interpreter's, torch's and MPI's start once (as ``benchmarks/gpu_runs.py`` batches the
+GPU check's jobs):
+
+    python -m tests.batch MANIFEST STATUS            (under mpirun -n P for P ranks)
+
+MANIFEST: a JSON list of {"argv", "env", "log"}. Each job is ``mpifl ARGV`` as the command line runs it, with the
+environment variables ENV set for it; every rank's stdout and stderr (file descriptors 1 and 2, so native
+writes too) go to LOG.RANK.out and LOG.RANK.err. Rank 0 appends ``end I CODE`` to STATUS after job I, CODE being
+the worst exit code of the ranks. A job that ends the launch (``MPI_Abort``) leaves no ``end`` line:
+:func:`tests.conftest.run_mpifl_batch` then starts the jobs after it in a new launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from benchmarks.gpu_runs import output_to
+
+
+def run(argv: list[str], env: dict[str, str]) -> int:
+    """One job, as ``python -m mpifl ARGV`` would run it; an exception mpifl lets through is its failure."""
+    from mpifl.cli import main
+
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's
+        return exc.code if isinstance(exc.code, int) else 1
+    except Exception:  # noqa: BLE001 - written into the job's log, and the next job runs
+        traceback.print_exc()
+        return 1
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def main(argv: list[str]) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    manifest, status = Path(argv[0]), Path(argv[1])
+    for index, job in enumerate(json.loads(manifest.read_text())):
+        with output_to(Path(f"{job['log']}.{comm.rank}.out"), Path(f"{job['log']}.{comm.rank}.err")):
+            code = run(job["argv"], job.get("env", {}))
+        code = comm.allreduce(code, op=MPI.MAX)  # every rank is done with the job before the next starts
+        if comm.rank == 0:
+            with open(status, "a") as out:
+                out.write(f"end {index} {code}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""The quick tier (``scripts/test_quick.sh``) stays a subset of the full single-process suite (``scripts/test.sh``):
+both scripts' pytest selections are collected as written and compared test by test."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+from tests.conftest import HANG_S, REPO
+
+VALUED = ("-n", "--dist", "-p")
+"""pytest options whose value is the next word and that change how tests run, not which."""
+
+
+def selections(script: str) -> list[tuple[str, list[str]]]:
+    """The ``-m`` expression and the paths of each single-process ``python -m pytest`` line in ``script`` (the
+    pytest-mpi lines, under mpirun, are not one)."""
+    lines = [line for line in (REPO / script).read_text().splitlines()
+             if "python -m pytest" in line and "mpirun" not in line and "--with-mpi" not in line]
+    assert lines, f"{script}: no single-process pytest line"
+    found = []
+    for line in lines:
+        words = iter(shlex.split(line.split("python -m pytest", 1)[1].replace('"$@"', "")))
+        marks, paths = "", []
+        for word in words:
+            if word == "-m":
+                marks = next(words)
+            elif word in VALUED:
+                next(words)
+            elif not word.startswith("-"):
+                paths.append(word)
+        found.append((marks, paths))
+    return found
+
+
+MARKS = """
+import sys, pytest
+class Marks:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print("MARKS", item.nodeid, " ".join(sorted({mark.name for mark in item.iter_markers()})), sep="\t")
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Marks()]))
+"""
+
+
+def every_test_and_its_marks() -> dict[str, set[str]]:
+    """The whole suite as collected, once, with each test's marks (what ``-m`` selects on)."""
+    proc = subprocess.run([sys.executable, "-c", MARKS], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fields = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("MARKS\t")]
+    suite = {test: set(marks.split()) for _, test, marks in fields}
+    assert f"\n{len(suite)} tests collected" in proc.stdout, proc.stdout[-500:]  # each once, whatever its id holds
+    return suite
+
+
+def selected(suite: dict[str, set[str]], marks: str) -> set[str]:
+    """The tests ``pytest -m MARKS`` runs, by pytest's own reading of the expression."""
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(marks)
+    def marked(names: set[str]):  # noqa: ANN202
+        return lambda name, /, **_: name in names
+
+    return {test for test, names in suite.items() if expression.evaluate(marked(names))}
+
+
+def test_the_quick_tier_is_a_part_of_the_full_suite():
+    full, [(quick, quick_paths)] = selections("scripts/test.sh"), selections("scripts/test_quick.sh")
+    assert quick == "not slow and not launches and not runs" and quick_paths == [] and all(
+        paths == [] for _, paths in full)
+    suite = every_test_and_its_marks()
+    runs = [selected(suite, marks) for marks, _ in full]
+    everything, fast = set().union(*runs), selected(suite, quick)
+    assert fast and fast < everything, sorted(fast - everything)[:20]
+    # the full runs together are every test but the slow ones (left to local runs), once each
+    assert everything == selected(suite, "not slow") and sum(map(len, runs)) == len(everything)
+    # what the quick tier leaves out: the tests that start processes, share a module-wide fixture or run a whole
+    # job, and only those
+    assert selected(suite, "not slow and (launches or runs)") == everything - fast
+    assert "launches" in suite["tests/test_mpi_jobs.py::test_validate_command"]  # run_mpifl in its source
+    assert "runs" in suite["tests/test_checkpoint.py::test_checkpoints_hold_no_pickle"]  # main(["run", ...])
