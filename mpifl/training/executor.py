@@ -270,7 +270,7 @@ class LocalSGD:
                        lambda: start)  # type: ignore[arg-type,return-value]
         lr = cfg.lr if step.lr is None else step.lr
         plain = (step.transform is None and block.momentum is None and cfg.clip_norm is None
-                 and not cfg.weight_decay and part_is_whole(step.part, model.numel))
+                 and not cfg.weight_decay and _part_size(step.part, model.numel) == model.numel)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         plan = plan.to(device)
         for first, last in zip(plan.bounds, plan.bounds[1:]):
@@ -369,8 +369,7 @@ class LocalSGD:
             return None
         if step.carries_momentum:
             return self._stacked([runs[k].momentum for k in order])  # type: ignore[misc]
-        part_numel = len(range(self.model.numel)[step.part])
-        return torch.zeros(len(order), part_numel, device=self.model.device)
+        return torch.zeros(len(order), _part_size(step.part, self.model.numel), device=self.model.device)
 
     def _stack_starts(self, starts: Sequence[np.ndarray], order: Sequence[int]
                       ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
@@ -435,8 +434,9 @@ def _step_block(block: _Block, grads: torch.Tensor, call: slice, step: LocalStep
     batched_sgd_step(params[:, step.part], grads[:, step.part], momentum, lr, cfg)
 
 
-def part_is_whole(part: slice, numel: int) -> bool:
-    return len(range(numel)[part]) == numel
+def _part_size(part: slice, numel: int) -> int:
+    """How many of ``numel`` parameters the span ``part`` trains."""
+    return len(range(numel)[part])
 
 
 @dataclass(frozen=True)
