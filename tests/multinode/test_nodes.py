@@ -39,6 +39,13 @@ def test_nodes_go_away_with_whatever_ran_on_them_when_a_test_fails(tmp_path):
     setup = make_nodes(2, tmp_path)
     two = next(setup)
     sleeper = subprocess.Popen(two.on(2, ["sleep", "600"]))
+    # Popen returns before `ip netns exec` has entered the namespace; on a busy machine the teardown could
+    # otherwise look for the namespace's processes before the sleeper is one of them.
+    deadline = time.monotonic() + HANG_S
+    while str(sleeper.pid) not in subprocess.run(["ip", "netns", "pids", two.ns[1]], capture_output=True,
+                                                 text=True).stdout.split():
+        assert sleeper.poll() is None and time.monotonic() < deadline, "the sleeper never entered node 2"
+        time.sleep(0.05)
     with pytest.raises(RuntimeError, match="a failing test"):
         setup.throw(RuntimeError("a failing test"))
     assert sleeper.wait(timeout=HANG_S) == -signal.SIGKILL
