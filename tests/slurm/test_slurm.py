@@ -69,6 +69,24 @@ def start_munge() -> None:
         subprocess.run([_sbin("munged"), "--force"], check=True, capture_output=True)
 
 
+def stop_orphaned_daemons() -> None:
+    """Kill the Slurm daemons of an earlier test session that died before its teardown: their config file is
+    gone with its temporary folder, and they would hold the fixed ports (a new controller then exits, and sbatch
+    talks to the orphan until it dies)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if Path(argv[0].decode(errors="replace")).name in ("slurmctld", "slurmd") and b"-f" in argv:
+            conf = Path(argv[argv.index(b"-f") + 1].decode(errors="replace"))
+            if not conf.exists():
+                subprocess.run(["kill", "-9", proc.name], check=False)
+                deadline = time.monotonic() + HANG_S
+                while proc.exists() and time.monotonic() < deadline:  # its ports are free once it is gone
+                    time.sleep(0.1)
+
+
 def _sbin(name: str) -> str:
     return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")
 
@@ -81,6 +99,7 @@ def slurm(tmp_path_factory):
     env = {**mpi_env(), "SLURM_CONF": str(conf), "MPIFL_VENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:"
            + os.environ.get("PATH", "")}
     start_munge()
+    stop_orphaned_daemons()
     subprocess.run([_sbin("slurmctld"), "-i", "-f", str(conf)], check=True, env=env)
     subprocess.run([_sbin("slurmd"), "-f", str(conf)], check=True, env=env)
     try:
@@ -88,6 +107,9 @@ def slurm(tmp_path_factory):
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout:
             assert time.monotonic() < deadline, "the local Slurm node never became idle"
             time.sleep(0.5)
+        # sinfo answers whichever controller holds the fixed port: ours must be the one still running
+        controller = int((d / "slurmctld.pid").read_text())
+        assert Path(f"/proc/{controller}").exists(), (d / "slurmctld.log").read_text()[-1000:]
         yield env
     finally:
         for pid_file in (d / f"slurmd-{host}.pid", d / "slurmctld.pid"):
