@@ -75,6 +75,7 @@ SERIAL = ("tests/slurm/", "tests/multinode/")
 links: under pytest-xdist they run one at a time, on one worker (:func:`pytest_collection_modifyitems`)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids (its own hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``launches`` mark (see :data:`LAUNCH`), and groups for ``pytest -n 2 --dist loadgroup`` (how
     scripts/test.sh runs this suite): the tests that share a fixture built once per module or session (a

@@ -3,6 +3,7 @@ both scripts' pytest selections are collected as written and compared test by te
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -80,3 +81,33 @@ def test_the_quick_tier_is_a_part_of_the_full_suite():
     assert selected(suite, "not slow and (launches or runs)") == everything - fast
     assert "launches" in suite["tests/test_mpi_jobs.py::test_validate_command"]  # run_mpifl in its source
     assert "runs" in suite["tests/test_checkpoint.py::test_checkpoints_hold_no_pickle"]  # main(["run", ...])
+
+
+GROUPED = '''
+import os
+import pytest
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent.parent / f"built.{os.getpid()}").touch()
+
+@pytest.mark.parametrize("case", range(6))
+def test_case(built, case):
+    open(os.environ["RAN"], "a").write(f"{os.getpid()}\\n")
+'''
+
+
+def test_the_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
+    """What scripts/test.sh's ``-n 2 --dist loadgroup`` relies on: the tests that share a fixture built once per
+    module run on one worker, which builds it once (pytest 9.2 with pytest-xdist 3.8 spread them silently)."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    ran = tmp_path / "ran"
+    (tmp_path / "base").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadgroup", "--basetemp", str(tmp_path / "base" / "t"), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
+                          env={**os.environ, "RAN": str(ran), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "6 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(set(ran.read_text().split())) == 1  # one worker ran all six
+    assert len(list((tmp_path / "base").glob("built.*"))) == 1  # and built the fixture once
