@@ -108,6 +108,8 @@ present, or the install runs."""
 QUICK_ALGORITHMS = "pfedhn,karula"
 """--quick's algorithms (with the profile's first model kind): server networks, and the one algorithm that needs
 POT."""
+QUICK_SYNCS = "cnn,char_lstm"
+"""--quick's model kinds in the sync check: images (every step config, and the batched kernel) and integer text."""
 TAIL_LINES = 30  # of a failed command's output, in the report
 RAW_FILE_BYTES = 1 << 20  # the end of each raw file that goes into raw.tar.gz
 MIN_SECONDS = 5.0  # a step or job is not started with less of its stage's budget left
@@ -609,7 +611,8 @@ def junit_rows(path: Path) -> list[tuple[str, str, float, str]]:
 def stage_syncs(check: Check) -> None:
     log = check.raw("syncs", "syncdebug.log")
     step = check.step("syncs", f"every model kind's step and evaluation under sync debug ({check.device})",
-                      [check.python, "-m", "mpifl.training.syncdebug", "--device", check.device], log,
+                      [check.python, "-m", "mpifl.training.syncdebug", "--device", check.device,
+                       *(["--models", QUICK_SYNCS] if check.args.quick else [])], log,
                       check.deadline("syncs"))
     if step.status != "not run":
         cases = [line.split(None, 2) for line in log.read_text(errors="replace").splitlines()
@@ -1012,17 +1015,23 @@ def stage_models(check: Check) -> None:
 
 def bench_command(check: Check, stage: str) -> list[str]:
     """The benchmark's command line: the profile's sizes on a GPU machine, tiny ones for the dry run on the CPU
-    (``--quick``: one rank count, at most 3). A ``.cpu`` stage runs on this machine's CPU whatever ``--device``
-    is: the baseline for the device's seconds per round, the loop alone for W2 (``client.vectorize: auto``'s
-    choice for a CNN on the CPU)."""
+    (``--quick``: one rank count, at most 3, and on the CPU W2 on 16x16 images, with no loop in bench.w2:
+    bench.w2.cpu runs that very command). A ``.cpu`` stage runs on this machine's CPU whatever ``--device`` is:
+    the baseline for the device's seconds per round, the loop alone for W2 (``client.vectorize: auto``'s choice
+    for a CNN on the CPU)."""
     profile, gpu, baseline = check.profile, check.device == "cuda", stage.endswith(".cpu")
     device = "cpu" if baseline else check.device
     tiny = [] if gpu else ["--set", "data.num_clients=20", "--set", "clients_per_round=4"]
     counts = profile.cpu_ranks if baseline else profile.w2_ranks if stage == "bench.w2" else (1,)
     ranks = [str(min(counts[0], 3))] if check.args.quick else [str(count) for count in counts]
     if stage.startswith("bench.w2"):
+        # --quick on the CPU: the device stage's loop would be bench.w2.cpu's very run, so it runs the kernel alone,
+        # and both on 16x16 images (the kernel on the CPU takes 6x the loop's time at 32x32)
+        quick = check.args.quick and not gpu
+        vectorize = ["false"] if baseline else ["true"] if quick else ["false", "true"]
+        smaller = ["--set", "data.synthetic.image_shape=[3,16,16]"] if quick else []
         return ["benchmarks/bench_w2.py", "--device", device, "--rounds", "3" if gpu and not baseline else "2",
-                "--ranks", *ranks, "--vectorize", *(["false"] if baseline else ["false", "true"]), *tiny]
+                "--ranks", *ranks, "--vectorize", *vectorize, *tiny, *smaller]
     if stage.startswith("bench.b1"):
         return ["benchmarks/bench_vectorize.py", "--workloads", "b1", "--device", device, "--rounds",
                 "4" if gpu else "2", "--ranks", *ranks, *tiny]
@@ -1078,8 +1087,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"stages, comma-separated: {', '.join(STAGES)}, bench (its parts); default: the "
                              "profile's")
     parser.add_argument("--quick", action="store_true",
-                        help=f"algorithms {QUICK_ALGORITHMS}, the profile's first model kind, one rank count "
-                             "(at most 3) and the smallest sizes in each benchmark (the rehearsal)")
+                        help=f"algorithms {QUICK_ALGORITHMS}, the profile's first model kind, the sync check's "
+                             f"{QUICK_SYNCS}, one rank count (at most 3) and the smallest sizes in each benchmark "
+                             "(the rehearsal)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) // 4), metavar="N",
                         help="launches at once in the algorithms and models stages, each run kind's cases split in "
                              "N // 4 launches (default: a quarter of the CPUs)")

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh, the check step of a GPU lease: its comparisons, its profiles' time budgets against the
 lease's caps, how it stops what it runs, and its option errors. Its dry run end to end, in an emulation of the GPU
-image, is the lease's rehearsal (tests/test_gpu_lease.py)."""
+image, is the lease's rehearsal (tests/test_gpu_lease.py), which also checks that installed packages named tests
+and benchmarks shadow nothing."""
 
 from __future__ import annotations
 
@@ -172,25 +173,20 @@ def test_bad_options_are_one_line_and_exit_code_2(args, message, tmp_path):
     assert proc.stderr.startswith(f"gpu_check: error: {message}") and not (tmp_path / "out").exists()
 
 
-def test_a_stage_without_time_left_is_reported_not_run(tmp_path):
-    proc = gpu_check("--device", "cpu", "--out", str(tmp_path), "--only", "syncs", "--budget", "syncs=1",
-                     timeout=HANG_S)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+def test_the_tests_stage_selects_the_gpu_tests_and_a_stage_without_time_left_is_reported_not_run(tmp_path):
+    """`--only tests,syncs` (the check run alone on a GPU node; a lease runs the tests itself): pytest -m cuda
+    selects the GPU tests, skipped here for want of a GPU and listed from the JUnit file, then the 3-rank device
+    test; syncs, with a budget of 1 s, is below MIN_SECONDS: reported not run, the one failure."""
+    proc = gpu_check("--device", "cpu", "--only", "tests,syncs", "--budget", "syncs=1", "--out", str(tmp_path),
+                     timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
-    assert [(s["stage"], s["status"]) for s in steps] == [("install", "ok"), ("versions", "ok"), ("syncs", "not run")]
-    report = (tmp_path / "report.md").read_text()
-    assert "- Failures: 1" in report and "**syncs**" in report and "time budget" in report
-
-
-def test_the_tests_stage_selects_the_gpu_tests_and_runs_the_device_test_on_3_ranks(tmp_path):
-    """`--only tests` (the check run alone on a GPU node; a lease runs the tests itself): pytest -m cuda selects
-    the GPU tests, skipped here for want of a GPU and listed from the JUnit file, then the 3-rank device test."""
-    proc = gpu_check("--device", "cpu", "--only", "tests", "--out", str(tmp_path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
-    assert [(s["stage"], s["status"]) for s in steps][2:] == [("tests", "ok"), ("tests", "ok")]
+    assert [(s["stage"], s["status"]) for s in steps] == [("install", "ok"), ("versions", "ok"), ("tests", "ok"),
+                                                          ("tests", "ok"), ("syncs", "not run")]
     rows = steps[2]["data"]["tests"]
     assert len(rows) > 50 and all(outcome == "skipped" and "CUDA" in message for _, outcome, _, message in rows)
+    report = (tmp_path / "report.md").read_text()
+    assert "- Failures: 1" in report and "**syncs**" in report and "time budget" in report
 
 
 def test_an_interpreter_without_torch_stops_at_the_install_with_setups_line(tmp_path):
@@ -260,26 +256,6 @@ def test_a_comparison_that_raises_leaves_a_row_the_table_shows(tmp_path, monkeyp
     assert compare(case) == [] and case_table([case], "cuda")[-1].startswith("| fedavg | 0 0 0 0 | bitwise | bitwise |")
 
 
-def test_installed_packages_named_tests_or_benchmarks_shadow_nothing(tmp_path):
-    """opacus installs a package named ``benchmarks``: tests/ and benchmarks/ are regular packages, so the tests
-    that import from them and the check (whose comparison imports tests.test_device) still find mpifl's."""
-    for name in ("tests", "benchmarks"):
-        (tmp_path / "site" / name).mkdir(parents=True)
-        (tmp_path / "site" / name / "__init__.py").write_text(f'"""an installed package named {name}"""\n')
-    env = {**mpi_env(), "PYTHONPATH": str(tmp_path / "site")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_check.py",
-                           "-k", "differences_against or bitwise_names"], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=HANG_S)
-    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:]
-    out = tmp_path / "out"
-    proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--only", "algorithms", "--algorithms", "karula",
-                           "--jobs", "2", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    row = json.loads((out / "gpu_check.json").read_text())["steps"][-1]["data"]["cases"]["karula"]
-    assert row["within tolerance"] and row["P1 vs P3"] == "bitwise"
-
-
 def test_the_report_names_the_commit_sent_never_a_parent_repositorys(tmp_path, monkeypatch):
     """MPIFL_COMMIT (scripts/gpu_lease.sh sets it from the wheels' COMMIT) first; else the checkout's own HEAD; a
     tree without .git inside another repository has no commit, not that repository's."""
@@ -327,25 +303,16 @@ def test_a_job_that_ends_its_launch_hides_no_other_case(tmp_path):
     assert "is not finite" in cases[1].logs[run].read_text()
 
 
-def test_a_job_past_its_cap_is_stopped_and_the_next_runs_in_a_new_launch(tmp_path, monkeypatch):
-    """A job that runs past CASE_CAP_S is stopped with its launch (exit code KILLED); the jobs after it still run."""
+def test_a_job_past_its_cap_or_failing_ends_its_launch_and_the_next_runs_in_a_new_one(tmp_path, monkeypatch):
+    """1 rank: a job that runs past CASE_CAP_S is stopped with its launch (exit code KILLED), and a failed job
+    (exit code 1, no MPI_Abort alone) ends its launch too, so that what it left behind (a CUDA error spoils the
+    context) reaches no other case: 3 launches, the jobs after each still run."""
     monkeypatch.setitem(benchmarks.gpu_check.CASE_CAP_S, "cpu", 4.0)
     check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
                   tmp_path)
-    cases = _cases(tmp_path, check, slow={"rounds": 10_000}, quick={})
-    ended: dict[str, int | None] = {}
-    launches = launch(check, "models", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
-                      lambda case, _, code, seconds: ended.update({case.name: code}))
-    assert (launches, ended) == (2, {"slow": KILLED, "quick": 0})
-
-
-def test_a_job_that_fails_leaves_the_jobs_after_it_to_a_fresh_process(tmp_path):
-    """1 rank: a failed job (exit code 1, no MPI_Abort alone) ends its launch too, so that what it left behind (a
-    CUDA error spoils the context) reaches no other case: 2 launches, the next job exit code 0."""
-    check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
-                  tmp_path)
-    cases = _cases(tmp_path, check, fails={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, next={})
+    cases = _cases(tmp_path, check, fails={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, slow={"rounds": 10_000},
+                   next={})
     ended: dict[str, int | None] = {}
     launches = launch(check, "algorithms", ("dev", 1, "a"), cases, "test", time.monotonic() + 300,
                       lambda case, _, code, seconds: ended.update({case.name: code}))
-    assert (launches, ended) == (2, {"fails": 1, "next": 0})
+    assert (launches, ended) == (3, {"fails": 1, "slow": KILLED, "next": 0})

@@ -30,6 +30,7 @@ from mpifl.training.syncdebug import (
     example,
     host_reads,
     host_syncs,
+    main,
     refusing_host_syncs,
     step_configs,
 )
@@ -254,3 +255,15 @@ def test_a_batched_local_step_syncs_as_often_for_2_or_6_clients(algorithm, tmp_p
         job(clients)
         syncs[clients] = sorted(set(per_call))
     assert syncs[2] == syncs[6] and len(syncs[2]) == 1 and syncs[2][0] <= 3, syncs
+
+
+def test_the_sync_check_runs_the_model_kinds_named(capsys):
+    """``--models`` (the CPU rehearsal's, benchmarks/gpu_check.py --quick): those kinds' cases and the fold only;
+    a kind it does not know is one line and exit code 2."""
+    assert main(["--device", "cpu", "--models", "logistic"]) == 0
+    cases = [line.split(None, 2)[2] for line in capsys.readouterr().out.splitlines()]
+    assert cases == ["logistic epochs", "logistic epochs kernel", "logistic fresh", "logistic fresh kernel",
+                     "exact fold of a batch of rows"]
+    with pytest.raises(SystemExit) as stopped:
+        main(["--models", "logistic,cnn3"])
+    assert stopped.value.code == 2 and capsys.readouterr().err.endswith("error: --models: no cnn3\n")

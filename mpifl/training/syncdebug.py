@@ -274,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpifl.training.syncdebug", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda[:N] (default: cuda where a GPU is visible)")
-    device = torch.device(parser.parse_args(argv).device)
+    parser.add_argument("--models", type=lambda text: text.split(","), default=list(CASES), metavar="NAMES",
+                        help=f"model kinds, comma-separated: {', '.join(CASES)} (default: every one)")
+    args = parser.parse_args(argv)
+    if unknown := [name for name in args.models if name not in CASES]:
+        parser.error(f"--models: no {', '.join(unknown)}")
+    device = torch.device(args.device)
     if device.type == "cuda":
         from mpifl.training.device import make_deterministic
 
         make_deterministic()
-    results = check(device)
+    results = check(device, args.models)
     for case, failure in results:
         print(f"{'ok  ' if failure is None else 'SYNC'} {device} {case}" + ("" if failure is None else f": {failure}"))
     return int(any(failure is not None for _, failure in results))
