@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
 
 from benchmarks.gpu_check import kill_session
+from mpifl import sweep as sweep_module
 from mpifl.cli import main
 from mpifl.report import aggregate, plot, report
 from mpifl.results import read_results
@@ -22,6 +24,19 @@ from mpifl.results.guard import inspect_output
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
 from tests.conftest import HANG_S, REPO, mpi_env
+
+
+@pytest.fixture
+def runs_in_this_process(monkeypatch):
+    """``mpifl sweep``'s runs in this process instead of each in a new one (its start-up costs more than these
+    tiny runs): each command line the sweep would start is checked and given to ``main``. The tests that kill,
+    interrupt or submit a sweep keep the real processes."""
+
+    def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert cmd[:3] == [sys.executable, "-m", "mpifl"] and env["PATH"] == os.environ["PATH"], cmd
+        return subprocess.CompletedProcess(cmd, main(cmd[3:]))
+
+    monkeypatch.setattr(sweep_module, "subprocess", SimpleNamespace(run=run))
 
 
 def write_sweep(tmp_path, config, grid, seeds=(0, 1)):
@@ -42,6 +57,7 @@ def test_grid_times_seeds_expands_and_is_validated(write_config, tmp_path):
         load_sweep(bad)
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_sweep_runs_and_report_aggregates_over_seeds(write_config, tmp_path, capsys):
     sweep = write_sweep(tmp_path, write_config({"rounds": 2}), {"algorithm": ["fedavg", "local"]})
     assert main(["sweep", str(sweep)]) == 0
@@ -61,6 +77,7 @@ def test_sweep_runs_and_report_aggregates_over_seeds(write_config, tmp_path, cap
         2 * np.std(finals, ddof=1) / np.sqrt(2))
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_report_selects_the_best_validation_round(write_config, tmp_path, capsys):
     """``--select best-val`` reports every run at its evaluation with the best validation accuracy of the seen
     clients (the PeFLL and pFedHN papers' model selection), for one file and over seeds."""
@@ -164,6 +181,7 @@ def test_overrides_are_named_with_the_values_the_runs_have(write_config, tmp_pat
         load_sweep(sweep, ["seed=3"])
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_a_sweep_run_again_skips_completed_runs_and_refuses_another_config(write_config, tmp_path, capsys):
     """Completed runs with the same config are skipped (and counted), their files untouched; a file holding
     another config stops the sweep before anything runs, unless --overwrite; a file that is not a results file
