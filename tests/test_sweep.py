@@ -282,7 +282,8 @@ def test_a_sweep_killed_half_way_and_run_again_does_every_run_once(write_config,
     assert {o: o.read_bytes() for o in outputs} == finished
 
 
-def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_config, tmp_path, monkeypatch):
+def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_config, tmp_path, monkeypatch,
+                                                                       capsys):
     """A task of ``sweep --slurm``'s array (run here by bash as Slurm would, with mpirun as the launcher) starts
     from another directory, without the virtual environment on its PATH and, as root, without Open MPI's
     variables: the script goes to the sweep's directory (its relative output_dir holds there), activates the
@@ -302,9 +303,9 @@ def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_conf
     assert task.returncode == 0, task.stderr
     res = read_results(tmp_path / "out" / "seed=0.h5")
     assert (res.attrs["status"], res.attrs["world_size"], res.config["threads_per_rank"]) == ("completed", 2, 1)
-    again = subprocess.run([sys.executable, "-m", "mpifl", "sweep", str(sweep), "--slurm"], cwd=tmp_path,
-                           env=mpi_env(), capture_output=True, text=True)
-    assert again.stdout == "mpifl: 1 run: 1 completed already (skipped)\n"  # nothing left to submit
+    capsys.readouterr()
+    assert main(["sweep", str(sweep), "--slurm"]) == 0  # from the sweep's directory, as the array ran
+    assert capsys.readouterr().out == "mpifl: 1 run: 1 completed already (skipped)\n"  # nothing left to submit
 
 
 def test_report_of_unrelated_runs_counts_each_seed_once_and_groups_by_config(write_config, tmp_path, capsys):
@@ -365,7 +366,8 @@ def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them
         "of the sweep starts it again).")
 
 
-def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path):
+def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path, monkeypatch,
+                                                                                capsys):
     """Issue 45 row 4: SIGINT to the sweep's process group (a terminal's Ctrl-C) stops the run under way with a
     checkpoint and starts no other run; the sweep exits 130 with the command that continues it, which resumes the
     stopped run and starts the others."""
@@ -389,7 +391,9 @@ def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(w
     assert line.startswith("mpifl: SIGINT: sweep stopped after run 1 of 3 (an interrupted run resumes from its ")
     assert sorted(p.name for p in (tmp_path / "out").glob("*.h5")) == ["seed=0.h5"]
     assert inspect_output(first).status == "interrupted" and inspect_output(first).checkpoint_round is not None
-    again = line.split("continue with: ")[1].replace("python", sys.executable, 1)
-    proc = subprocess.run([*again.split(), "--dry-run"], env=mpi_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=HANG_S)
-    assert proc.returncode == 0 and "3 runs: 1 resumed from a checkpoint, 2 new" in proc.stdout, proc.stderr
+    again = line.split("continue with: ")[1].split()
+    assert again[:3] == ["python", "-m", "mpifl"], line
+    monkeypatch.chdir(tmp_path)  # where the sweep ran: its output_dir is relative
+    capsys.readouterr()
+    assert main([*again[3:], "--dry-run"]) == 0
+    assert "3 runs: 1 resumed from a checkpoint, 2 new" in capsys.readouterr().out
