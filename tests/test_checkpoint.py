@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import pytest
@@ -17,7 +18,17 @@ from mpifl.state_io import read_client_states
 from tests.algorithms.conftest import KARULA, RIDGE, SHARDS
 from tests.algorithms.test_pefll import PEFLL
 from tests.algorithms.test_pfedhn import PFEDHN
-from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, mpirun_cmd, run_engine, run_mpifl
+from tests.conftest import (
+    HANG_S,
+    REPO,
+    _merge,
+    assert_same,
+    deterministic,
+    mpi_env,
+    mpirun_cmd,
+    run_engine,
+    run_mpifl_batch,
+)
 from tests.multinode.netns import peek
 
 CONFIGS = {name: {**SHARDS, "algorithm": name} for name in known_algorithms()}
@@ -73,17 +84,9 @@ def keeps_client_state(algorithm: str, tmp_path) -> bool:  # noqa: ANN001
     return any(read_client_states(path).values())
 
 
-@pytest.mark.parametrize("algorithm", known_algorithms())
-def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, tmp_path):
-    """Clients keep state on their worker (SCAFFOLD's cᵢ, FedDeper's vᵢ, ...): a 3-rank job killed with
-    SIGKILL after a checkpoint resumes on 2 ranks, where the clients live on other workers, and ends
-    bitwise where an uninterrupted run of the same length ends."""
-    if not keeps_client_state(algorithm, tmp_path):
-        pytest.skip(f"{algorithm}'s clients keep no state (its resume on 2 ranks: tests/mpi/test_fault_matrix_mpi.py)")
-    config = tmp_path / "cfg.yaml"
-    config.write_text(yaml.safe_dump(_merge(CONFIGS[algorithm], {"rounds": 1000, "checkpoint_every": 2,
-                                                                 "eval_every": 1})))
-    part = tmp_path / "part.h5"
+def kill_at_a_checkpoint(config: Path, part: Path) -> int:
+    """A 3-rank job of ``config`` writing ``part``, SIGKILLed once its file holds a checkpoint; that checkpoint's
+    round."""
     cmd = mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + HANG_S
@@ -94,13 +97,41 @@ def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, t
     kill_job(job)
     with h5py.File(part) as f:
         assert f.attrs["status"] == "running"
-        checkpoint = int(f["checkpoint"].attrs["round"])
-    rounds = [f"--set=rounds={checkpoint + 3}"]
-    proc = run_mpifl(["run", str(config), "--resume", str(part), "--quiet", *rounds], ranks=2)
+        return int(f["checkpoint"].attrs["round"])
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory) -> dict[str, tuple[Path, list[str], subprocess.CompletedProcess]]:
+    """For each algorithm whose clients keep state: a 3-rank job SIGKILLed after a checkpoint, then resumed on 2
+    ranks for 3 more rounds; the resumes share one 2-rank launch (tests/batch.py). ``{algorithm: (folder, the
+    resume's --set, its result)}``."""
+    folder = tmp_path_factory.mktemp("killed")
+    killed = {}
+    for algorithm in known_algorithms():
+        (folder / algorithm).mkdir()
+        if keeps_client_state(algorithm, folder / algorithm):
+            config = folder / algorithm / "cfg.yaml"
+            config.write_text(yaml.safe_dump(_merge(CONFIGS[algorithm], {"rounds": 1000, "checkpoint_every": 2,
+                                                                         "eval_every": 1})))
+            checkpoint = kill_at_a_checkpoint(config, folder / algorithm / "part.h5")
+            killed[algorithm] = folder / algorithm, [f"--set=rounds={checkpoint + 3}"]
+    resumes = run_mpifl_batch([["run", str(where / "cfg.yaml"), "--resume", str(where / "part.h5"), "--quiet",
+                                *rounds] for where, rounds in killed.values()], 2, folder / "batch")
+    return {algorithm: (*killed[algorithm], proc) for algorithm, proc in zip(killed, resumes)}
+
+
+@pytest.mark.parametrize("algorithm", known_algorithms())
+def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, killed_and_resumed):
+    """Clients keep state on their worker (SCAFFOLD's cᵢ, FedDeper's vᵢ, ...): a 3-rank job killed with
+    SIGKILL after a checkpoint resumes on 2 ranks, where the clients live on other workers, and ends
+    bitwise where an uninterrupted run of the same length ends."""
+    if algorithm not in killed_and_resumed:
+        pytest.skip(f"{algorithm}'s clients keep no state (its resume on 2 ranks: tests/mpi/test_fault_matrix_mpi.py)")
+    folder, rounds, proc = killed_and_resumed[algorithm]
     assert proc.returncode == 0, proc.stderr
-    full = tmp_path / "full.h5"
-    assert main(["run", str(config), "--out", str(full), "--quiet", *rounds]) == 0
-    assert_same(deterministic(full), deterministic(part))
+    full = folder / "full.h5"
+    assert main(["run", str(folder / "cfg.yaml"), "--out", str(full), "--quiet", *rounds]) == 0
+    assert_same(deterministic(full), deterministic(folder / "part.h5"))
 
 
 def kill_job(job: subprocess.Popen) -> None:

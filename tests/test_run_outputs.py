@@ -22,7 +22,10 @@ from mpifl.results import read_results, shard_dir
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.test_checkpoint import kill_job
 
-LONG = _merge(TINY, {"model": {"name": "logistic"}, "rounds": 400, "eval_every": 50, "checkpoint_every": 5})
+LONG = _merge(TINY, {"model": {"name": "logistic"}, "rounds": 120, "eval_every": 50, "checkpoint_every": 5})
+"""A run that is still under way when a test acts on its first checkpoints (round 5 or 10): 110 rounds more, many
+times what noticing the checkpoint and signalling take, however loaded the machine (the job slows with it). Each
+resume runs the rest in this process, so more rounds only cost time (400 cost a minute in this file)."""
 
 
 def digest(path: Path) -> str:

@@ -3,6 +3,7 @@ and made or read again, bitwise the same, so memory does not grow with the clien
 
 from __future__ import annotations
 
+import shutil
 import zipfile
 
 import h5py
@@ -13,7 +14,7 @@ from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
 from mpifl.runtime import store as store_module
 from mpifl.runtime.store import ClientStore
-from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl
+from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl_batch
 from tests.data.test_data_own_files import config as own_config
 from tests.data.test_data_own_files import own_clients, write_h5, write_npz
 
@@ -68,24 +69,30 @@ def test_no_budget_gives_bitwise_the_same_runs_and_bounds_what_workers_keep(writ
 
 def test_file_backed_clients_are_read_again_bitwise_and_checked_at_start_up(tmp_path):
     """Prepared HDF5 and .npz clients with nothing kept: the same bits; a damaged .npz client (its features
-    truncated inside the archive) is one line, exit 2, before training, although no round would need it yet."""
+    truncated inside the archive) is one line, exit 2, before training, although no round would need it yet.
+    The five 3-rank jobs run in one launch (tests/batch.py)."""
     clients = own_clients()
-    for name, source in (("h5", write_h5(tmp_path / "own.h5", clients)), ("npz", write_npz(tmp_path / "npz", clients))):
-        config = own_config(tmp_path, source)
-        for budget in ("1", "0"):
-            out = tmp_path / f"{name}_{budget}.h5"
-            proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet", "--set", f"data_memory_gb={budget}"],
-                             ranks=3)
-            assert proc.returncode == 0, proc.stderr
-        assert_same(deterministic(tmp_path / f"{name}_1.h5"), deterministic(tmp_path / f"{name}_0.h5"))
-    damaged = tmp_path / "npz" / "client_004.npz"  # the unseen client: evaluated, never trained
+    sources = {"h5": write_h5(tmp_path / "own.h5", clients), "npz": write_npz(tmp_path / "npz", clients)}
+    shutil.copytree(tmp_path / "npz", tmp_path / "damaged")
+    damaged = tmp_path / "damaged" / "client_004.npz"  # the unseen client: evaluated, never trained
     with zipfile.ZipFile(damaged) as archive:
         members = {n: archive.read(n) for n in archive.namelist()}
     with zipfile.ZipFile(damaged, "w") as archive:
         for n, data in members.items():
             archive.writestr(n, data[: len(data) // 2] if n.startswith("x_test") else data)
-    proc = run_mpifl(["run", str(own_config(tmp_path, tmp_path / "npz")), "--out", str(tmp_path / "bad.h5"),
-                      "--set", "data_memory_gb=0"], ranks=3)
+    sources["damaged"] = damaged.parent
+    configs = {}
+    for name, source in sources.items():  # each its own.yaml, in a folder of its own
+        (tmp_path / f"config_{name}").mkdir()
+        configs[name] = own_config(tmp_path / f"config_{name}", source)
+    jobs = [["run", str(configs[name]), "--out", str(tmp_path / f"{name}_{budget}.h5"), "--quiet",
+             "--set", f"data_memory_gb={budget}"] for name in ("h5", "npz") for budget in ("1", "0")]
+    jobs.append(["run", str(configs["damaged"]), "--out", str(tmp_path / "bad.h5"), "--set", "data_memory_gb=0"])
+    *runs, proc = run_mpifl_batch(jobs, 3, tmp_path / "batch")
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    for name in ("h5", "npz"):
+        assert_same(deterministic(tmp_path / f"{name}_1.h5"), deterministic(tmp_path / f"{name}_0.h5"))
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1 and "client_004.npz" in lines[0], proc.stderr
     assert not (tmp_path / "bad.h5").exists()

@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
 
 from benchmarks.gpu_check import kill_session
+from mpifl import sweep as sweep_module
 from mpifl.cli import main
 from mpifl.report import aggregate, plot, report
 from mpifl.results import read_results
@@ -22,6 +24,19 @@ from mpifl.results.guard import inspect_output
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
 from tests.conftest import HANG_S, REPO, mpi_env
+
+
+@pytest.fixture
+def runs_in_this_process(monkeypatch):
+    """``mpifl sweep``'s runs in this process instead of each in a new one (its start-up costs more than these
+    tiny runs): each command line the sweep would start is checked and given to ``main``. The tests that kill,
+    interrupt or submit a sweep keep the real processes."""
+
+    def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert cmd[:3] == [sys.executable, "-m", "mpifl"] and env["PATH"] == os.environ["PATH"], cmd
+        return subprocess.CompletedProcess(cmd, main(cmd[3:]))
+
+    monkeypatch.setattr(sweep_module, "subprocess", SimpleNamespace(run=run))
 
 
 def write_sweep(tmp_path, config, grid, seeds=(0, 1)):
@@ -42,6 +57,7 @@ def test_grid_times_seeds_expands_and_is_validated(write_config, tmp_path):
         load_sweep(bad)
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_sweep_runs_and_report_aggregates_over_seeds(write_config, tmp_path, capsys):
     sweep = write_sweep(tmp_path, write_config({"rounds": 2}), {"algorithm": ["fedavg", "local"]})
     assert main(["sweep", str(sweep)]) == 0
@@ -61,6 +77,7 @@ def test_sweep_runs_and_report_aggregates_over_seeds(write_config, tmp_path, cap
         2 * np.std(finals, ddof=1) / np.sqrt(2))
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_report_selects_the_best_validation_round(write_config, tmp_path, capsys):
     """``--select best-val`` reports every run at its evaluation with the best validation accuracy of the seen
     clients (the PeFLL and pFedHN papers' model selection), for one file and over seeds."""
@@ -164,6 +181,7 @@ def test_overrides_are_named_with_the_values_the_runs_have(write_config, tmp_pat
         load_sweep(sweep, ["seed=3"])
 
 
+@pytest.mark.usefixtures("runs_in_this_process")
 def test_a_sweep_run_again_skips_completed_runs_and_refuses_another_config(write_config, tmp_path, capsys):
     """Completed runs with the same config are skipped (and counted), their files untouched; a file holding
     another config stops the sweep before anything runs, unless --overwrite; a file that is not a results file
@@ -264,7 +282,8 @@ def test_a_sweep_killed_half_way_and_run_again_does_every_run_once(write_config,
     assert {o: o.read_bytes() for o in outputs} == finished
 
 
-def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_config, tmp_path, monkeypatch):
+def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_config, tmp_path, monkeypatch,
+                                                                       capsys):
     """A task of ``sweep --slurm``'s array (run here by bash as Slurm would, with mpirun as the launcher) starts
     from another directory, without the virtual environment on its PATH and, as root, without Open MPI's
     variables: the script goes to the sweep's directory (its relative output_dir holds there), activates the
@@ -284,9 +303,9 @@ def test_slurm_array_task_runs_in_the_environment_it_was_written_from(write_conf
     assert task.returncode == 0, task.stderr
     res = read_results(tmp_path / "out" / "seed=0.h5")
     assert (res.attrs["status"], res.attrs["world_size"], res.config["threads_per_rank"]) == ("completed", 2, 1)
-    again = subprocess.run([sys.executable, "-m", "mpifl", "sweep", str(sweep), "--slurm"], cwd=tmp_path,
-                           env=mpi_env(), capture_output=True, text=True)
-    assert again.stdout == "mpifl: 1 run: 1 completed already (skipped)\n"  # nothing left to submit
+    capsys.readouterr()
+    assert main(["sweep", str(sweep), "--slurm"]) == 0  # from the sweep's directory, as the array ran
+    assert capsys.readouterr().out == "mpifl: 1 run: 1 completed already (skipped)\n"  # nothing left to submit
 
 
 def test_report_of_unrelated_runs_counts_each_seed_once_and_groups_by_config(write_config, tmp_path, capsys):
@@ -347,7 +366,8 @@ def test_report_of_a_sweep_leaves_unfinished_runs_out_of_the_mean_and_lists_them
         "of the sweep starts it again).")
 
 
-def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path):
+def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(write_config, tmp_path, monkeypatch,
+                                                                                capsys):
     """Issue 45 row 4: SIGINT to the sweep's process group (a terminal's Ctrl-C) stops the run under way with a
     checkpoint and starts no other run; the sweep exits 130 with the command that continues it, which resumes the
     stopped run and starts the others."""
@@ -371,7 +391,9 @@ def test_ctrl_c_stops_a_sweep_after_the_run_under_way_and_says_how_to_continue(w
     assert line.startswith("mpifl: SIGINT: sweep stopped after run 1 of 3 (an interrupted run resumes from its ")
     assert sorted(p.name for p in (tmp_path / "out").glob("*.h5")) == ["seed=0.h5"]
     assert inspect_output(first).status == "interrupted" and inspect_output(first).checkpoint_round is not None
-    again = line.split("continue with: ")[1].replace("python", sys.executable, 1)
-    proc = subprocess.run([*again.split(), "--dry-run"], env=mpi_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=HANG_S)
-    assert proc.returncode == 0 and "3 runs: 1 resumed from a checkpoint, 2 new" in proc.stdout, proc.stderr
+    again = line.split("continue with: ")[1].split()
+    assert again[:3] == ["python", "-m", "mpifl"], line
+    monkeypatch.chdir(tmp_path)  # where the sweep ran: its output_dir is relative
+    capsys.readouterr()
+    assert main([*again[3:], "--dry-run"]) == 0
+    assert "3 runs: 1 resumed from a checkpoint, 2 new" in capsys.readouterr().out
