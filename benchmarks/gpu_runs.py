@@ -64,6 +64,8 @@ def run(job: dict[str, str]) -> int:
 def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
+    import mpifl.runtime.launch  # noqa: F401 - torch and mpifl's runtime: the launch's start, not its first job's
+
     comm = MPI.COMM_WORLD
     manifest, status = Path(argv[0]), Path(argv[1])
     for index, job in enumerate(json.loads(manifest.read_text())):

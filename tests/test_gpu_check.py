@@ -40,6 +40,9 @@ from benchmarks.gpu_check import (
 from tests.conftest import HANG_S, REPO, TINY, _merge, mpi_env, run_config
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+CAP_S = 10.0
+"""A job's cap in the tests that stop one: far past a tiny 2-round job's own seconds on a busy machine (the launch's
+imports are not the job's), far short of a 10,000-round one's."""
 
 
 def gpu_check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -307,7 +310,7 @@ def test_a_job_past_its_cap_or_failing_ends_its_launch_and_the_next_runs_in_a_ne
     """1 rank: a job that runs past CASE_CAP_S is stopped with its launch (exit code KILLED), and a failed job
     (exit code 1, no MPI_Abort alone) ends its launch too, so that what it left behind (a CUDA error spoils the
     context) reaches no other case: 3 launches, the jobs after each still run."""
-    monkeypatch.setitem(benchmarks.gpu_check.CASE_CAP_S, "cpu", 4.0)
+    monkeypatch.setitem(benchmarks.gpu_check.CASE_CAP_S, "cpu", CAP_S)
     check = Check(parse(["--device", "cpu", "--out", str(tmp_path)]), Report(tmp_path, tmp_path, "test", "cpu"),
                   tmp_path)
     cases = _cases(tmp_path, check, fails={"faults": {"corrupt": 1.0, "nonfinite": "abort"}}, slow={"rounds": 10_000},
