@@ -44,8 +44,8 @@ def refusals(folder: Path) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> tuple[Path, dict[int, dict[str, subprocess.CompletedProcess]]]:
     """Every job of this file that needs no launch of its own: ``(folder, {ranks: {name: result}})`` for one
-    3-rank launch and one single process (ranks 0). The 3-rank job that fails on a worker goes last: its
-    ``MPI_Abort`` ends the launch."""
+    3-rank launch and one single process (ranks 0). The 3-rank job that fails on a worker has a launch of its
+    own: its ``MPI_Abort`` ends the launch, and with it what coverage.py had recorded of the jobs before."""
     folder = tmp_path_factory.mktemp("jobs")
     three = {name: ["run", write(folder, name, overrides), "--out", str(folder / f"{name}3.h5"), "--quiet"]
              for name, overrides in (("bitwise", BITWISE), ("threads", {**THREADS, "threads_per_rank": 2}))}
@@ -54,9 +54,9 @@ def jobs(tmp_path_factory) -> tuple[Path, dict[int, dict[str, subprocess.Complet
                               f"placement={placement}"] for placement in ("static", "dynamic")})
     three["idle"] = ["run", write(folder, "idle", IDLE), "--out", str(folder / "idle.h5"), "--quiet", "--profile"]
     three.update(refusals(folder / "three"))
-    three["fault"] = ["run", write(folder, "fault", {"rounds": 50}), "--out", str(folder / "fault.h5")]
-    env = [{"MPIFL_INJECT_FAULT": FAULT} if name == "fault" else {} for name in three]
-    results = {3: dict(zip(three, run_mpifl_batch(list(three.values()), 3, folder / "batch3", env)))}
+    results = {3: dict(zip(three, run_mpifl_batch(list(three.values()), 3, folder / "batch3")))}
+    fault = ["run", write(folder, "fault", {"rounds": 50}), "--out", str(folder / "fault.h5")]
+    [results[3]["fault"]] = run_mpifl_batch([fault], 3, folder / "fault", [{"MPIFL_INJECT_FAULT": FAULT}])
     tiny, nine = write(folder, "tiny", {}), write(folder, "nine", {"clients_per_round": 9})
     one = {"bitwise": ["run", str(folder / "bitwise.yaml"), "--out", str(folder / "bitwise1.h5"), "--quiet"],
            **refusals(folder / "one"),
