@@ -8,6 +8,7 @@ another horizon) is not trained twice. A new sweep file is covered by being ther
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,16 @@ def _one_round(run: Run) -> str:
                       sort_keys=True, default=str)
 
 
+@cache
+def _one_round_configs(sweep: Path) -> frozenset[str]:
+    """The one-round configs a sweep file's smoke runs train (each file expanded once per session)."""
+    return frozenset(_one_round(run) for run in load_sweep(sweep, SMOKE, [0], "/nonexistent")[2])
+
+
 def _trained_before(sweep: Path) -> set[str]:
     """The one-round configs the sweep files before ``sweep`` (in the test's order) train."""
     files = SWEEPS + OLDER
-    return {_one_round(run) for earlier in files[:files.index(sweep)]
-            for run in load_sweep(earlier, SMOKE, [0], "/nonexistent")[2]}
+    return set().union(*map(_one_round_configs, files[:files.index(sweep)]))
 
 
 def test_evidence_sweeps_exist():
