@@ -1,33 +1,63 @@
 #!/usr/bin/env bash
 # Set everything up and run the whole test suite: lint, the single-process suite (which also
-# launches real mpirun jobs), and the pytest-mpi suite on 3 and 4 ranks.
+# launches real mpirun jobs), and the pytest-mpi suite on 3 and 4 ranks. Each phase's line says when it began
+# (seconds since the start), so a stopped run shows where it stood. What leaves a core idle overlaps other work:
+# Debian's packages install while pip sets up .venv; the lint and the two pytest-mpi runs go side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MPIFL_EXTRAS=test scripts/setup.sh
-source .venv/bin/activate
+began=$SECONDS
+phase() { echo "== $* [$(date -u +%T), +$((SECONDS - began)) s]"; }
+logs=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
 # Debian's Fashion-MNIST lets the IDX loader be tested on the real files, and Debian's Slurm lets the
 # batch scripts be tested on a real local Slurm (each skipped with the reason if unavailable).
+apt=""
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   wanted=()
   [ -d /usr/share/datasets/fashion-mnist ] || wanted+=(dataset-fashion-mnist)
   command -v slurmctld >/dev/null || wanted+=(slurmctld slurmd slurm-client munge libpmix-dev)
   if [ ${#wanted[@]} -gt 0 ]; then
+    phase "installing ${wanted[*]} (apt-get, beside the set-up)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null) \
-      || echo "note: could not install ${wanted[*]}; the tests that need them will be skipped"
+      >"$logs/apt" 2>&1 &
+    apt=$!
   fi
 fi
+phase "set-up (scripts/setup.sh)"
+MPIFL_EXTRAS=test scripts/setup.sh
+if [ -n "$apt" ] && ! wait "$apt"; then
+  cat "$logs/apt"
+  echo "note: could not install ${wanted[*]}; the tests that need them will be skipped"
+fi
+source .venv/bin/activate
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-ruff check mpifl tests benchmarks
-lint-imports  # the layers and the absence of import cycles (pyproject: [tool.importlinter])
-mypy          # type-checks mpifl (pyproject: [tool.mypy])
-echo "== pytest-mpi on 3 ranks"
-timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
-echo "== pytest-mpi on 4 ranks (transport, engine, every algorithm on 1-4 ranks)"
-timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
+# Three phases at once, each with its log (printed when it ends): the pytest-mpi ranks wait on each other and
+# on the one-process reference runs, which leaves cores idle that the others fill (146 s together, against about
+# 210 s one after another: docs/how-to/tests.md)
+background() {  # NAME COMMAND...: COMMAND in the background, its output to $logs/NAME
+  local name=$1
+  shift
+  (set +e; "$@" >"$logs/$name" 2>&1; echo $? >"$logs/$name.rc") &
+}
+lint() { ruff check mpifl tests benchmarks && lint-imports && mypy; }  # lint-imports: the layers, no import cycles
+phase "lint (ruff, lint-imports, mypy), pytest-mpi on 3 ranks, and on 4 (transport, engine, every algorithm on" \
+  "1-4 ranks), side by side"
+background lint lint
+background mpi3 timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+background mpi4 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
   tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py tests/mpi/test_rank_counts_mpi.py
-echo "== single-process suite"
+wait
+failed=""
+for name in lint mpi3 mpi4; do
+  phase "$name: exit code $(cat "$logs/$name.rc")"
+  cat "$logs/$name"
+  [ "$(cat "$logs/$name.rc")" = 0 ] || failed+=" $name"
+done
+[ -z "$failed" ] || { echo "failed:$failed"; exit 1; }
+phase "single-process suite"
 # "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs). Two
 # pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the tests that share a fixture.
 python -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadgroup -m "not slow and not alone"
-echo "== the tests that measure wall time (shaped links), with nothing of the suite beside them"
+phase "the tests that measure wall time (shaped links), with nothing of the suite beside them"
 python -m pytest -q -p no:cacheprovider -m "not slow and alone"
+phase "passed"
