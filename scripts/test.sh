@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 began=$SECONDS
+# Python keeps each module's bytecode (an environment may turn that off), so the suite's hundreds of processes do
+# not each compile mpifl's modules again
+unset PYTHONDONTWRITEBYTECODE
 phase() { echo "== $* [$(date -u +%T), +$((SECONDS - began)) s]"; }
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT

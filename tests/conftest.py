@@ -12,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -295,3 +297,27 @@ def read_only_dir(tmp_path: Path):
     for path in tmp_path.rglob("*"):
         if path.is_dir():
             path.chmod(0o755)
+
+
+@contextmanager
+def sweep_runs_in_this_process() -> Iterator[None]:
+    """``mpifl sweep``'s local runs in this process instead of each in a new one (its start-up costs more than a
+    tiny run): each command line the sweep would start is checked and given to ``main``. The tests that kill,
+    interrupt or submit a sweep keep the real processes."""
+    from mpifl import sweep
+    from mpifl.cli import main
+
+    def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert cmd[:3] == [sys.executable, "-m", "mpifl"] and env["PATH"] == os.environ["PATH"], cmd
+        return subprocess.CompletedProcess(cmd, main(cmd[3:]))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep, "subprocess", SimpleNamespace(run=run))
+        yield
+
+
+@pytest.fixture
+def runs_in_this_process() -> Iterator[None]:
+    """:func:`sweep_runs_in_this_process` for one test."""
+    with sweep_runs_in_this_process():
+        yield

@@ -11,14 +11,15 @@ import numpy as np
 
 from mpifl.cli import main
 from mpifl.results import read_results
-from tests.conftest import HANG_S, REPO
+from tests.conftest import HANG_S, REPO, sweep_runs_in_this_process
 
 
 def test_the_horizon_table_is_the_runs_own_numbers(tmp_path):
     out = tmp_path / "sweep"
-    assert main(["sweep", str(REPO / "configs" / "evidence" / "fedals_20k.yaml"), "--seeds", "0", "1",
-                 "--output-dir", str(out), "--set", "rounds=24", "--set", "eval_every=2",
-                 "--set", "data.dataset=digits"]) == 0
+    with sweep_runs_in_this_process():
+        assert main(["sweep", str(REPO / "configs" / "evidence" / "fedals_20k.yaml"), "--seeds", "0", "1",
+                     "--output-dir", str(out), "--set", "rounds=24", "--set", "eval_every=2",
+                     "--set", "data.dataset=digits"]) == 0
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fedals_horizon.py"), str(out), "-o",
                            str(tmp_path / "plot.png")], capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

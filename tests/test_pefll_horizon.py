@@ -12,7 +12,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import read_results
-from tests.conftest import HANG_S, REPO
+from tests.conftest import HANG_S, REPO, sweep_runs_in_this_process
 
 MINIATURE = ["rounds=4", "eval_every=2", "checkpoint_every=0", "data.dataset=digits", "data.num_clients=20",
              "data.pad_to=16", "client.steps=2"]
@@ -27,7 +27,8 @@ def test_the_margin_table_is_the_runs_own_numbers(tmp_path):
     sweep = tmp_path / "pefll_500.yaml"
     sweep.write_text(yaml.safe_dump(spec))
     sets = [a for s in MINIATURE for a in ("--set", s)]
-    assert main(["sweep", str(sweep), "--seeds", "0", "1", "--output-dir", str(out), *sets]) == 0
+    with sweep_runs_in_this_process():
+        assert main(["sweep", str(sweep), "--seeds", "0", "1", "--output-dir", str(out), *sets]) == 0
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "pefll_horizon.py"), str(out), "--rounds", "2", "4"],
                           capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import h5py
 
 from mpifl.cli import main
 from mpifl.report import report
-from tests.conftest import REPO, run_mpifl
+from tests.conftest import REPO, run_mpifl_batch
 
 
 def script_jobs() -> tuple[str, list[str]]:
@@ -22,15 +22,13 @@ def script_jobs() -> tuple[str, list[str]]:
 def test_quickstart_compares_pefll_and_fedavg_with_exact_bytes_per_client(tmp_path):
     config, algorithms = script_jobs()
     assert algorithms == ["pefll", "fedavg"]
-    outs, summaries = [], {}
-    for algorithm in algorithms:
-        out = tmp_path / f"quickstart_{algorithm}.h5"
-        proc = run_mpifl(["run", config, "--set", f"algorithm={algorithm}", "--set", "rounds=2",
-                          "--set", "eval_every=1", "--out", str(out)], ranks=3)
+    outs, summaries = [str(tmp_path / f"quickstart_{algorithm}.h5") for algorithm in algorithms], {}
+    jobs = [["run", config, "--set", f"algorithm={algorithm}", "--set", "rounds=2", "--set", "eval_every=1",
+             "--out", out] for algorithm, out in zip(algorithms, outs)]
+    for algorithm, out, proc in zip(algorithms, outs, run_mpifl_batch(jobs, 3, tmp_path / "launch")):  # one launch
         assert proc.returncode == 0, proc.stderr
         assert f"mpifl: {algorithm} on digits, 50 clients, 3 rank(s), 2 rounds" in proc.stdout
-        outs.append(str(out))
-        summaries[algorithm] = report(str(out))
+        summaries[algorithm] = report(out)
         text = summaries[algorithm]["text"]
         assert re.search(r"^logical train per client-round: down [\d,]+ B, up [\d,]+ B", text, re.M), text
     with h5py.File(outs[1]) as f:

@@ -16,7 +16,7 @@ from matplotlib.collections import PolyCollection
 from mpifl.cli import main
 from mpifl.report import aggregate, plot
 from mpifl.results import read_results
-from tests.conftest import run_config
+from tests.conftest import run_config, sweep_runs_in_this_process
 
 TINY = {
     "rounds": 4,
@@ -41,7 +41,8 @@ def sweep_dir(tmp_path_factory):
     sweep = root / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"base": str(base), "output_dir": str(root / "out"), "seeds": [0, 1],
                                      "grid": {"algorithm": ["fedals", "pfedme"]}}))
-    assert main(["sweep", str(sweep)]) == 0
+    with sweep_runs_in_this_process():
+        assert main(["sweep", str(sweep)]) == 0
     lone = root / "lone.yaml"
     lone.write_text(yaml.safe_dump({**TINY, "algorithm": "fedals", "fedals": {"alpha": 1},
                                     "data": {**TINY["data"], "val_fraction": 0.0}}))

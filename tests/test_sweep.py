@@ -9,14 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
 
 from benchmarks.gpu_check import kill_session
-from mpifl import sweep as sweep_module
 from mpifl.cli import main
 from mpifl.report import aggregate, plot, report
 from mpifl.results import read_results
@@ -24,19 +22,6 @@ from mpifl.results.guard import inspect_output
 from mpifl.schema import ConfigError
 from mpifl.sweep import load_sweep
 from tests.conftest import HANG_S, REPO, mpi_env
-
-
-@pytest.fixture
-def runs_in_this_process(monkeypatch):
-    """``mpifl sweep``'s runs in this process instead of each in a new one (its start-up costs more than these
-    tiny runs): each command line the sweep would start is checked and given to ``main``. The tests that kill,
-    interrupt or submit a sweep keep the real processes."""
-
-    def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-        assert cmd[:3] == [sys.executable, "-m", "mpifl"] and env["PATH"] == os.environ["PATH"], cmd
-        return subprocess.CompletedProcess(cmd, main(cmd[3:]))
-
-    monkeypatch.setattr(sweep_module, "subprocess", SimpleNamespace(run=run))
 
 
 def write_sweep(tmp_path, config, grid, seeds=(0, 1)):
