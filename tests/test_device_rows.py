@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mpifl.cli import main
 from tests.conftest import HANG_S, REPO, assert_same, deterministic, mpi_env, mpirun_cmd
 
 TENSOR_ROWS = """import torch
@@ -38,19 +39,25 @@ WIRES = {  # name: (config, rank counts)
 
 
 def run(config: dict, out: Path, ranks: int, plugins: Path) -> Path:
+    """``config`` on 1 rank in this process (the plug-in's folder on sys.path), or as a job on ``ranks``."""
     path = out.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(config))
+    args = ["run", str(path), "--out", str(out), "--quiet"]
+    if ranks == 1:
+        assert main(args) == 0
+        return out
     env = {**mpi_env(), "PYTHONPATH": f"{plugins}{os.pathsep}{REPO}"}
-    cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(path), "--out",
-                                                      str(out), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=REPO)
+    proc = subprocess.run([*mpirun_cmd(ranks), sys.executable, "-m", "mpifl", *args], capture_output=True, text=True,
+                          timeout=HANG_S, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return out
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_tensor_rows_give_fedavgs_bits_on_1_and_3_ranks(tmp_path, wire):
+def test_tensor_rows_give_fedavgs_bits_on_1_and_3_ranks(tmp_path, wire, monkeypatch):
     (tmp_path / "tensor_rows.py").write_text(TENSOR_ROWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tensor_rows", raising=False)  # each test's own copy of the plug-in
     change, rank_counts = WIRES[wire]
     config = {**BASE, **change}
     expected = deterministic(run(config, tmp_path / "numpy.h5", 1, tmp_path))
