@@ -20,6 +20,10 @@ How a page marks its commands (docs/README.md says the same for writers):
 
 Runs are shortened: ``mpifl run`` and ``mpifl sweep`` get ``--set rounds=2`` unless the command sets
 ``rounds`` itself, and ``mpirun`` gets ``--oversubscribe`` (this machine may have fewer cores than ranks).
+A plain ``python -m mpifl ARGS`` (no shell syntax: no pipe, redirect, variable or second command) runs as that
+command's own entry point, ``mpifl.cli.main(ARGS)``, in the test's process, in the copy, its file descriptors 1
+and 2 captured (``tests/batch.py``, as the suite's batched jobs): a new interpreter's start-up, most of such a
+command's time, is all it leaves out. Every other command runs in bash, a process of its own.
 docs/papers/ is left out: its commands run for hours on datasets a test does not have (its sweep files are
 validated and smoke-run by tests/test_evidence_sweeps.py).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,6 +43,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.gpu_runs import output_to
+from tests.batch import run as run_in_this_process
 from tests.conftest import REPO, mpi_env
 
 DOCS = REPO / "docs"
@@ -46,6 +53,8 @@ MARKER = re.compile(r"^<!-- (not run|file|requires|output): ?(.*?) ?-->$")
 FENCE = re.compile(r"^```(\S*)")
 HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
 ROUNDS = re.compile(r"\bmpifl (run|sweep)\b")
+OPERATORS = set("();<>|&")
+"""The shell's operator characters (a word made of them: a pipe, a redirect, a second command, a subshell)."""
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 MEASURED = (
     re.compile(r"(?<=\bwall )\d+(\.\d+)? s"),  # how long this machine took
@@ -202,8 +211,41 @@ def repository_copy(root: Path) -> Path:
     return root
 
 
+def mpifl_arguments(command: str) -> list[str] | None:
+    """ARGS of a plain ``python -m mpifl ARGS``, or None for a command that needs a shell (an operator, a
+    variable, a substitution, a second line, a variable set before it)."""
+    if any(char in command for char in "$`\n"):
+        return None
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = list(lexer)
+    if any(set(word) <= OPERATORS for word in words):
+        return None
+    return words[3:] if words[:3] == ["python", "-m", "mpifl"] else None
+
+
+def run_command(command: str, root: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+                ) -> subprocess.CompletedProcess:
+    """``command`` in ``root``: ``mpifl.cli.main`` in this process for a plain mpifl command, else bash."""
+    args = mpifl_arguments(command)
+    if args is None:
+        return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=600)
+    out, err = root / ".command.out", root / ".command.err"
+    with output_to(out, err), open(out, "a", buffering=1) as stdout, open(err, "a", buffering=1) as stderr, \
+            monkeypatch.context() as patch:
+        patch.chdir(root)
+        patch.setattr(sys, "stdout", stdout)  # pytest's capture holds sys.stdout and sys.stderr, not only 1 and 2
+        patch.setattr(sys, "stderr", stderr)
+        code = run_in_this_process(args, {})
+    proc = subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
+    out.unlink()
+    err.unlink()
+    return proc
+
+
 @pytest.mark.parametrize("page", [p for p in pages() if runnable(p)], ids=lambda p: str(p.relative_to(REPO)))
-def test_the_commands_of_a_page_run(page, tmp_path):
+def test_the_commands_of_a_page_run(page, tmp_path, monkeypatch):
     text = page.read_text()
     needed = requirement(text)
     if needed and not importable(needed):
@@ -218,7 +260,7 @@ def test_the_commands_of_a_page_run(page, tmp_path):
             continue
         for command in commands(block):
             run = command.text if block.compared else shortened(command.text)
-            proc = subprocess.run(["bash", "-c", run], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            proc = run_command(run, root, env, monkeypatch)
             said = f"$ {run}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
             if len(command.output) == 1 and command.output[0].startswith("mpifl: error:"):
                 assert (proc.returncode, proc.stderr) == (2, command.output[0] + "\n"), said
