@@ -11,7 +11,7 @@ began=$SECONDS
 unset PYTHONDONTWRITEBYTECODE
 phase() { echo "== $* [$(date -u +%T), +$((SECONDS - began)) s]"; }
 logs=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 # Debian's Fashion-MNIST lets the IDX loader be tested on the real files, and Debian's Slurm lets the
 # batch scripts be tested on a real local Slurm (each skipped with the reason if unavailable).
 apt=""

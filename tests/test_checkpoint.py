@@ -85,9 +85,9 @@ def keeps_client_state(algorithm: str, tmp_path) -> bool:  # noqa: ANN001
 
 
 def kill_at_a_checkpoint(config: Path, part: Path) -> int:
-    """A 3-rank job of ``config`` writing ``part``, SIGKILLed once its file holds a checkpoint; that checkpoint's
-    round."""
-    cmd = mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
+    """A 2-rank job of ``config`` writing ``part`` (one worker holds every client), SIGKILLed once its file holds a
+    checkpoint; that checkpoint's round."""
+    cmd = mpirun_cmd(2) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + HANG_S
     while not peek(part)[1]:  # a plain h5py read fails now and then: it may fall in one of the job's writes
@@ -102,9 +102,9 @@ def kill_at_a_checkpoint(config: Path, part: Path) -> int:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory) -> dict[str, tuple[Path, list[str], subprocess.CompletedProcess]]:
-    """For each algorithm whose clients keep state: a 3-rank job SIGKILLed after a checkpoint, then resumed on 2
-    ranks for 3 more rounds; the resumes share one 2-rank launch (tests/batch.py). ``{algorithm: (folder, the
-    resume's --set, its result)}``."""
+    """For each algorithm whose clients keep state: a 2-rank job SIGKILLed after a checkpoint, then resumed on 3
+    ranks for 3 more rounds, where two workers share the clients; the resumes share one 3-rank launch
+    (tests/batch.py). ``{algorithm: (folder, the resume's --set, its result)}``."""
     folder = tmp_path_factory.mktemp("killed")
     killed = {}
     for algorithm in known_algorithms():
@@ -116,14 +116,14 @@ def killed_and_resumed(tmp_path_factory) -> dict[str, tuple[Path, list[str], sub
             checkpoint = kill_at_a_checkpoint(config, folder / algorithm / "part.h5")
             killed[algorithm] = folder / algorithm, [f"--set=rounds={checkpoint + 3}"]
     resumes = run_mpifl_batch([["run", str(where / "cfg.yaml"), "--resume", str(where / "part.h5"), "--quiet",
-                                *rounds] for where, rounds in killed.values()], 2, folder / "batch")
+                                *rounds] for where, rounds in killed.values()], 3, folder / "batch")
     return {algorithm: (*killed[algorithm], proc) for algorithm, proc in zip(killed, resumes)}
 
 
 @pytest.mark.parametrize("algorithm", known_algorithms())
 def test_sigkill_of_the_whole_job_then_resume_on_another_rank_count(algorithm, killed_and_resumed):
-    """Clients keep state on their worker (SCAFFOLD's cᵢ, FedDeper's vᵢ, ...): a 3-rank job killed with
-    SIGKILL after a checkpoint resumes on 2 ranks, where the clients live on other workers, and ends
+    """Clients keep state on their worker (SCAFFOLD's cᵢ, FedDeper's vᵢ, ...): a 2-rank job killed with
+    SIGKILL after a checkpoint resumes on 3 ranks, where the clients are split over two workers, and ends
     bitwise where an uninterrupted run of the same length ends."""
     if algorithm not in killed_and_resumed:
         pytest.skip(f"{algorithm}'s clients keep no state (its resume on 2 ranks: tests/mpi/test_fault_matrix_mpi.py)")
