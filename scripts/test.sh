@@ -35,12 +35,13 @@ fi
 source .venv/bin/activate
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 # Three phases at once, each with its log (printed when it ends): the pytest-mpi ranks wait on each other and
-# on the one-process reference runs, which leaves cores idle that the others fill (146 s together, against about
-# 210 s one after another: docs/how-to/tests.md)
-background() {  # NAME COMMAND...: COMMAND in the background, its output to $logs/NAME
+# on the one-process reference runs, which leaves cores idle that the others fill (146-155 s together, both cores
+# busy, against 211 s one after another: docs/how-to/tests.md)
+# NAME COMMAND...: COMMAND in the background, its output to $logs/NAME, its exit code and seconds to $logs/NAME.rc
+background() {
   local name=$1
   shift
-  (set +e; "$@" >"$logs/$name" 2>&1; echo $? >"$logs/$name.rc") &
+  (set +e; start=$SECONDS; "$@" >"$logs/$name" 2>&1; echo "$? $((SECONDS - start))" >"$logs/$name.rc") &
 }
 lint() { ruff check mpifl tests benchmarks && lint-imports && mypy; }  # lint-imports: the layers, no import cycles
 phase "lint (ruff, lint-imports, mypy), pytest-mpi on 3 ranks, and on 4 (transport, engine, every algorithm on" \
@@ -52,9 +53,10 @@ background mpi4 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p n
 wait
 failed=""
 for name in lint mpi3 mpi4; do
-  phase "$name: exit code $(cat "$logs/$name.rc")"
+  read -r code seconds <"$logs/$name.rc"
+  phase "$name: exit code $code after $seconds s"
   cat "$logs/$name"
-  [ "$(cat "$logs/$name.rc")" = 0 ] || failed+=" $name"
+  [ "$code" = 0 ] || failed+=" $name"
 done
 [ -z "$failed" ] || { echo "failed:$failed"; exit 1; }
 phase "single-process suite"
