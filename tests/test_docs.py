@@ -224,16 +224,16 @@ def mpifl_arguments(command: str) -> list[str] | None:
     return words[3:] if words[:3] == ["python", "-m", "mpifl"] else None
 
 
-def run_command(command: str, root: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
-                ) -> subprocess.CompletedProcess:
-    """``command`` in ``root``: ``mpifl.cli.main`` in this process for a plain mpifl command, else bash."""
+def run_command(command: str, root: Path, env: dict[str, str], logs: Path) -> subprocess.CompletedProcess:
+    """``command`` in ``root``: ``mpifl.cli.main`` in this process for a plain mpifl command (its output caught in
+    ``logs``, outside the copy), else bash."""
     args = mpifl_arguments(command)
     if args is None:
         return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True,
                               timeout=600)
-    out, err = root / ".command.out", root / ".command.err"
+    out, err = logs / "command.out", logs / "command.err"
     with output_to(out, err), open(out, "a", buffering=1) as stdout, open(err, "a", buffering=1) as stderr, \
-            monkeypatch.context() as patch:
+            pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         patch.setattr(sys, "stdout", stdout)  # pytest's capture holds sys.stdout and sys.stderr, not only 1 and 2
         patch.setattr(sys, "stderr", stderr)
@@ -245,7 +245,7 @@ def run_command(command: str, root: Path, env: dict[str, str], monkeypatch: pyte
 
 
 @pytest.mark.parametrize("page", [p for p in pages() if runnable(p)], ids=lambda p: str(p.relative_to(REPO)))
-def test_the_commands_of_a_page_run(page, tmp_path, monkeypatch):
+def test_the_commands_of_a_page_run(page, tmp_path):
     text = page.read_text()
     needed = requirement(text)
     if needed and not importable(needed):
@@ -260,7 +260,7 @@ def test_the_commands_of_a_page_run(page, tmp_path, monkeypatch):
             continue
         for command in commands(block):
             run = command.text if block.compared else shortened(command.text)
-            proc = run_command(run, root, env, monkeypatch)
+            proc = run_command(run, root, env, tmp_path)
             said = f"$ {run}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
             if len(command.output) == 1 and command.output[0].startswith("mpifl: error:"):
                 assert (proc.returncode, proc.stderr) == (2, command.output[0] + "\n"), said
