@@ -21,6 +21,10 @@
 #   MPIFL_MPI=mpich     the MPICH wheel instead.
 #   MPIFL_SYSTEM_MPI=1  builds mpi4py against the cluster's own mpicc (no MPI wheel).
 # MPIFL_EXTRAS=test     also installs the test tools (scripts/test.sh sets it); users get none of them.
+# MPIFL_NO_COMPILE=1    pip compiles no bytecode at install (pip --no-compile): a module compiles when first
+#                       imported instead. For throwaway environments (scripts/test.sh's: it saves about 50 s of
+#                       CPU, torch's thousands of modules that no test imports); the default compiles them once,
+#                       so that a thousand ranks starting at once read bytecode rather than each compiling it.
 # PYTHON=python3.11     the interpreter the venv is made from (or, with MPIFL_INSTALL=current, installed into).
 #
 # With $PYTHON's torch (MPIFL_TORCH=system, MPIFL_INSTALL=current), pip installs under constraints that pin every
@@ -60,6 +64,7 @@ esac
 if [ "${MPIFL_SYSTEM_MPI:-0}" = "1" ]; then
   command -v mpicc >/dev/null || fail "MPIFL_SYSTEM_MPI=1 needs the cluster's mpicc on PATH (e.g. module load openmpi)"
 fi
+case "${MPIFL_NO_COMPILE:-0}" in 0 | 1) ;; *) fail "MPIFL_NO_COMPILE=$MPIFL_NO_COMPILE: use 1 (no bytecode at install) or 0" ;; esac
 case "$TORCH" in
   cpu | system) ;;
   cu[0-9]*) ;;
@@ -78,7 +83,8 @@ elif [ "$TORCH" = system ]; then
   fi
 fi
 if [ "$(uname -s)" = Darwin ]; then TORCH_WHEEL=torch==$TORCH_VERSION; else TORCH_WHEEL=torch==$TORCH_VERSION+$TORCH; fi
-SOURCE=()
+PIP_OPTIONS=()
+if [ "${MPIFL_NO_COMPILE:-0}" = "1" ]; then PIP_OPTIONS=(--no-compile); fi
 if [ -n "$WHEELHOUSE" ]; then
   compgen -G "$WHEELHOUSE/*.whl" >/dev/null \
     || fail "MPIFL_WHEELHOUSE=$WHEELHOUSE holds no wheels (scripts/wheelhouse.sh DIR makes them on a connected machine)"
@@ -86,7 +92,7 @@ if [ -n "$WHEELHOUSE" ]; then
     fail "MPIFL_WHEELHOUSE=$WHEELHOUSE has no $TORCH_WHEEL wheel (scripts/wheelhouse.sh DIR --torch $TORCH;" \
       "MPIFL_TORCH_VERSION picks the release)"
   fi
-  SOURCE=(--no-index --find-links "$WHEELHOUSE")
+  PIP_OPTIONS+=(--no-index --find-links "$WHEELHOUSE")
 fi
 
 if [ "$INSTALL" = current ]; then
@@ -106,11 +112,11 @@ else
   fi
   TARGET=.venv/bin/python
   if [ -z "$WHEELHOUSE" ] || compgen -G "$WHEELHOUSE/pip-*.whl" >/dev/null; then
-    "$TARGET" -m pip install -q ${SOURCE[@]+"${SOURCE[@]}"} --upgrade pip
+    "$TARGET" -m pip install -q ${PIP_OPTIONS[@]+"${PIP_OPTIONS[@]}"} --upgrade pip
   fi
 fi
 # ${A[@]+"${A[@]}"}: an array that may be empty, under set -u in macOS's bash 3.2 too
-pip_install() { "$TARGET" -m pip install -q ${SOURCE[@]+"${SOURCE[@]}"} ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} "$@"; }
+pip_install() { "$TARGET" -m pip install -q ${PIP_OPTIONS[@]+"${PIP_OPTIONS[@]}"} ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} "$@"; }
 
 CONSTRAINTS=()
 if [ "$TORCH" = system ]; then
@@ -174,7 +180,7 @@ fi
 MPIFL=(-e ".${MPIFL_EXTRAS:+[$MPIFL_EXTRAS]}")
 if [ "$TORCH" != system ]; then
   pip_install "${MPIFL[@]}"
-elif ! "$TARGET" -m pip install ${SOURCE[@]+"${SOURCE[@]}"} "${CONSTRAINTS[@]}" "${MPIFL[@]}" >"$constraints.log" 2>&1
+elif ! "$TARGET" -m pip install ${PIP_OPTIONS[@]+"${PIP_OPTIONS[@]}"} "${CONSTRAINTS[@]}" "${MPIFL[@]}" >"$constraints.log" 2>&1
 then
   # pip's -q would hide which pinned package is in the way: its own lines for that, then one of ours
   grep -E '^(ERROR|The conflict is caused by|    )' "$constraints.log" >&2 || cat "$constraints.log" >&2

@@ -9,6 +9,9 @@ began=$SECONDS
 # Python keeps each module's bytecode (an environment may turn that off), so the suite's hundreds of processes do
 # not each compile mpifl's modules again
 unset PYTHONDONTWRITEBYTECODE
+# and pip compiles none at install (here and in the suite's own installs): the modules a test imports compile then,
+# once; compiling torch's and the test tools' thousands of others took about 50 s of a one-core set-up
+export MPIFL_NO_COMPILE=1
 phase() { echo "== $* [$(date -u +%T), +$((SECONDS - began)) s]"; }
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT

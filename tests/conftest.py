@@ -302,12 +302,18 @@ def read_only_dir(tmp_path: Path):
 @contextmanager
 def sweep_runs_in_this_process() -> Iterator[None]:
     """``mpifl sweep``'s local runs in this process instead of each in a new one (its start-up costs more than a
-    tiny run): each command line the sweep would start is checked and given to ``main``. The tests that kill,
-    interrupt or submit a sweep keep the real processes."""
+    tiny run): each command line the sweep would start is checked and given to ``main``, a run of several ranks
+    (``mpirun --oversubscribe -n N python -m mpifl ...``) on this one, as it gives the same bits on any rank count.
+    The tests that kill, interrupt or submit a sweep keep the real processes (tests/test_sweep.py's killed sweep
+    launches its runs on 2 ranks)."""
     from mpifl import sweep
     from mpifl.cli import main
 
+    launcher = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-n"]
+
     def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        if cmd[:3] == launcher and cmd[3].isdigit():
+            cmd = cmd[4:]
         assert cmd[:3] == [sys.executable, "-m", "mpifl"] and env["PATH"] == os.environ["PATH"], cmd
         return subprocess.CompletedProcess(cmd, main(cmd[3:]))
 

@@ -21,10 +21,13 @@ def durations(paths: list[str]) -> dict[str, float]:
     found: dict[str, float] = {}
     for path in paths:
         for case in ET.parse(path).iter("testcase"):
-            module = (case.get("classname") or "").split(".")
-            file = "/".join(module) + ".py"
-            found[f"{file}::{case.get('name')}"] = found.get(f"{file}::{case.get('name')}", 0.0) + float(
-                case.get("time") or 0)
+            classname, name = case.get("classname") or "", case.get("name") or ""
+            if "@" in classname:  # an xdist group's test: "tests.mod.test_x[...]@tests/mod.py", the group as name
+                dotted, file = classname.split("@", 1)
+                name = dotted[len(file.removesuffix(".py").replace("/", ".")) + 1:]
+            else:
+                file = classname.replace(".", "/") + ".py"
+            found[f"{file}::{name}"] = found.get(f"{file}::{name}", 0.0) + float(case.get("time") or 0)
     return found
 
 

@@ -45,7 +45,7 @@ import yaml
 
 from benchmarks.gpu_runs import output_to
 from tests.batch import run as run_in_this_process
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, mpi_env, sweep_runs_in_this_process
 
 DOCS = REPO / "docs"
 EVIDENCE = DOCS / "papers"
@@ -226,14 +226,14 @@ def mpifl_arguments(command: str) -> list[str] | None:
 
 def run_command(command: str, root: Path, env: dict[str, str], logs: Path) -> subprocess.CompletedProcess:
     """``command`` in ``root``: ``mpifl.cli.main`` in this process for a plain mpifl command (its output caught in
-    ``logs``, outside the copy), else bash."""
+    ``logs``, outside the copy; a sweep's runs in this process too), else bash."""
     args = mpifl_arguments(command)
     if args is None:
         return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True,
                               timeout=600)
     out, err = logs / "command.out", logs / "command.err"
     with output_to(out, err), open(out, "a", buffering=1) as stdout, open(err, "a", buffering=1) as stderr, \
-            pytest.MonkeyPatch.context() as patch:
+            pytest.MonkeyPatch.context() as patch, sweep_runs_in_this_process():
         patch.chdir(root)
         patch.setattr(sys, "stdout", stdout)  # pytest's capture holds sys.stdout and sys.stderr, not only 1 and 2
         patch.setattr(sys, "stderr", stderr)

@@ -98,6 +98,7 @@ def _refused(result: subprocess.CompletedProcess[str], expected: str) -> None:
     ("current-with-cpu-torch", "MPIFL_INSTALL=current uses the torch that '{python}' has: leave MPIFL_TORCH unset"),
     ("no-wheelhouse", "MPIFL_WHEELHOUSE={tmp}/nowhere holds no wheels (scripts/wheelhouse.sh DIR makes them"),
     ("wheelhouse-without-torch", "MPIFL_WHEELHOUSE={tmp} has no torch==2.13.0+cu126 wheel"),
+    ("bad-no-compile", "MPIFL_NO_COMPILE=yes: use 1 (no bytecode at install) or 0"),
 ])
 def test_setup_refuses_an_unusable_machine_before_creating_anything(tmp_path: Path, case: str,
                                                                     expected: str) -> None:
@@ -117,6 +118,7 @@ def test_setup_refuses_an_unusable_machine_before_creating_anything(tmp_path: Pa
         "current-with-cpu-torch": {"MPIFL_INSTALL": "current", "MPIFL_TORCH": "cpu"},
         "no-wheelhouse": {"MPIFL_WHEELHOUSE": str(tmp_path / "nowhere")},
         "wheelhouse-without-torch": {"MPIFL_WHEELHOUSE": str(tmp_path), "MPIFL_TORCH": "cu126"},
+        "bad-no-compile": {"MPIFL_NO_COMPILE": "yes"},
     }.get(case, {})
     before = sorted(p.name for p in ROOT.iterdir())
     _refused(_setup({"PYTHON": python, "MPIFL_TORCH": "cpu", **env}), expected.format(python=python, tmp=tmp_path))
@@ -159,12 +161,16 @@ def _can_unshare() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(command, capture_output=True).returncode == 0
 
 
+KEPT = ("MPIFL_NO_COMPILE",)
+"""What an offline command keeps of this environment: scripts/test.sh's MPIFL_NO_COMPILE=1 (bytecode compiled at
+the first import, not at install), which changes no package that pip finds or installs."""
 OFFLINE = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "offline"] if _can_unshare() else []
 
 
 def _offline(command: list[str | Path], cwd: Path, timeout: float = 600,
              **env: str | Path) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MPIFL_", "PYTHON", "VIRTUAL_ENV"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MPIFL_", "PYTHON", "VIRTUAL_ENV"))
+             or k in KEPT}
     clean.update(PIP_CONFIG_FILE=os.devnull, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                  **{k: str(v) for k, v in env.items()})
     return subprocess.run([*OFFLINE, *map(str, command)], cwd=cwd, env=clean, capture_output=True, text=True,

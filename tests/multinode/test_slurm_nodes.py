@@ -16,7 +16,7 @@ import yaml
 from mpifl.results import read_results
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, run_config
 from tests.multinode.netns import Nodes, inside, make_nodes, peek
-from tests.slurm.test_slurm import _sbin, missing, slurm_conf, start_munge
+from tests.slurm.test_slurm import _sbin, missing, slurm_conf, start_munge, wait_for
 
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs Slurm (missing: {', '.join(missing)}); "
                                 "scripts/test.sh installs it")
@@ -34,13 +34,8 @@ class Cluster:
                               text=True, env=self.env, cwd=REPO, timeout=timeout)
 
     def wait(self, job: str, timeout: float = HANG_S) -> str:
-        """Wait for ``job`` to end (polling: ``sbatch --wait`` backs off to tens of seconds) and return
-        ``scontrol show job``'s record of it."""
-        deadline = time.monotonic() + timeout
-        while self.command(["squeue", "-h", "-j", job]).stdout.strip():
-            assert time.monotonic() < deadline, f"job {job} did not end within {timeout} s"
-            time.sleep(0.3)
-        return self.command(["scontrol", "show", "job", job]).stdout
+        """Wait for ``job`` to end and return ``scontrol show job``'s record of it."""
+        return wait_for(job, self.command, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ elsewhere these tests are skipped with the reason."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -122,11 +124,27 @@ def pmix_works(env) -> bool:
     return "pmix" in listing.stdout + listing.stderr and Path("/usr/lib/x86_64-linux-gnu/libpmix.so").exists()
 
 
-def sbatch(env, *args, timeout=HANG_S) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["sbatch", "--wait", *args], capture_output=True, text=True, env=env, cwd=REPO,
+def wait_for(job: str, command: Callable[[list[str]], subprocess.CompletedProcess],
+             timeout: float = HANG_S) -> str:
+    """Wait for ``job`` (every task, for an array) to end, looking every 0.2 s with ``command``, and return
+    ``scontrol show job``'s record of it. ``sbatch --wait`` looks after 2, 10 and 42 s: a job that took 11 s
+    held its test for 42."""
+    deadline = time.monotonic() + timeout
+    while command(["squeue", "-h", "-j", job]).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} did not end within {timeout} s"
+        time.sleep(0.2)
+    return command(["scontrol", "show", "job", job]).stdout
+
+
+def sbatch(env, *args, timeout=HANG_S) -> None:
+    """Submit a batch job and wait for it: every task must complete with exit code 0."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    record = wait_for(proc.stdout.strip().split(";")[0], lambda command: subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=timeout), timeout)
+    states = re.findall(r"JobState=(\S+) .*?ExitCode=(\S+)", record, re.S)
+    assert states and set(states) == {("COMPLETED", "0:0")}, record
 
 
 @pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.slow), "srun"])
