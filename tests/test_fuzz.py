@@ -193,6 +193,7 @@ def _load_damaged_idx(tmp_path: Path, target, cut, flips, nan, gz) -> None:
 @example(kind="cifar", cut=1, flips=[(0, 80)])  # the library's message spans lines
 @example(kind="cifar", cut=9, flips=[(0, 149)])  # a damaged length asks for an impossible buffer: MemoryError
 @example(kind="cifar", cut=52, flips=[(40, 1)])  # a damaged string encoding name: LookupError
+@example(kind="cifar", cut=14, flips=[(0, 141), (64, 128)])  # a length past the address space: OverflowError
 def test_damaged_cifar_pickles_and_leaf_json_raise_config_error(kind, cut, flips):
     with tempfile.TemporaryDirectory() as tmp:
         _load_damaged_files(Path(tmp), kind, cut, flips)

@@ -186,9 +186,10 @@ def load_pickle(path: Path) -> Any:
     except _ForbiddenGlobal as exc:
         raise ConfigError(f"data.root: {path}: refusing to unpickle global {exc} (only numpy arrays allowed)") from exc
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, LookupError,
-            OSError, MemoryError, RecursionError) as exc:
-        # MemoryError: a damaged length field asks for an impossible buffer; LookupError: a damaged
-        # string encoding name (or memo key); RecursionError: damaged nesting
+            OSError, MemoryError, OverflowError, RecursionError) as exc:
+        # MemoryError: a damaged length field asks for an impossible buffer (OverflowError: for more bytes than
+        # the platform can address); LookupError: a damaged string encoding name (or memo key); RecursionError:
+        # damaged nesting
         raise ConfigError(f"data.root: {path}: corrupt or truncated pickle ({type(exc).__name__}: {exc})") from exc
 
 
