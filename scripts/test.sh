@@ -2,8 +2,7 @@
 # Set everything up and run the whole test suite: lint, the single-process suite (which also
 # launches real mpirun jobs), and the pytest-mpi suite on 3 and 4 ranks. Each phase's line says when it began
 # (seconds since the start), so a stopped run shows where it stood. What leaves a core idle overlaps other work:
-# Debian's packages install while pip sets up .venv; the lint and the two pytest-mpi runs go beside the single-process
-# suite.
+# Debian's packages install while pip sets up .venv; the lint and the two pytest-mpi runs go side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 began=$SECONDS
@@ -38,42 +37,35 @@ if [ -n "$apt" ] && ! wait "$apt"; then
 fi
 source .venv/bin/activate
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-# Four at once, each background one with its log (printed at the end; a line says when it ends): the lint, the
-# pytest-mpi suite on 3 ranks and on 4 (transport, engine, every algorithm on 1-4 ranks), and in the foreground the
-# single-process suite. The pytest-mpi ranks wait on each other and on their one-process reference runs, the
-# single-process suite's tests on the jobs and daemons they start: one after another, those waits left a core idle
-# for minutes (docs/how-to/tests.md)
+# Three phases at once, each with its log (printed when it ends): the pytest-mpi ranks wait on each other and
+# on the one-process reference runs, which leaves cores idle that the others fill (146-155 s together, both cores
+# busy, against 211 s one after another: docs/how-to/tests.md)
 # NAME COMMAND...: COMMAND in the background, its output to $logs/NAME, its exit code and seconds to $logs/NAME.rc
 background() {
   local name=$1
   shift
-  (set +e; start=$SECONDS; "$@" >"$logs/$name" 2>&1; code=$?; echo "$code $((SECONDS - start))" >"$logs/$name.rc"
-   phase "$name ended: exit code $code after $((SECONDS - start)) s") &
+  (set +e; start=$SECONDS; "$@" >"$logs/$name" 2>&1; echo "$? $((SECONDS - start))" >"$logs/$name.rc") &
 }
 lint() { ruff check mpifl tests benchmarks && lint-imports && mypy; }  # lint-imports: the layers, no import cycles
-phase "lint (ruff, lint-imports, mypy) and pytest-mpi on 3 ranks and on 4 in the background, beside the" \
-  "single-process suite"
+phase "lint (ruff, lint-imports, mypy), pytest-mpi on 3 ranks, and on 4 (transport, engine, every algorithm on" \
+  "1-4 ranks), side by side"
 background lint lint
 background mpi3 timeout 900 mpirun -n 3 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
 background mpi4 timeout 600 mpirun -n 4 --oversubscribe python -m pytest -q -p no:cacheprovider --with-mpi \
   tests/mpi/test_transport_mpi.py tests/mpi/test_engine_mpi.py tests/mpi/test_rank_counts_mpi.py
-# "slow" marks duplicates of what the pytest-mpi suite already checks (kept for local runs). Two pytest-xdist
-# workers (the CI machine's two cores); tests/conftest.py groups the tests that share a fixture.
-set +e
-python -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadgroup -m "not slow and not alone"
-code=$?
-set -e
-phase "single-process suite: exit code $code; waiting for the background ones"
-failed=""
-[ "$code" = 0 ] || failed+=" single-process"
 wait
+failed=""
 for name in lint mpi3 mpi4; do
   read -r code seconds <"$logs/$name.rc"
-  phase "$name: exit code $code after $seconds s, its output:"
+  phase "$name: exit code $code after $seconds s"
   cat "$logs/$name"
   [ "$code" = 0 ] || failed+=" $name"
 done
 [ -z "$failed" ] || { echo "failed:$failed"; exit 1; }
+phase "single-process suite"
+# "slow" marks duplicates of what the pytest-mpi suite above already checks (kept for local runs). Two
+# pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the tests that share a fixture.
+python -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadgroup -m "not slow and not alone"
 phase "the tests that measure wall time (shaped links), with nothing of the suite beside them"
 python -m pytest -q -p no:cacheprovider -m "not slow and alone"
 phase "passed"
