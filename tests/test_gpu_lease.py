@@ -236,6 +236,7 @@ def test_the_lease_rehearsed_in_the_emulated_image_runs_every_step_within_its_ca
     assert kinds["cnn, vectorized"]["vectorized"] == 1.0 and kinds["cnn, one at a time"]["vectorized"] == 0.0
     for stage in ("bench.b1", "bench.b1.cpu"):
         assert any(line.startswith("| 1 |") for line in stages[stage]["data"]["table"]), stage
+    assert stages["bench.b1.cpu"]["body"][0] == "The very command of bench.b1 (the device is this CPU): its table."
     assert any(line.startswith("| pefll |") for line in stages["bench.server"]["data"]["table"])
 
 
