@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -18,6 +19,16 @@ from typing import Any, Literal, Union
 
 _LINE_BREAK = re.compile(r"\s*\n\s*")
 INT64_MAX = 2**63 - 1
+
+
+def physical_memory() -> int:
+    """This machine's RAM in bytes (every rank on a node shares it; a bound, not what is free now): what a config
+    that would allocate more is refused against, before anything is allocated."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB"
 """Every integer of a config ends up in int64 storage (numpy arrays, HDF5 attributes, seeds mixed into 64-bit
 keys), so none may lie beyond it; a field whose storage is smaller says so with its own ``limits``."""
 INT32_MAX = 2**31 - 1

@@ -78,6 +78,9 @@ def call(argv: list[str]) -> tuple[int, str]:
 @example(mutations=[("data.pad_to", 32994)])  # a 70 GB cnn head: was torch's allocator traceback
 @example(mutations=[("model.name", "mlp"), ("model.hidden", [2**20, 2**20])])  # 4.4 TB of weights
 @example(mutations=[("data.pad_to", 2**40)])  # sizes past torch's 64 bits
+@example(mutations=[("data.dataset", "gaussian_images"), ("data.num_clients", 2**26)])  # 32 GB of label counts
+@example(mutations=[("data.dataset", "gaussian_images"), ("data.synthetic.num_classes", 2**20)])  # minutes to lay out
+@example(mutations=[("data.dataset", "gaussian_images"), ("data.synthetic.samples_per_client", 2**30)])  # numpy's 10⁹
 def test_broken_configs_validate_or_fail_with_one_line(mutations):
     with tempfile.TemporaryDirectory() as tmp:
         _validate_once(Path(tmp), mutations)

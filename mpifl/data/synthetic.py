@@ -3,6 +3,8 @@ a worker generates only its clients, and the layout is computed without generati
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpifl.data.base import (
@@ -18,7 +20,7 @@ from mpifl.data.base import (
 )
 from mpifl.data.config import DataConfig
 from mpifl.data.partition import apportion, partition_counts, split_counts
-from mpifl.schema import INT64_MAX, ConfigError
+from mpifl.schema import INT64_MAX, ConfigError, gb, physical_memory
 
 
 def _rows_split(x: np.ndarray, y: np.ndarray, sizes: tuple[int, ...]) -> ClientSplit:
@@ -48,6 +50,7 @@ class GaussianImagesDataset(FederatedDataset):
         if total > INT64_MAX:
             raise ConfigError(f"data.num_clients: {cfg.num_clients} clients of {per_client} samples each are more "
                               "samples than a 64-bit count holds")
+        check_label_counts(cfg, total)
         totals = total // syn.num_classes + (np.arange(syn.num_classes) < total % syn.num_classes)
         counts = partition_counts(cfg, totals.astype(np.int64), make_rng(seed, Tag.PARTITION))
         if syn.size_sigma > 0:  # unequal clients (as FEMNIST's), each keeping its class mix
@@ -79,6 +82,31 @@ class GaussianImagesDataset(FederatedDataset):
                 x = image_transform(x, None, None, self.pad_to)
             out[c] = _rows_split(x, y.astype(np.int64), tuple(int(s[c].sum()) for s in self.splits))
         return out
+
+
+LABEL_COUNT_COPIES = 8
+"""How many ``num_clients × num_classes`` count arrays of int64 the layout holds at once while it is built (the
+partition, its halving, the splits): what :func:`check_label_counts` bounds."""
+PARTITION_MAX_SAMPLES = 10**9
+"""The partitioner's hypergeometric draws (numpy's) count fewer than 10⁹ items."""
+
+
+def check_label_counts(cfg: DataConfig, total: int) -> None:
+    """Refuse, before anything is allocated, a virtual pool the layout cannot be built for: more classes than
+    samples, more samples than the partitioner counts, or label counts past half this machine's memory."""
+    classes = cfg.synthetic.num_classes
+    if classes > total:
+        raise ConfigError(f"data.synthetic.num_classes: {classes:,} classes for {total:,} samples in all (every "
+                          "class needs one)")
+    if total >= PARTITION_MAX_SAMPLES:
+        raise ConfigError(f"data.num_clients: {cfg.num_clients:,} clients of about "
+                          f"{cfg.synthetic.samples_per_client:,} samples are {total:,} in all; the partition draws "
+                          f"fewer than {PARTITION_MAX_SAMPLES:,}")
+    held = LABEL_COUNT_COPIES * 8 * cfg.num_clients * classes + 4 * classes * math.prod(cfg.synthetic.image_shape)
+    if held > physical_memory() // 2:
+        raise ConfigError(f"data.num_clients: {cfg.num_clients:,} clients × {classes:,} classes of label counts "
+                          f"(and the class means) take about {gb(held)}, more than half this machine's memory "
+                          f"({gb(physical_memory())})")
 
 
 class LeafSyntheticDataset(FederatedDataset):

@@ -9,9 +9,9 @@ from mpifl import plugins
 from mpifl.data import FederatedLayout
 from mpifl.models.config import MODELS, ModelConfig
 from mpifl.models.flat import FlatModel
-from mpifl.models.memory import check_fits, first_line, gb, physical_memory
+from mpifl.models.memory import check_fits, first_line
 from mpifl.models.zoo import MLP, CharLSTM, ConvNet, ResNet20, SimpleCNN
-from mpifl.schema import ConfigError
+from mpifl.schema import ConfigError, gb, physical_memory
 
 __all__ = ["FlatModel", "build_model", "loss_function"]
 

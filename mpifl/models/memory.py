@@ -3,22 +3,12 @@ would print an allocator traceback (or ask the kernel for terabytes)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from mpifl.schema import ConfigError
-
-
-def physical_memory() -> int:
-    """This machine's RAM in bytes (every rank on a node shares it; a bound, not what is free now)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:,.1f} GB"
+from mpifl.schema import ConfigError, gb, physical_memory
 
 
 def first_line(exc: BaseException) -> str:
