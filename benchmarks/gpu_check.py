@@ -1052,8 +1052,9 @@ def stage_bench(check: Check, stage: str) -> None:
               "server": f"PeFLL's and pFedHN's server step, server.device {server_devices}"
                         " (clients: 1 local step each)"}
     cmd = [check.python, *bench_command(check, stage)]
-    ran = next((step for step in check.report.steps if step.stage == stage.removesuffix(".cpu") != stage
-                and step.command == check.shown(cmd) and step.status == "ok"), None)
+    device_stage = stage.removesuffix(".cpu")
+    ran = next((step for step in check.report.steps if stage != device_stage and step.stage == device_stage
+                and step.status == "ok" and step.command == check.shown(cmd)), None)
     if ran is not None:  # --device cpu: the device stage ran this very command, and its run is the baseline
         check.report.add(Step(stage, titles[name], ran.command, "ok", ran.exit_code, 0.0,
                               [f"The very command of {ran.stage} (the device is this CPU): its table.", "", *ran.body],

@@ -19,6 +19,10 @@ from typing import Any, Literal, Union
 
 _LINE_BREAK = re.compile(r"\s*\n\s*")
 INT64_MAX = 2**63 - 1
+"""Every integer of a config ends up in int64 storage (numpy arrays, HDF5 attributes, seeds mixed into 64-bit
+keys), so none may lie beyond it; a field whose storage is smaller says so with its own ``limits``."""
+INT32_MAX = 2**31 - 1
+_YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 def physical_memory() -> int:
@@ -29,10 +33,6 @@ def physical_memory() -> int:
 
 def gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:,.1f} GB"
-"""Every integer of a config ends up in int64 storage (numpy arrays, HDF5 attributes, seeds mixed into 64-bit
-keys), so none may lie beyond it; a field whose storage is smaller says so with its own ``limits``."""
-INT32_MAX = 2**31 - 1
-_YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 class ConfigError(ValueError):

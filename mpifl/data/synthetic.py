@@ -103,10 +103,11 @@ def check_label_counts(cfg: DataConfig, total: int) -> None:
                           f"{cfg.synthetic.samples_per_client:,} samples are {total:,} in all; the partition draws "
                           f"fewer than {PARTITION_MAX_SAMPLES:,}")
     held = LABEL_COUNT_COPIES * 8 * cfg.num_clients * classes + 4 * classes * math.prod(cfg.synthetic.image_shape)
-    if held > physical_memory() // 2:
+    memory = physical_memory()
+    if held > memory // 2:
         raise ConfigError(f"data.num_clients: {cfg.num_clients:,} clients × {classes:,} classes of label counts "
                           f"(and the class means) take about {gb(held)}, more than half this machine's memory "
-                          f"({gb(physical_memory())})")
+                          f"({gb(memory)})")
 
 
 class LeafSyntheticDataset(FederatedDataset):
