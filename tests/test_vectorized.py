@@ -5,6 +5,8 @@ narrow dense layers."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -30,7 +32,7 @@ from mpifl.training.executor import (
     padded_work,
 )
 from mpifl.training.sgd import client_generator
-from tests.conftest import _merge, assert_same, deterministic, run_engine, run_mpifl
+from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, run_engine, run_mpifl
 from tests.test_checkpoint import CONFIGS
 from tests.test_models import layout
 
@@ -135,6 +137,34 @@ def test_clients_with_unequal_step_counts_train_in_separate_groups():
         local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
         torch.testing.assert_close(result.params[c], flat.params, rtol=1e-5, atol=1e-7)
         assert not torch.equal(result.params[c], torch.from_numpy(start))
+
+
+BATCH_IN_A_FRESH_PROCESS = """
+import sys, torch
+from mpifl.models import FlatModel, build_model
+from mpifl.models.config import ModelConfig
+from mpifl.training.config import ClientConfig
+from mpifl.training.executor import ClientRun, LocalSGD, LocalStep
+from mpifl.training.sgd import client_generator
+from tests.test_models import layout
+flat = FlatModel(build_model(ModelConfig(name="cnn", channels=(2,), fc_hidden=4), layout((1, 6, 6)), seed=0))
+runs = [ClientRun(flat.numpy().copy(), torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8,)), client_generator(3, 1, c))
+        for c in range(3)]
+trained = LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched=True, chunk=4).train(runs, LocalStep(),
+                                                                                     ClientConfig(batch_size=4))
+assert trained.steps.tolist() == [2, 2, 2], trained.steps
+print(sorted(name for name in sys.modules if name.startswith("torch._dynamo")))
+"""
+
+
+def test_the_batch_does_not_import_torch_dynamo():
+    """A worker that trains its clients in the batch starts no heavier than one that loops: ``torch.func.grad``
+    imported ``torch._dynamo`` on its first call (a second of CPU per process); the batch's autograd over a
+    vmapped forward pass does not (a fresh interpreter, as a rank is)."""
+    proc = subprocess.run([sys.executable, "-c", BATCH_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                          timeout=HANG_S, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_a_clients_update_does_not_depend_on_its_group_even_on_two_threads():

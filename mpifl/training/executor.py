@@ -12,10 +12,10 @@ block), with one of two engines computing the block's gradients:
   bits are the CPU's results of record (a row's block is ``[1, numel]``, the elementwise step the same bits as
   on a vector);
 * the **batch** (``batched=True``): clients whose batch sizes agree at every step as rows of one parameter
-  matrix on the device, one ``torch.func.vmap``-ped gradient per call of rows; their data concatenated on the
-  device, one index tensor for all their steps' batches (each client's batch order and augmentation drawn on
-  the host from its own generator, in the loop's order, so schedules stay bitwise), the start copied up once
-  however many clients share it, the losses summed on the device and the results left there
+  matrix on the device, one gradient per call of rows (autograd over a ``torch.func.vmap``-ped forward pass);
+  their data concatenated on the device, one index tensor for all their steps' batches (each client's batch order
+  and augmentation drawn on the host from its own generator, in the loop's order, so schedules stay bitwise), the
+  start copied up once however many clients share it, the losses summed on the device and the results left there
   (:class:`TrainedRows`), so nothing is read per client or per step.
 
 A client's update must not depend on which clients share its rank, or results would change with the rank
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
@@ -224,14 +224,26 @@ class LocalSGD:
         count_matters = model.device.type != "cpu" or any(isinstance(m, grouped) for m in module.modules())
         self.chunk: int | None = chunk if count_matters else None  # rows of every call, if fixed
 
-        def loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor
-                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        def forward(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             params = {name: part.view(shape) for name, part, shape in zip(names, flat.split(sizes), shapes)}
             out = functional_call(module, params, (x,))
-            value = loss_fn(out, y)
-            return value, (value.detach(), out.detach())
+            return loss_fn(out, y), out
 
-        self.kernel: Callable = vmap(grad(loss, has_aux=True))
+        self._rows_forward: Callable = vmap(forward)
+
+    def kernel(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's gradient of its loss on its batch (``params`` ``[rows, numel]``, ``x`` and ``y`` one batch
+        per row), with each row's loss and outputs: plain autograd over the rows' vmapped forward pass. A row's loss
+        depends on its own parameters alone, so the gradient of the losses' sum is every row's own gradient, the
+        same bits as ``vmap(grad(loss))`` for every vectorizable model but resnet20 with batch norm (2e-7 apart),
+        without ``torch.func.grad``'s import of ``torch._dynamo`` on its first call: a second of CPU in every
+        process that trains with the batch (docs/how-to/tests.md)."""
+        with torch.enable_grad():
+            rows = params.detach().requires_grad_()
+            losses, outputs = self._rows_forward(rows, x, y)
+            (gradients,) = torch.autograd.grad(losses.sum(), rows)
+        return gradients, (losses.detach(), outputs.detach())
 
     def train(self, runs: Sequence[ClientRun], step: LocalStep, cfg: ClientConfig) -> TrainedRows:
         """Local SGD of every run as ``step`` says (``cfg``: ``client.*``, unless ``step`` names its own)."""
