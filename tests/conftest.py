@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import os
@@ -87,6 +88,14 @@ SERIAL = ("tests/slurm/", "tests/multinode/")
 links: under pytest-xdist they run one at a time, on one worker (:func:`pytest_collection_modifyitems`)."""
 
 
+@functools.cache
+def _what_it_starts(function: Callable) -> tuple[bool, bool]:
+    """Whether a test function's source starts processes (:data:`LAUNCH`) and runs a whole job (:data:`RUNS`):
+    read once per function, not once per parametrized case (every pytest process collects the suite)."""
+    source = inspect.getsource(function)
+    return bool(LAUNCH.search(source)), bool(RUNS.search(source))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids (its own hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``launches`` mark (see :data:`LAUNCH`), and groups for ``pytest -n 2 --dist loadgroup`` (how
@@ -114,10 +123,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             parent[root(name)] = root(names[0])
         shared[item.nodeid] = names
         function = getattr(item, "function", None)
-        source = inspect.getsource(function) if function is not None else ""
-        if names or LAUNCH.search(source):
+        launches, runs = _what_it_starts(function) if function is not None else (False, False)
+        if names or launches:
             item.add_marker(pytest.mark.launches)
-        if RUNS.search(source):
+        if runs:
             item.add_marker(pytest.mark.runs)
     for item in items:
         if shared[item.nodeid]:
