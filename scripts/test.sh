@@ -67,5 +67,6 @@ phase "single-process suite"
 # pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the tests that share a fixture.
 python -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadgroup -m "not slow and not alone"
 phase "the tests that measure wall time (shaped links), with nothing of the suite beside them"
-python -m pytest -q -p no:cacheprovider -m "not slow and alone"
+# their file alone (tests/conftest.py's ALONE): collecting the whole suite to select them took 5 s more
+python -m pytest -q -p no:cacheprovider -m "not slow and alone" tests/multinode/test_netmodel.py
 phase "passed"
