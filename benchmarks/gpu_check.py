@@ -30,11 +30,12 @@ which its remaining steps are not started and a running one is stopped:
               W2 and B1 on this machine's CPU: the baselines for the GPU's seconds per round
 
 ``--device cpu`` is the dry run: everything on the CPU, the benchmarks at tiny sizes (a ``.cpu`` stage whose very
-command its device stage ran takes that run's table), so that the check's own failures show before GPU time is
-spent; ``--quick`` runs fewer cases (the rehearsal). Written to ``--out``: report.md (the device, the failures, then
-one section per stage: each command, its exit code, its duration and its table), gpu_check.json (the numbers behind
-the tables) and raw.tar.gz (every command's output and the configs it ran); all rewritten after every step, so a run
-killed on the way leaves what it had (SIGTERM and SIGINT stop the commands it started and mark the report stopped).
+command its device stage ran takes that run's table, and each case's 1-rank run is its own CPU reference), so that
+the check's own failures show before GPU time is spent; ``--quick`` runs fewer cases (the rehearsal). Written to
+``--out``: report.md (the device, the failures, then one section per stage: each command, its exit code, its
+duration and its table), gpu_check.json (the numbers behind the tables) and raw.tar.gz (every command's output and
+the configs it ran); all rewritten after every step, so a run killed on the way leaves what it had (SIGTERM and
+SIGINT stop the commands it started and mark the report stopped).
 Exit code 0 when nothing failed, 1 when something did, 2 for bad options.
 """
 
@@ -632,6 +633,9 @@ def stage_syncs(check: Check) -> None:
 RUNS = (("cpu", 1, "a"), ("dev", 1, "a"), ("dev", 1, "b"), ("dev", 3, "a"))
 """Each case's runs: (which config, ranks, repeat); "cpu" is the CPU reference, "dev" the run on --device. A
 3-rank run bitwise equal to the 1-rank runs is deterministic itself, so it runs once."""
+DRY_RUNS = RUNS[1:]
+"""The runs of ``--device cpu`` (the dry run): the "cpu" config is then the "dev" one, so the device's first
+1-rank run is the CPU reference, and a fourth launch would compute its very bits again."""
 
 
 @dataclass
@@ -645,10 +649,11 @@ class Case:
     results: dict[tuple[str, int, str], Path] = field(default_factory=dict)
     seconds: dict[tuple[str, int, str], float | None] = field(default_factory=dict)  # each job's, in its launch
     row: dict[str, Any] = field(default_factory=dict)
+    runs: tuple[tuple[str, int, str], ...] = RUNS  # DRY_RUNS on the CPU
 
     @property
     def finished(self) -> bool:
-        return len(self.exit_codes) == len(RUNS)
+        return len(self.exit_codes) == len(self.runs)
 
 
 def bitwise(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -717,16 +722,17 @@ def compare(case: Case) -> list[str]:
     of them are made, so a comparison that raises leaves a row the table can still show."""
     from tests.conftest import deterministic
 
-    codes = [case.exit_codes[run] for run in RUNS]
+    codes = [case.exit_codes[run] for run in case.runs]
     case.row = {"exit codes": " ".join("—" if c is None else str(c) for c in codes)}
     failed = [f"{'cpu' if kind == 'cpu' else 'device'} P{ranks}{tag}" for (kind, ranks, tag), c
               in case.exit_codes.items() if c not in (0, None)]
     if failed:
-        return [f"exit codes {case.row['exit codes']} ({RUNS_SHOWN}): {', '.join(failed)} failed"]
+        return [f"exit codes {case.row['exit codes']} ({runs_shown(case.runs)}): {', '.join(failed)} failed"]
     if None in codes:  # not started: the stage's budget was spent (the step says so once)
         return []
-    runs = {run: deterministic(case.results[run]) for run in RUNS}
-    cpu, p1a = runs["cpu", 1, "a"], runs["dev", 1, "a"]
+    runs = {run: deterministic(case.results[run]) for run in case.runs}
+    p1a = runs["dev", 1, "a"]
+    cpu = runs.get(("cpu", 1, "a"), p1a)  # the dry run's reference is the device's run: the device is the CPU
     row = {"P1 run to run": bitwise(p1a, runs["dev", 1, "b"]), "P1 vs P3": bitwise(p1a, runs["dev", 3, "a"]),
            "model": difference(cpu, p1a, "model/"), "metrics": difference(cpu, p1a, "eval/"),
            "vectorized": vectorized_share(case.results["dev", 1, "a"]), "within tolerance": within_tolerance(cpu, p1a)}
@@ -747,11 +753,14 @@ def vectorized_share(path: Path) -> float:
     return float(results.table("ranks")["clients_trained_vectorized"].sum() / max(trained, 1))
 
 
-RUNS_SHOWN = "cpu, P1 ×2, P3"  # RUNS, as the report names them
+def runs_shown(runs: tuple[tuple[str, int, str], ...], device: str = "") -> str:
+    """RUNS (``cpu, P1 ×2, P3``) or DRY_RUNS (``P1 ×2, P3``) as the report names them."""
+    return ("cpu, " if runs == RUNS else "") + (f"{device} " if device else "") + "P1 ×2, P3"
 
 
 def case_table(cases: list[Case], device: str) -> list[str]:
-    head = (f"| case | exit codes (cpu, {device} P1 ×2, P3) | P1 run to run | P1 vs P3 | "
+    runs = runs_shown(cases[0].runs if cases else RUNS, device)
+    head = (f"| case | exit codes ({runs}) | P1 run to run | P1 vs P3 | "
             "model vs CPU: max abs, max rel (where) | metrics vs CPU: max abs, max rel (where) | within tolerance | "
             "clients vectorized |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
@@ -774,10 +783,10 @@ def _worst(found: tuple[float, float, str]) -> str:
 
 def run_cases(check: Check, stage: str, title: str, cases: list[Case],
               unrunnable: dict[str, str] | None = None) -> None:
-    """Every run of ``cases``: for each of RUNS, the cases' jobs in one launch each (benchmarks/gpu_runs.py),
-    ``--jobs`` launches at a time (each of RUNS split into ``--jobs`` // len(RUNS) launches), each case compared
-    as soon as its runs are done; ``unrunnable``: the cases that cannot run here, each with why (failures of the
-    step)."""
+    """Every run of ``cases``: for each of RUNS (DRY_RUNS on the CPU), the cases' jobs in one launch each
+    (benchmarks/gpu_runs.py), ``--jobs`` launches at a time (each run kind split into ``--jobs`` // 4 launches),
+    each case compared as soon as its runs are done; ``unrunnable``: the cases that cannot run here, each with why
+    (failures of the step)."""
     deadline = check.deadline(stage)
     job = [check.python, "benchmarks/gpu_runs.py", "MANIFEST", "STATUS"]
     shown = f"{check.shown(job)}; with 3 ranks: {check.shown([*check.launcher(3), *job])}"
@@ -789,7 +798,8 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case],
                  "/logs/`, the launches' own: `" + stage + "/launches/`. Comparisons use tests/conftest.py's "
                  "`deterministic` (final server state, every evaluation, the rounds' deterministic columns, the "
                  "ledger); CPU differences are the P1 device run's final model and evaluation metrics against the CPU "
-                 "run's; the tolerance is tests/test_device.py's."]
+                 "run's (on the CPU, the dry run, that run is its own reference); the tolerance is "
+                 "tests/test_device.py's."]
     step.failures += [f"{name}: not run: {why}" for name, why in (unrunnable or {}).items()]
     check.report.save()
     lock = threading.Lock()
@@ -812,14 +822,16 @@ def run_cases(check: Check, stage: str, title: str, cases: list[Case],
             step.body[1:] = ["", *case_table(cases, check.device)]
             check.report.save()
 
+    runs = DRY_RUNS if check.device == "cpu" else RUNS
     for case in cases:
-        for kind, ranks, tag in RUNS:
+        case.runs = runs
+        for kind, ranks, tag in runs:
             name = f"{slug(case.name)}_{kind}_p{ranks}{tag}"
             case.logs[kind, ranks, tag] = check.raw(stage, "logs", f"{name}.log")
             case.results[kind, ranks, tag] = check.work / "runs" / stage / f"{name}.h5"
     (check.work / "runs" / stage).mkdir(parents=True, exist_ok=True)
     parts = max(1, check.args.jobs // len(RUNS))
-    batches = [(run, cases[part::parts], f"{run[0]}_p{run[1]}{run[2]}_{part}") for run in RUNS for part in range(parts)]
+    batches = [(run, cases[part::parts], f"{run[0]}_p{run[1]}{run[2]}_{part}") for run in runs for part in range(parts)]
     with ThreadPoolExecutor(check.args.jobs) as pool:
         for future in [pool.submit(launch, check, stage, run, batch, name, deadline, finish)
                        for run, batch, name in batches if batch]:
