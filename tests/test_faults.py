@@ -57,6 +57,17 @@ def test_deadline_and_over_selection_use_expected_times(write_config, tmp_path):
     assert np.all(cut.table("rounds")["sim_time_s"] - cut.table("rounds")["server_time_s"] <= deadline + 1.0)
 
 
+def test_over_selection_past_the_seen_clients_is_one_line_before_training(write_config, tmp_path, capsys):
+    """6 of TINY's 8 seen clients a round, over-selected by half: 9 would be asked of 8; one line, exit code 2, and
+    no results file."""
+    out = tmp_path / "never.h5"
+    config = write_config({"clients_per_round": 6, "faults": {"over_selection": 0.5}})
+    assert main(["run", str(config), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("mpifl: error: faults.over_selection: selecting 9 clients per round exceeds "
+                                       "the 8 seen clients of the data\n")
+    assert not out.exists()
+
+
 def test_non_finite_updates_are_rejected_or_abort(write_config, tmp_path, capsys):
     res = run(write_config, tmp_path, {"rounds": 3, "client": {"lr": 1e12}}, "skip")
     assert res.table("rounds")["rejected_updates"].sum() > 0

@@ -5,10 +5,13 @@ path that cannot be written is one line, before anything is read."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from mpifl.cli import main
+from tests.conftest import HANG_S
 
 
 @pytest.fixture
@@ -88,3 +91,17 @@ def test_export_refuses_what_an_earlier_export_wrote_unless_overwrite(results, t
         assert main(["export", str(results), flag, str(target), "--overwrite"]) == 0
     assert (csv / "eval.csv").read_bytes() == eval_csv
     assert len(list(tensorboard.iterdir())) == 1  # one event file: TensorBoard shows the run once
+
+
+def test_a_report_whose_reader_has_gone_ends_quietly(results):
+    """`mpifl report F.h5 | head`: once the reader has gone, a write fails (EPIPE); that is not an error: exit
+    code 0 and nothing on stderr, no BrokenPipeError traceback. The pipe's read end is closed before the report
+    starts, so its first write fails."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mpifl", "report", str(results)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=HANG_S)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")

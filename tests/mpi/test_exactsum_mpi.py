@@ -90,13 +90,9 @@ def test_a_reduce_scatter_over_whole_chunks_gives_the_same_bits(data, device):
         assert same_bits(gathered, reference(rows, weights))
 
 
-@pytest.mark.mpi(min_size=3)
-@pytest.mark.parametrize("few", [True, False])
-def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(data, few):
-    """Two float64 rows per worker (16 B per entry) are cheaper than the totals' wire words: they are gathered
-    and folded on rank 0. A worker that kept none (too many to keep) makes the workers reduce-scatter their words
-    and round their shares, and rank 0 gathers the float64 sums (it neither exports nor rounds). Either way each
-    group's sum is the correctly rounded exact sum, bit for bit."""
+def workers_sum():  # noqa: ANN201 - (the world, a DistributedSum over it, the worker count)
+    """A float64 message of two groups summed over the world, its clients 2 per worker (client i on worker
+    i mod workers + 1): the sum, not yet given any term."""
     from mpi4py import MPI
 
     from mpifl.comm.distributed_sum import DistributedSum
@@ -105,17 +101,28 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
     from mpifl.comm.transport import Transport
 
     comm = MPI.COMM_WORLD
-    rows, weights = data
     workers = comm.Get_size() - 1
-    mine = [i for i in range(2 * workers) if i % workers == comm.Get_rank() - 1]
     msg = Message("delta", "up", SIZE, "float64", summed="samples", groups=2)
     transport = Transport(comm, Placement(np.arange(2 * workers) % workers + 1, comm.Get_size()))
-    part = DistributedSum(msg, transport)
+    return comm, DistributedSum(msg, transport), workers
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("few", [True, False])
+def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(data, few):
+    """Two float64 rows per worker (16 B per entry) are cheaper than the totals' wire words: they are gathered
+    and folded on rank 0. A worker that kept none (too many to keep) makes the workers reduce-scatter their words
+    and round their shares, and rank 0 gathers the float64 sums (it neither exports nor rounds). Either way each
+    group's sum is the correctly rounded exact sum, bit for bit."""
+    comm, part, workers = workers_sum()
+    rows, weights = data
     if not few and comm.Get_rank() == 1:
         part.kept = None  # as if it had folded too many to keep
-    for i in mine:
-        part.add(rows[i], weights[i], i % 2)
+    for i in range(2 * workers):
+        if i % workers == comm.Get_rank() - 1:
+            part.add(rows[i], weights[i], i % 2)
     sums = part.total(1)
+    transport = part.transport
     if comm.Get_rank() == 0:
         ops = {op for _, name, op, _, _ in transport.physical.rows if name == "delta"}
         assert ops == {"gatherv"}  # rank 0 takes no part in the workers' reduce-scatter
@@ -128,6 +135,28 @@ def test_the_transport_moves_the_cheaper_of_rows_and_totals_with_the_same_bits(d
             assert moved[("delta", "gatherv")] == 2 * SIZE * 8
         for group in (0, 1):
             chosen = list(range(group, 2 * workers, 2))
+            assert same_bits(sums[group], reference(rows[chosen], weights[chosen])), group
+    else:
+        assert sums is None
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_server_that_folds_terms_too_takes_the_reduced_totals_with_the_same_bits(data):
+    """Where rank 0 folds a term of its own, the totals' wire words are reduced onto it (one MPI.SUM), and it
+    rounds them: each group's sum is still the correctly rounded exact sum of every term, its own included."""
+    comm, part, workers = workers_sum()
+    rows, weights = data
+    own = 2 * workers  # rank 0's term, in group 0
+    if comm.Get_rank() == 1:
+        part.kept = None  # as if it had folded too many to keep: the totals move, not the rows
+    for i in range(2 * workers + 1):
+        if (i == own and comm.Get_rank() == 0) or (i < own and i % workers == comm.Get_rank() - 1):
+            part.add(rows[i], weights[i], i % 2)
+    sums = part.total(1)
+    if comm.Get_rank() == 0:
+        assert {op for _, name, op, _, _ in part.transport.physical.rows if name == "delta"} == {"reduce"}
+        for group in (0, 1):
+            chosen = list(range(group, 2 * workers + 1, 2))
             assert same_bits(sums[group], reference(rows[chosen], weights[chosen])), group
     else:
         assert sums is None
