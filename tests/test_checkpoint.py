@@ -5,16 +5,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from benchmarks.gpu_check import kill_session
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
-from mpifl.state_io import read_client_states
+from mpifl.schema import ConfigError
+from mpifl.state_io import read_client_states, read_state, write_object, write_state
 from tests.algorithms.conftest import KARULA, RIDGE, SHARDS
 from tests.algorithms.test_pefll import PEFLL
 from tests.algorithms.test_pfedhn import PFEDHN
@@ -223,3 +227,39 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
         f"round); its {done} rounds are lost: --overwrite starts it again (a smaller checkpoint_minutes or a "
         "checkpoint_every > 0 loses less next time)\n")
     assert never.read_bytes() == before
+
+
+def test_state_round_trips_every_kind_a_checkpoint_holds_and_refuses_what_it_cannot(tmp_path):
+    """write_state and read_state over the kinds algorithms keep: a numpy and a torch generator go on where they
+    stopped, a module's and an optimizer's state load in place, a tuple stays a tuple; a dict key or a value a
+    checkpoint cannot hold, a class outside mpifl and a kind it does not know are refused, naming what."""
+    rng, gen = np.random.default_rng(3), torch.Generator().manual_seed(4)
+    rng.random(5), torch.rand(3, generator=gen)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with h5py.File(tmp_path / "state.h5", "w") as f:
+        write_state(f, "v", {"rng": rng, "gen": gen, "pair": (1, "a"), "module": module, "optimizer": optimizer})
+    fresh = torch.nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with h5py.File(tmp_path / "state.h5") as f:
+        back = read_state(f["v"], {"module": fresh, "optimizer": fresh_optimizer})
+    assert np.array_equal(back["rng"].random(4), rng.random(4))
+    assert torch.equal(torch.rand(2, generator=back["gen"]), torch.rand(2, generator=gen))
+    assert back["pair"] == (1, "a") and back["module"] is fresh and torch.equal(fresh.weight, module.weight)
+    momentum = [optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]]
+    assert back["optimizer"] is fresh_optimizer and torch.equal(*(m["momentum_buffer"] for m in momentum))
+    with h5py.File(tmp_path / "refused.h5", "w") as f:
+        with pytest.raises(TypeError, match="dict key 1.5 of type float cannot be checkpointed"):
+            write_state(f, "keys", {1.5: 0})
+        with pytest.raises(TypeError, match="SimpleNamespace.kept: cannot checkpoint 'kept' of type builtins.set"):
+            write_object(f.create_group("object"), SimpleNamespace(kept={1, 2}))
+        foreign = f.create_group("foreign")
+        foreign.attrs["kind"], foreign.attrs["class"] = "object", "collections:OrderedDict"
+        with pytest.raises(ConfigError, match="class collections.OrderedDict, which is not mpifl's own"):
+            read_state(foreign)
+        unknown = f.create_dataset("unknown", data=1)
+        unknown.attrs["kind"] = "pickle"
+        with pytest.raises(ConfigError, match="unknown kind 'pickle'"):
+            read_state(unknown)

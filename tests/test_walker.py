@@ -10,7 +10,7 @@ import pytest
 
 from mpifl.algorithms.base import ClientAlgorithm, EvalLayout, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.comm import LOCAL, Ledger, Message, Placement, Transport
-from mpifl.comm.messages import EVERYONE_LOCAL
+from mpifl.comm.messages import EVERYONE_LOCAL, require
 from mpifl.comm.wire import WireFormat
 from mpifl.data import build_federated_dataset
 from mpifl.registry import parse_config
@@ -215,3 +215,23 @@ def test_checkpointer_round_trips_server_and_client_state(tmp_path):
     assert restricted.state.clients() == [4]  # a worker takes only the clients it hosts now
     with pytest.raises(ConfigError, match="config differs"):
         restore(parse_config({**TINY, "seed": 8}), fresh_server, None, np.arange(10))
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"direction": "up", "broadcast": True}, "only down messages can be broadcast"),
+    ({"direction": "up", "everyone": True}, "only down messages can reach every client"),
+    ({"direction": "down", "update": True}, "an update is a float upload"),
+    ({"direction": "up", "numel": -1}, "negative size"),
+    ({"direction": "up", "dtype": "int64", "summed": "samples"}, "only float uploads can be summed"),
+    ({"direction": "up", "groups": 2}, "groups are sums side by side, at least one"),
+])
+def test_a_message_an_algorithm_cannot_mean_is_refused_when_declared(fields, says):
+    """An algorithm's message declarations are checked when made, each refusal naming the message."""
+    with pytest.raises(ValueError, match=f"^message m: {says}$"):
+        Message("m", **{"numel": 4, **fields})
+
+
+def test_a_plan_step_that_reads_what_no_earlier_step_set_is_an_algorithm_bug():
+    with pytest.raises(RuntimeError, match="^the mean is missing: the plan's steps came out of order$"):
+        require(None, "the mean")
+    assert require(0, "zero") == 0
