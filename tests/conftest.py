@@ -23,6 +23,8 @@ import pytest
 import torch
 import yaml
 
+from mpifl.comm.transport import arrive_together
+
 REPO = Path(__file__).resolve().parents[1]
 
 LOCAL_MPI = {"OMPI_MCA_btl": "self,vader,tcp", "OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
@@ -238,9 +240,13 @@ def write_config(tmp_path: Path):
 
 
 def shared_dir(tmp_path_factory, name: str) -> Path:  # noqa: ANN001
-    """One directory every rank of the world communicator agrees on (rank 0's), for pytest-mpi tests."""
+    """One directory every rank of the world communicator agrees on (rank 0's), for pytest-mpi tests. The ranks
+    meet asleep first: the workers of the test before may be here long before rank 0 ends that test's
+    one-process reference run, and a blocking broadcast would poll a core all the while (most of the workers'
+    CPU in tests/mpi, measured with py-spy), a core the other phases of scripts/test.sh need."""
     from mpi4py import MPI
 
+    arrive_together(MPI.COMM_WORLD)
     path = str(tmp_path_factory.mktemp(name)) if MPI.COMM_WORLD.Get_rank() == 0 else None
     return Path(MPI.COMM_WORLD.bcast(path, root=0))
 

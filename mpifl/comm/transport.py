@@ -40,6 +40,13 @@ def wait_without_spinning(request) -> None:  # noqa: ANN001 - an MPI.Request
         delay = min(delay * 2.0, _MAX_SLEEP_S)
 
 
+def arrive_together(comm) -> None:  # noqa: ANN001 - an mpi4py Comm
+    """Wait, without spinning, until every rank of ``comm`` is here (``Ibarrier``): put before a blocking
+    collective of Python objects, it finds every rank ready instead of polling a core while a slower rank (the
+    server writing its results, a rank still loading) works on."""
+    wait_without_spinning(comm.Ibarrier())
+
+
 @dataclass
 class Transport:
     """Collectives for one communicator; rank 0 is the server, and also hosts every client if alone."""

@@ -24,6 +24,7 @@ from mpifl.algorithms.base import (
 )
 from mpifl.comm import Ledger, Placement, Transport
 from mpifl.comm.messages import require
+from mpifl.comm.transport import arrive_together, wait_without_spinning
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
 from mpifl.registry import get_algorithm
@@ -142,7 +143,7 @@ class Engine:
             if halt:  # no rank leaves before rank 0 has the checkpoint on disk: a launcher ends the job at the first
                 self._release()
                 if self.size > 1:
-                    self.comm.Barrier()
+                    arrive_together(self.comm)
                 return round_
         self.times.loop_wall = time.perf_counter() - wall
         self.times.loop_cpu = time.process_time() - cpu
@@ -153,12 +154,13 @@ class Engine:
     def _agree(self, stop: bool, due: bool) -> tuple[bool, bool]:
         """Whether any rank was asked to stop, and whether rank 0's clock says a checkpoint is due: one small
         all-reduce on every rank, so all of them stop, or checkpoint, after the same round."""
-        flags = int(stop) | int(due) << 1
-        if self.size > 1:
+        flags = np.array([int(stop) | int(due) << 1])
+        if self.size > 1:  # the workers wait here while the server steps: asleep, not polling a core
             from mpi4py import MPI
 
-            flags = self.comm.allreduce(flags, op=MPI.BOR)
-        return bool(flags & 1), bool(flags & 2)
+            mine, flags = flags, np.zeros_like(flags)
+            wait_without_spinning(self.comm.Iallreduce(mine, flags, op=MPI.BOR))
+        return bool(flags[0] & 1), bool(flags[0] & 2)
 
     def _release(self) -> None:
         """The end of this rank's part: client state closed, the output's lock given up."""
@@ -190,6 +192,8 @@ class Engine:
         mine = rank_summary(self.rank, self.placement, self.parts.transport, self.visits, self.client, self.parts.store,
                             self.times, self.parts.time_parts() - self.parts_at_start)
         rows = self.profile.rows() if self.profile is not None else np.zeros((0, len(Profile.COLUMNS)))
+        if self.size > 1:
+            arrive_together(self.comm)
         per_rank = self.comm.gather((mine, rows), root=0) if self.size > 1 else [(mine, rows)]
         if self.server is None:
             return

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from mpifl.algorithms.base import AsynchronousProtocol, Protocol
+from mpifl.comm.transport import arrive_together
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, results_names, resume_command
@@ -59,6 +60,8 @@ def _prepare_everywhere(engine, comm) -> int | None:  # noqa: ANN001 - an Engine
         engine.prepare()
     except Exception as exc:  # noqa: BLE001 - reported once, below, for whichever rank raised
         failure = (rank, isinstance(exc, ConfigError), _describe(exc), traceback.format_exc())
+    if size > 1:
+        arrive_together(comm)
     failures = [f for f in (comm.allgather(failure) if size > 1 else [failure]) if f is not None]
     if not failures:
         return None
@@ -147,7 +150,10 @@ def run_job(config_path: str | None, overrides: list[str], output: str | None, o
     # alone, the signal is announced at once; under a launcher only the stop itself is, at the round's end: Open
     # MPI's mpirun also sends SIGTERM to the ranks left after a rank's MPI_Abort, which must not promise a checkpoint
     with StopRequest(announce=comm.Get_size() == 1).installed() as stop:
-        return _run_job(comm, config_path, overrides, output, options, stop)
+        code = _run_job(comm, config_path, overrides, output, options, stop)
+    if comm.Get_size() > 1:  # the workers wait asleep while rank 0 writes the file's last tables, not in a poll
+        arrive_together(comm)
+    return code
 
 
 def _run_job(comm, config_path: str | None, overrides: list[str], output: str | None,  # noqa: ANN001 - a Comm

@@ -4,6 +4,7 @@ checkpointed and resumed on the world."""
 import h5py
 import pytest
 
+from mpifl.comm.transport import arrive_together
 from mpifl.registry import parse_config
 from mpifl.state_io import read_client_states
 from tests.conftest import TINY, assert_same, deterministic, run_engine, shared_dir
@@ -39,7 +40,7 @@ def test_checkpoint_then_resume_on_the_world_equals_an_uninterrupted_run(tmp_pat
     directory = shared_dir(tmp_path_factory, "ckpt")
     straight = run_engine(parse_config({**base, "rounds": 4}), world, f"{directory}/straight.h5")
     run_engine(parse_config({**base, "rounds": 2}), world, f"{directory}/resumed.h5")
-    world.Barrier()  # rank 0 writes the file after the workers are done: a new job would start later
+    arrive_together(world)  # rank 0 writes the file after the workers are done: a new job would start later
     resumed = run_engine(parse_config({**base, "rounds": 4}), world, f"{directory}/resumed.h5", resume=True)
     if world.Get_rank() == 0:
         assert_same(deterministic(straight), deterministic(resumed))

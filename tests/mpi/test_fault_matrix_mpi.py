@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpifl.comm.transport import arrive_together
 from mpifl.registry import known_algorithms, parse_config
 from mpifl.results import read_results
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
@@ -113,4 +114,4 @@ def test_checkpoint_on_three_ranks_resumes_on_two_under_faults(algorithm, tmp_pa
             reference = run_engine(raw, MPI.COMM_SELF, directory / "alone.h5")
             assert_same(deterministic(path), deterministic(reference))
             assert read_results(path).table("rounds")["rejected_updates"].sum() > 0 or algorithm == "local"
-    world.Barrier()
+    arrive_together(world)

@@ -3,6 +3,7 @@
 
 import pytest
 
+from mpifl.comm.transport import arrive_together
 from mpifl.registry import known_algorithms, parse_config
 from tests.conftest import _merge, assert_same, deterministic, run_engine, shared_dir
 from tests.test_checkpoint import CONFIGS, SERVER_OPTIMIZERS
@@ -25,7 +26,7 @@ def same_on_1_to_4_ranks(raw: dict, name: str, tmp_path_factory) -> None:  # noq
         if comm != MPI.COMM_NULL:
             paths[size] = run_engine(cfg, comm, directory / f"p{size}.h5")
             comm.Free()
-        world.Barrier()
+        arrive_together(world)
     if world.Get_rank() == 0:
         alone = deterministic(run_engine(cfg, MPI.COMM_SELF, directory / "p1.h5"))
         for path in paths.values():
