@@ -99,3 +99,26 @@ def test_an_encoded_broadcast_is_sent_once_per_worker(transport):
     assert all(b.tolist() == list(range(7)) for b in arrived)
     if transport.is_server:
         assert transport.physical.by_message(("model",))[0] == 7 * (transport.size - 1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_waiting_for_a_busy_rank_sleep_instead_of_polling_a_core():
+    """``arrive_together`` (the engine's set-up and end-of-run meetings, the tests' shared folders): while rank 0
+    is busy for half a second, the others wait on a fraction of a core; a blocking MPI barrier polls a whole one
+    (Open MPI), which on an oversubscribed node is taken from the ranks still working."""
+    import time
+
+    from mpi4py import MPI
+
+    from mpifl.comm.transport import arrive_together
+
+    world = MPI.COMM_WORLD
+    arrive_together(world)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if world.Get_rank() == 0:
+        time.sleep(0.5)
+    arrive_together(world)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.5
+    if world.Get_rank() > 0:
+        assert cpu < 0.25 * wall, f"waited {wall:.2f} s on {cpu:.2f} s of CPU"
