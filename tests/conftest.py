@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,8 +178,13 @@ def mpirun_cmd(n: int) -> list[str]:
     return [mpirun, "-n", str(n), "--oversubscribe"]
 
 
-def run_mpifl(args: list[str], ranks: int = 0, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    """Run ``python -m mpifl ARGS`` (under ``mpirun -n ranks`` when ranks > 0)."""
+def run_mpifl(args: list[str], ranks: int = 0, timeout: float = HANG_S,
+              own_launch: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m mpifl ARGS`` as a process of its own, or on ``ranks`` > 0 ranks: in this pytest process's
+    :class:`Launch` of that many, or with ``own_launch`` under an ``mpirun -n ranks`` of its own (a job that ends
+    its launch with ``MPI_Abort``, which loses what coverage.py had recorded of the launch's jobs before it)."""
+    if ranks and not own_launch:
+        return Launch.run(args, ranks)
     cmd = (mpirun_cmd(ranks) if ranks else []) + [sys.executable, "-m", "mpifl", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
 
@@ -188,7 +194,10 @@ def run_mpifl_batch(jobs: list[list[str]], ranks: int, folder: Path,
     """``python -m mpifl JOB`` for every job, as :func:`run_mpifl` runs one, but all in one launch (``mpirun -n
     ranks``, or one process when ranks = 0): one result per job, its stdout and stderr every rank's (tests/batch.py).
     A job that ends its launch (``MPI_Abort``) gets the launch's exit code and output, and the jobs after it run
-    in a new launch."""
+    in a new launch. Jobs on ranks > 0 with no environment of their own run in this pytest process's
+    :class:`Launch` of that many ranks."""
+    if ranks and env is None:
+        return [Launch.run(job, ranks) for job in jobs]
     folder.mkdir(parents=True, exist_ok=True)
     envs = env or [{}] * len(jobs)
 
@@ -215,9 +224,67 @@ def run_mpifl_batch(jobs: list[list[str]], ranks: int, folder: Path,
     return results
 
 
+class Launch:
+    """One ``mpirun -n ranks`` of ``python -m tests.batch --serve`` that this pytest process keeps and hands jobs
+    to, one at a time, as the tests come: each job is ``python -m mpifl ARGS`` as :func:`run_mpifl` runs it,
+    without a new launch's start (every rank's imports of torch and MPI, two seconds of CPU each). The launch ends
+    with the test session (:func:`pytest_sessionfinish`), or with a job that ends it (``MPI_Abort``): the next job
+    then gets a new one."""
+
+    running: dict[int, Launch] = {}
+    """The live launch of each rank count."""
+
+    def __init__(self, ranks: int):
+        self.folder = Path(tempfile.mkdtemp(prefix=f"mpifl-launch{ranks}-"))
+        self.ranks, self.jobs = ranks, 0
+        with open(self.folder / "launch.out", "w") as out, open(self.folder / "launch.err", "w") as err:
+            self.proc = subprocess.Popen(mpirun_cmd(ranks) + [sys.executable, "-m", "tests.batch", "--serve",
+                                                             str(self.folder), str(os.getpid())],
+                                         stdout=out, stderr=err, env=mpi_env(), cwd=REPO, start_new_session=True)
+
+    @classmethod
+    def run(cls, args: list[str], ranks: int) -> subprocess.CompletedProcess:
+        """``python -m mpifl ARGS`` on ``ranks`` ranks, in this process's launch of that many (started if none)."""
+        launch = cls.running.get(ranks)
+        if launch is None or launch.proc.poll() is not None:
+            launch = cls.running[ranks] = cls(ranks)
+        return launch.job(args)
+
+    def job(self, args: list[str]) -> subprocess.CompletedProcess:
+        index, self.jobs = self.jobs, self.jobs + 1
+        log = self.folder / f"log{index}"
+        (self.folder / "next").write_text(json.dumps({"argv": args, "log": str(log)}))
+        (self.folder / "next").rename(self.folder / f"job{index}.json")
+        end, deadline = self.folder / f"end{index}", time.monotonic() + HANG_S
+        while not end.exists() and self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"job {args} did not end in {HANG_S} s"
+            time.sleep(0.01)
+        logs = sorted(self.folder.glob(f"log{index}.*"))
+        out, err = ("".join(p.read_text() for p in logs if p.suffix == kind) for kind in (".out", ".err"))
+        if end.exists():
+            return subprocess.CompletedProcess(args, int(end.read_text()), out, err)
+        self.proc.wait()  # the job ended the launch: its code and output, as a launch of its own would give
+        launched = ((self.folder / name).read_text() for name in ("launch.out", "launch.err"))
+        return subprocess.CompletedProcess(args, self.proc.returncode, out + next(launched), err + next(launched))
+
+    def close(self) -> None:
+        """End the launch between jobs (so that each rank exits as a finished job does, coverage data written)."""
+        (self.folder / "stop").touch()
+        try:
+            self.proc.wait(timeout=HANG_S)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:  # noqa: ARG001 - pytest's hook signature
+    for launch in Launch.running.values():
+        launch.close()
+    Launch.running.clear()
+
+
 def run_config(config: Path, out: Path, ranks: int = 0) -> None:
-    """``mpifl run CONFIG --out OUT --quiet`` in this process (ranks = 0) or under ``mpirun -n ranks``;
-    it must succeed."""
+    """``mpifl run CONFIG --out OUT --quiet`` in this process (ranks = 0) or on ``ranks`` ranks (in this pytest
+    process's :class:`Launch` of that many); it must succeed."""
     args = ["run", str(config), "--out", str(out), "--quiet"]
     if ranks:
         proc = run_mpifl(args, ranks=ranks)

@@ -74,7 +74,7 @@ def test_non_finite_updates_are_rejected_or_abort(write_config, tmp_path, capsys
     assert "rejected non-finite delta" in capsys.readouterr().err
     out = tmp_path / "abort.h5"  # a real 3-rank job: the server's abort ends every rank, with one message
     config = write_config({"rounds": 3, "client": {"lr": 1e12}, "faults": {"nonfinite": "abort"}}, name="abort.yaml")
-    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=3)
+    proc = run_mpifl(["run", str(config), "--out", str(out), "--quiet"], ranks=3, own_launch=True)
     assert proc.returncode != 0 and proc.stderr.count("is not finite") == 1
     assert "mpifl: error: rank 0 of 3 failed: FloatingPointError: round 1: delta of client(s)" in proc.stderr
 

@@ -19,7 +19,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import read_results, shard_dir
-from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd, run_mpifl
 from tests.test_checkpoint import kill_job
 
 LONG = _merge(TINY, {"model": {"name": "logistic"}, "rounds": 120, "eval_every": 50, "checkpoint_every": 5})
@@ -240,9 +240,7 @@ def test_more_worker_ranks_than_clients_at_once_says_some_idle(write_config, tmp
     config = write_config({"clients_per_round": 2, "rounds": 1})
     notes = []
     for ranks in (4, 3):
-        proc = subprocess.run(mpirun_cmd(ranks) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
-                                                   str(tmp_path / f"r{ranks}.h5")],
-                              env=mpi_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+        proc = run_mpifl(["run", str(config), "--out", str(tmp_path / f"r{ranks}.h5")], ranks=ranks)
         assert proc.returncode == 0, proc.stderr
         notes.append([line for line in proc.stdout.splitlines() if line.startswith("mpifl: note:")])
     assert notes == [["mpifl: note: 3 worker ranks, but at most 2 clients train at once: 1 rank(s) idle every "
