@@ -4,6 +4,8 @@ The jobs of this file run in two launches (tests/batch.py, built once by :func:`
 single process; each test asserts on its own jobs there. Start-ups, not training, are what such small jobs cost."""
 
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -12,8 +14,19 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.gpu_check import SESSION, processes
 from mpifl.results import read_results
-from tests.conftest import TINY, _merge, assert_same, deterministic, run_config, run_mpifl_batch
+from tests.conftest import (
+    HANG_S,
+    REPO,
+    TINY,
+    _merge,
+    assert_same,
+    deterministic,
+    mpi_env,
+    run_config,
+    run_mpifl_batch,
+)
 from tests.test_append_only import check_committed
 
 BITWISE = {"rounds": 2, "clients_per_round": 5, "client": {"momentum": 0.9, "weight_decay": 1e-4}}
@@ -216,3 +229,21 @@ def test_idle_server_does_not_spin(jobs):
         np.testing.assert_allclose([profile[k][profile["rank"] == rank].sum() for rank in range(3)], r[k])
     text = results[0]["report"].stdout
     assert "time by rank" in text and "median round by rank" in text
+
+
+def test_a_kept_launch_runs_job_after_job_and_ends_with_the_process_that_keeps_it(tmp_path):
+    """tests/conftest.py's Launch: one launch runs a pytest process's jobs of a rank count one after another (a
+    job that fails leaves it running for the next), and a pytest process that dies without closing it leaves no
+    rank behind."""
+    keeper = ("import os; from tests.conftest import Launch, REPO; quickstart = str(REPO / 'configs/quickstart.yaml'); "
+              "codes = [Launch.run(args, 2).returncode for args in (['validate', quickstart], "
+              "['run', str(REPO / 'configs/nothing.yaml')], ['validate', quickstart])]; "
+              "print(*codes, Launch.running[2].proc.pid, Launch.running[2].jobs, flush=True); os._exit(0)")
+    proc = subprocess.run([sys.executable, "-c", keeper], capture_output=True, text=True, timeout=HANG_S,
+                          env=mpi_env(), cwd=REPO)
+    *codes, launch, jobs = map(int, proc.stdout.split())
+    assert (codes, jobs) == ([0, 2, 0], 3), proc.stderr
+    deadline = time.monotonic() + HANG_S
+    while processes(SESSION, launch):  # its ranks see the keeper gone within a poll
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
