@@ -5,11 +5,12 @@ GPU check's jobs):
     python -m tests.batch MANIFEST STATUS            (under mpirun -n P for P ranks)
     python -m tests.batch --serve FOLDER OWNER       (the same, for jobs handed over one at a time)
 
-MANIFEST: a JSON list of {"argv", "env", "log"}. Each job is ``mpifl ARGV`` as the command line runs it, with the
-environment variables ENV set for it; every rank's stdout and stderr (file descriptors 1 and 2, so native
-writes too) go to LOG.RANK.out and LOG.RANK.err. Rank 0 appends ``end I CODE`` to STATUS after job I, CODE being
-the worst exit code of the ranks. A job that ends the launch (``MPI_Abort``) leaves no ``end`` line:
-:func:`tests.conftest.run_mpifl_batch` then starts the jobs after it in a new launch.
+MANIFEST: a JSON list of {"argv", "env", "log"} (and "cwd", where a job runs in another folder). Each job is
+``mpifl ARGV`` as the command line runs it, with the environment variables ENV set for it; every rank's stdout
+and stderr (file descriptors 1 and 2, so native writes too) go to LOG.RANK.out and LOG.RANK.err. Rank 0 appends
+``end I CODE`` to STATUS after job I, CODE being the worst exit code of the ranks. A job that ends the launch
+(``MPI_Abort``) leaves no ``end`` line: :func:`tests.conftest.run_mpifl_batch` then starts the jobs after it in a
+new launch.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from pathlib import Path
 from benchmarks.gpu_runs import output_to
 
 
-def run(argv: list[str], env: dict[str, str]) -> int:
-    """One job, as ``python -m mpifl ARGV`` would run it; an exception mpifl lets through is its failure."""
+def run(argv: list[str], env: dict[str, str], cwd: str | None = None) -> int:
+    """One job, as ``python -m mpifl ARGV`` would run it (in folder ``cwd``, if given); an exception mpifl lets
+    through is its failure."""
     from mpifl.cli import main
 
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    folder = os.getcwd()
     try:
+        if cwd is not None:
+            os.chdir(cwd)
         return main(argv)
     except SystemExit as exc:  # argparse's
         return exc.code if isinstance(exc.code, int) else 1
@@ -39,6 +44,7 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         traceback.print_exc()
         return 1
     finally:
+        os.chdir(folder)
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -58,7 +64,7 @@ def run_everywhere(job: dict) -> int:
 
     comm = MPI.COMM_WORLD
     with output_to(Path(f"{job['log']}.{comm.rank}.out"), Path(f"{job['log']}.{comm.rank}.err")):
-        code = run(job["argv"], job.get("env", {}))
+        code = run(job["argv"], job.get("env", {}), job.get("cwd"))
     return comm.allreduce(code, op=MPI.MAX)
 
 

@@ -243,17 +243,18 @@ class Launch:
                                          stdout=out, stderr=err, env=mpi_env(), cwd=REPO, start_new_session=True)
 
     @classmethod
-    def run(cls, args: list[str], ranks: int) -> subprocess.CompletedProcess:
-        """``python -m mpifl ARGS`` on ``ranks`` ranks, in this process's launch of that many (started if none)."""
+    def run(cls, args: list[str], ranks: int, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """``python -m mpifl ARGS`` on ``ranks`` ranks (in folder ``cwd``, else the checkout), in this process's
+        launch of that many (started if none)."""
         launch = cls.running.get(ranks)
         if launch is None or launch.proc.poll() is not None:
             launch = cls.running[ranks] = cls(ranks)
-        return launch.job(args)
+        return launch.job(args, cwd)
 
-    def job(self, args: list[str]) -> subprocess.CompletedProcess:
+    def job(self, args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
         index, self.jobs = self.jobs, self.jobs + 1
         log = self.folder / f"log{index}"
-        (self.folder / "next").write_text(json.dumps({"argv": args, "log": str(log)}))
+        (self.folder / "next").write_text(json.dumps({"argv": args, "log": str(log), "cwd": str(cwd or REPO)}))
         (self.folder / "next").rename(self.folder / f"job{index}.json")
         end, deadline = self.folder / f"end{index}", time.monotonic() + HANG_S
         while not end.exists() and self.proc.poll() is None:
@@ -322,7 +323,8 @@ def _merge(base: dict, extra: dict) -> dict:
     """``base`` with ``extra`` merged in, nested mappings too; a deep copy, so callers may mutate the result."""
     out = copy.deepcopy(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
+                    else copy.deepcopy(value))  # else ``extra``'s own nested mapping would be shared, and mutated
     return out
 
 

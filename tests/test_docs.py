@@ -22,8 +22,10 @@ Runs are shortened: ``mpifl run`` and ``mpifl sweep`` get ``--set rounds=2`` unl
 ``rounds`` itself, and ``mpirun`` gets ``--oversubscribe`` (this machine may have fewer cores than ranks).
 A plain ``python -m mpifl ARGS`` (no shell syntax: no pipe, redirect, variable or second command) runs as that
 command's own entry point, ``mpifl.cli.main(ARGS)``, in the test's process, in the copy, its file descriptors 1
-and 2 captured (``tests/batch.py``, as the suite's batched jobs): a new interpreter's start-up, most of such a
-command's time, is all it leaves out. Every other command runs in bash, a process of its own.
+and 2 captured (``tests/batch.py``, as the suite's batched jobs), and a plain ``mpirun -n N python -m mpifl ARGS``
+in the copy on the N ranks of the launch this pytest process keeps (``tests/conftest.py``'s ``Launch``): new
+interpreters' start-up, most of such a command's time, is all they leave out. Every other command runs in bash, a
+process of its own.
 docs/papers/ is left out: its commands run for hours on datasets a test does not have (its sweep files are
 validated and smoke-run by tests/test_evidence_sweeps.py).
 """
@@ -45,7 +47,7 @@ import yaml
 
 from benchmarks.gpu_runs import output_to
 from tests.batch import run as run_in_this_process
-from tests.conftest import REPO, mpi_env, sweep_runs_in_this_process
+from tests.conftest import REPO, Launch, mpi_env, sweep_runs_in_this_process
 
 DOCS = REPO / "docs"
 EVIDENCE = DOCS / "papers"
@@ -211,9 +213,10 @@ def repository_copy(root: Path) -> Path:
     return root
 
 
-def mpifl_arguments(command: str) -> list[str] | None:
-    """ARGS of a plain ``python -m mpifl ARGS``, or None for a command that needs a shell (an operator, a
-    variable, a substitution, a second line, a variable set before it)."""
+def mpifl_arguments(command: str) -> tuple[int, list[str]] | None:
+    """(RANKS, ARGS) of a plain ``python -m mpifl ARGS`` (RANKS 0) or ``mpirun -n RANKS [--oversubscribe] python -m
+    mpifl ARGS``, or None for a command that needs a shell (an operator, a variable, a substitution, a second line,
+    a variable set before it) or other launcher options."""
     if any(char in command for char in "$`\n"):
         return None
     lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
@@ -221,16 +224,27 @@ def mpifl_arguments(command: str) -> list[str] | None:
     words = list(lexer)
     if any(set(word) <= OPERATORS for word in words):
         return None
-    return words[3:] if words[:3] == ["python", "-m", "mpifl"] else None
+    ranks = 0
+    if words[:1] == ["mpirun"]:
+        launcher = words[1:words.index("python")] if "python" in words else []
+        options = [word for word in launcher if word != "--oversubscribe"]
+        if len(options) != 2 or options[0] != "-n" or not options[1].isdigit():
+            return None
+        ranks, words = int(options[1]), words[len(launcher) + 1:]
+    return (ranks, words[3:]) if words[:3] == ["python", "-m", "mpifl"] else None
 
 
 def run_command(command: str, root: Path, env: dict[str, str], logs: Path) -> subprocess.CompletedProcess:
     """``command`` in ``root``: ``mpifl.cli.main`` in this process for a plain mpifl command (its output caught in
-    ``logs``, outside the copy; a sweep's runs in this process too), else bash."""
-    args = mpifl_arguments(command)
-    if args is None:
+    ``logs``, outside the copy; a sweep's runs in this process too), in this process's kept launch of as many
+    ranks for a plain ``mpirun -n N`` of one (tests/conftest.py's Launch), else bash."""
+    launched = mpifl_arguments(command)
+    if launched is None:
         return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True,
                               timeout=600)
+    ranks, args = launched
+    if ranks:
+        return Launch.run(args, ranks, cwd=root)
     out, err = logs / "command.out", logs / "command.err"
     with output_to(out, err), open(out, "a", buffering=1) as stdout, open(err, "a", buffering=1) as stderr, \
             pytest.MonkeyPatch.context() as patch, sweep_runs_in_this_process():
