@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.gpu_check import kill_session
 from mpifl.comm.transport import arrive_together
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +259,9 @@ class Launch:
         (self.folder / "next").rename(self.folder / f"job{index}.json")
         end, deadline = self.folder / f"end{index}", time.monotonic() + HANG_S
         while not end.exists() and self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"job {args} did not end in {HANG_S} s"
+            if time.monotonic() > deadline:  # a hung job: the launch goes with it, and the next job gets a new one
+                kill_session(self.proc.pid)
+                raise AssertionError(f"job {args} did not end in {HANG_S} s")
             time.sleep(0.01)
         logs = sorted(self.folder.glob(f"log{index}.*"))
         out, err = ("".join(p.read_text() for p in logs if p.suffix == kind) for kind in (".out", ".err"))
