@@ -15,7 +15,6 @@ new launch.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.gpu_runs import output_to
+from mpifl.comm.transport import wait_without_spinning
 
 
 def run(argv: list[str], env: dict[str, str], cwd: str | None = None) -> int:
@@ -82,14 +82,13 @@ def serve(folder: Path, owner: int) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    for index in itertools.count():
+    index = 0
+    while True:
         job_file = folder / f"job{index}.json"
         if comm.rank == 0:
             while not job_file.exists() and not (folder / "stop").exists() and alive(owner):
                 time.sleep(IDLE_POLL_S)
-        meeting = comm.Ibarrier()  # the others wait for rank 0 asleep, not in a blocking call's poll
-        while not meeting.Test():
-            time.sleep(IDLE_POLL_S)
+        wait_without_spinning(comm.Ibarrier(), longest=IDLE_POLL_S)  # the others wait for rank 0 asleep
         job = comm.bcast(json.loads(job_file.read_text()) if comm.rank == 0 and job_file.exists() else None)
         if job is None:
             return 0
@@ -97,7 +96,7 @@ def serve(folder: Path, owner: int) -> int:
         if comm.rank == 0:
             (folder / f"end{index}.part").write_text(str(code))
             (folder / f"end{index}.part").rename(folder / f"end{index}")
-    return 0
+        index += 1
 
 
 def main(argv: list[str]) -> int:

@@ -249,6 +249,8 @@ class Launch:
         launch of that many (started if none)."""
         launch = cls.running.get(ranks)
         if launch is None or launch.proc.poll() is not None:
+            if launch is not None:  # a job ended it: its folder goes too
+                launch.close()
             launch = cls.running[ranks] = cls(ranks)
         return launch.job(args, cwd)
 

@@ -32,12 +32,13 @@ _MIN_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 5e-4
 
 
-def wait_without_spinning(request) -> None:  # noqa: ANN001 - an MPI.Request
-    """Complete ``request`` while yielding the core: test, then sleep with exponential back-off."""
+def wait_without_spinning(request, longest: float = _MAX_SLEEP_S) -> None:  # noqa: ANN001 - an MPI.Request
+    """Complete ``request`` while yielding the core: test, then sleep with exponential back-off up to ``longest``
+    seconds (longer where a wait may last minutes and a late wake costs nothing)."""
     delay = _MIN_SLEEP_S
     while not request.Test():
         time.sleep(delay)
-        delay = min(delay * 2.0, _MAX_SLEEP_S)
+        delay = min(delay * 2.0, longest)
 
 
 def arrive_together(comm) -> None:  # noqa: ANN001 - an mpi4py Comm
