@@ -17,6 +17,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import AppendOnlyFile, ledger_summaries, read_results
+from mpifl.results.guard import inspect_output
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.multinode.netns import peek
 from tests.test_checkpoint import kill_job
@@ -166,6 +167,39 @@ def test_the_writer_killed_at_random_moments_leaves_committed_rows(tmp_path):
             blob = res.table("checkpoint")["server"]
             r = int(res.table_attrs["checkpoint"]["round"])
             assert r % 3 == 0 and last - 3 <= r <= last and blob.tolist() == [r % 256] * (1000 + r)
+
+
+def test_a_write_stopped_at_its_commit_leaves_the_file_at_its_last_commit_and_not_completed(tmp_path, monkeypatch):
+    """The last write (status "completed") stopped as it commits its rows: the file is not called completed, and
+    both readers (``report``'s first line and its "stopped at round N") count the committed round only (CI
+    once saw a SIGKILLed job's file say "1 rounds" and "stopped at round 2": the attributes then came first)."""
+    out = tmp_path / "cut.h5"
+    writer = AppendOnlyFile(out, resume=False)
+    rows = {"round": np.array([1])}
+    writer.write({"config": "{}", "status": "running", "rounds_completed": 1}, {"rounds": (0, rows)}, {}, {},
+                 (1, {"server": np.zeros(3, np.uint8)}))
+    commit = h5py.Dataset.__setitem__
+
+    def killed_at_the_commit(dataset, key, value):
+        if dataset.name == "/committed":
+            raise KeyboardInterrupt
+        commit(dataset, key, value)
+
+    monkeypatch.setattr(h5py.Dataset, "__setitem__", killed_at_the_commit)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write({"config": "{}", "status": "completed", "rounds_completed": 2},
+                     {"rounds": (1, {"round": np.array([2])})}, {}, {}, None)
+    monkeypatch.undo()
+    writer.file.close()
+    state = inspect_output(out)
+    assert (state.status, state.rounds_completed, state.checkpoint_round) == ("running", 1, 1)
+    assert read_results(out).attrs["rounds_completed"] == 1
+    with h5py.File(out, "r+") as f:  # a file whose attributes ran ahead of its commit reads the same
+        f.attrs["rounds_completed"] = 2
+    state = inspect_output(out)
+    assert state.rounds_completed == read_results(out).attrs["rounds_completed"] == 1
+    resume = f"python -m mpifl run --resume {out} (any rank count)"
+    assert state.standing() == f"stopped at round 1, resumable from round 1: {resume}"
 
 
 def test_a_file_whose_tail_never_reached_the_disk_reads_and_resumes(tmp_path):

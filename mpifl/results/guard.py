@@ -25,7 +25,7 @@ from pathlib import Path
 
 import h5py
 
-from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain, shard_dir
+from mpifl.results.layout import CHECKPOINT_PENDING, open_results_file, plain, rounds_completed, shard_dir
 from mpifl.results.writing import check_names, check_writable, creating_name
 from mpifl.schema import ConfigError
 
@@ -122,6 +122,7 @@ def inspect_output(path: str | Path) -> OutputState:
             checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
                                if name in f and f[name].attrs.get("complete", old)), None)
             round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
+            done = rounds_completed(f)
     except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
         return OutputState(path, "foreign")
     if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
@@ -129,7 +130,7 @@ def inspect_output(path: str | Path) -> OutputState:
     ranks = int(attrs.get("world_size", 1))  # a file written before the launcher was recorded: mpirun -n P
     launcher = str(attrs.get("launcher", f"mpirun -n {ranks}" if ranks > 1 else ""))
     return OutputState(path, "results", str(attrs["status"]), str(attrs["config"]),
-                       int(attrs.get("rounds_completed", 0)), round_, launcher)
+                       done, round_, launcher)
 
 
 def resume_command(path: str | Path, launcher: str) -> str:

@@ -29,8 +29,10 @@ Layout (every table is a group of equal-length 1-D columns):
 
 The file is created once and grows: the tables that grow with the run (rounds, eval, ledger, ledger_totals,
 ledger_clients, physical) are resizable chunked datasets; each write appends only the new rows, flushes,
-then writes their counts to /committed (one small write) and flushes again. Readers read each table up to
-its committed rows, so a run killed at any moment, even mid-write, is read up to its last committed write.
+then writes their counts to /committed (one small write) and flushes again, and only then the root's
+attributes (status, rounds_completed, wall_time_s), so a file never says "completed" before its last rows are
+committed. Readers read each table up to its committed rows, and take the rounds a file holds from them, so a
+run killed at any moment, even mid-write, is read up to its last committed write.
 The checkpoint is written under a temporary name (``checkpoint.new``, marked complete last) and then renamed
 over the old one, so a kill during a checkpoint leaves the previous one (or the complete new one) usable.
 Files written before this format (whole tables, no /committed) are read as they are. h5py's SWMR mode is
@@ -78,6 +80,14 @@ def committed_rows(f: h5py.File) -> dict[str, int]:
         return {}
     names = plain(f[COMMITTED].attrs["tables"])
     return dict(zip(names, (int(n) for n in f[COMMITTED][()])))
+
+
+def rounds_completed(f: h5py.File) -> int:
+    """The rounds a results file holds: its committed rows of ``rounds`` (a write killed after it changed the
+    file's attributes but before it committed its rows leaves ``rounds_completed`` a round ahead), or the attribute
+    in a file older than the append-only format."""
+    committed = committed_rows(f)
+    return committed.get("rounds", 0) if committed else int(plain(f.attrs.get("rounds_completed", 0)))
 
 
 def missing(dtype: np.dtype) -> Any:
