@@ -28,6 +28,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+from mpifl.results.layout import rounds_completed
 from tests.conftest import HANG_S, REPO, mpi_env, mpirun_cmd
 
 SUBNET = "10.77.0"
@@ -48,12 +49,12 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; $*"
 
 
 def peek(path: Path) -> tuple[int, bool]:
-    """(rounds completed, has a checkpoint) of a running job's results file, (0, False) before its first
+    """(rounds committed, has a checkpoint) of a running job's results file, (0, False) before its first
     write or while a write is under way (a read then fails: "truncated file", "bad heap free list"); read
     without HDF5's file lock, which the writing rank may hold."""
     try:
         with h5py.File(path, "r", locking=False) as f:
-            return int(f.attrs["rounds_completed"]), "checkpoint" in f
+            return rounds_completed(f), "checkpoint" in f
     except (OSError, RuntimeError, KeyError):
         return 0, False
 
