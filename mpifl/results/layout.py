@@ -29,10 +29,11 @@ Layout (every table is a group of equal-length 1-D columns):
 
 The file is created once and grows: the tables that grow with the run (rounds, eval, ledger, ledger_totals,
 ledger_clients, physical) are resizable chunked datasets; each write appends only the new rows, flushes,
-then writes their counts to /committed (one small write) and flushes again, and only then the root's
-attributes (status, rounds_completed, wall_time_s), so a file never says "completed" before its last rows are
-committed. Readers read each table up to its committed rows, and take the rounds a file holds from them, so a
-run killed at any moment, even mid-write, is read up to its last committed write.
+then writes their counts to /committed (one small write) and flushes again; the last write's status
+"completed" comes after that, so a file never says it before its last rows are committed. Readers read each
+table up to its committed rows, and take the rounds a file holds from them (not from the root's
+rounds_completed, which a write sets before its commit), so a run killed at any moment, even mid-write, is read
+up to its last committed write.
 The checkpoint is written under a temporary name (``checkpoint.new``, marked complete last) and then renamed
 over the old one, so a kill during a checkpoint leaves the previous one (or the complete new one) usable.
 Files written before this format (whole tables, no /committed) are read as they are. h5py's SWMR mode is

@@ -134,11 +134,14 @@ class AppendOnlyFile:
             write_attrs(f.require_group(name), extra)
         for name, (start, columns) in appended.items():
             self.rows[name] = start + _length(columns)
+        completed = attrs.get("status") == "completed"  # said only once its last rows count
+        write_attrs(f, {**attrs, "status": "running"} if completed else attrs)
         f.flush()  # the rows are in the file before the count that commits them (one write of one small dataset)
         f[COMMITTED][...] = [self.rows.get(name, 0) for name in APPENDED]
         f.flush()
-        write_attrs(f, attrs)  # after the commit: a file never says "completed" before its last rows count
-        f.flush()
+        if completed:
+            f.attrs["status"] = "completed"
+            f.flush()
         if checkpoint is not None:  # after the rows it resumes from are committed
             self._checkpoint(*checkpoint)
             f.flush()
