@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -18,6 +19,7 @@ import yaml
 from mpifl.cli import main
 from mpifl.results import AppendOnlyFile, ledger_summaries, read_results
 from mpifl.results.guard import inspect_output
+from mpifl.results.layout import committed_rows
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
 from tests.multinode.netns import peek
 from tests.test_checkpoint import kill_job
@@ -169,6 +171,22 @@ def test_the_writer_killed_at_random_moments_leaves_committed_rows(tmp_path):
             assert r % 3 == 0 and last - 3 <= r <= last and blob.tolist() == [r % 256] * (1000 + r)
 
 
+def stopped_at(monkeypatch: pytest.MonkeyPatch, dataset_name: str, write: Callable[[], None]) -> None:
+    """Run ``write`` (an :class:`AppendOnlyFile` write) and stop it as it first writes into ``dataset_name``, as a
+    SIGKILL there would (h5py writes nothing more afterwards: the test closes the file)."""
+    setitem = h5py.Dataset.__setitem__
+
+    def killed_there(dataset, key, value):  # noqa: ANN001 - h5py's own signature
+        if dataset.name == dataset_name:
+            raise KeyboardInterrupt
+        setitem(dataset, key, value)
+
+    monkeypatch.setattr(h5py.Dataset, "__setitem__", killed_there)
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    monkeypatch.undo()
+
+
 def test_a_write_stopped_at_its_commit_leaves_the_file_at_its_last_commit_and_not_completed(tmp_path, monkeypatch):
     """The last write (status "completed") stopped as it commits its rows: the file is not called completed, and
     both readers (``report``'s first line and its "stopped at round N") count the committed round only, not the
@@ -178,18 +196,9 @@ def test_a_write_stopped_at_its_commit_leaves_the_file_at_its_last_commit_and_no
     rows = {"round": np.array([1])}
     writer.write({"config": "{}", "status": "running", "rounds_completed": 1}, {"rounds": (0, rows)}, {}, {},
                  (1, {"server": np.zeros(3, np.uint8)}))
-    commit = h5py.Dataset.__setitem__
-
-    def killed_at_the_commit(dataset, key, value):
-        if dataset.name == "/committed":
-            raise KeyboardInterrupt
-        commit(dataset, key, value)
-
-    monkeypatch.setattr(h5py.Dataset, "__setitem__", killed_at_the_commit)
-    with pytest.raises(KeyboardInterrupt):
-        writer.write({"config": "{}", "status": "completed", "rounds_completed": 2},
-                     {"rounds": (1, {"round": np.array([2])})}, {}, {}, None)
-    monkeypatch.undo()
+    stopped_at(monkeypatch, "/committed", lambda: writer.write(
+        {"config": "{}", "status": "completed", "rounds_completed": 2}, {"rounds": (1, {"round": np.array([2])})},
+        {}, {}, None))
     writer.file.close()
     with h5py.File(out, "r") as f:
         assert (f.attrs["status"], f.attrs["rounds_completed"]) == ("running", 2)  # set before the commit
@@ -198,6 +207,28 @@ def test_a_write_stopped_at_its_commit_leaves_the_file_at_its_last_commit_and_no
     assert read_results(out).attrs["rounds_completed"] == 1
     resume = f"python -m mpifl run --resume {out} (any rank count)"
     assert state.standing() == f"stopped at round 1, resumable from round 1: {resume}"
+
+
+def test_a_resumed_run_stopped_while_it_rewrites_committed_rows_reads_up_to_its_checkpoint(tmp_path, monkeypatch):
+    """A resumed run's first write redoes the rows after its checkpoint (here round 6 of 10 committed, checkpoint
+    at round 5); stopped as it writes them, the rows it had begun to replace no longer count: the file holds
+    rounds 1-5, as both readers say, never a row half-replaced or a count over rows no longer there."""
+    out = tmp_path / "resumed.h5"
+    first = AppendOnlyFile(out, resume=False)
+    first.write({"config": "{}", "status": "running", "rounds_completed": 10},
+                {"rounds": (0, {"round": np.arange(1, 11)})}, {}, {}, (5, {"server": np.zeros(3, np.uint8)}))
+    first.file.close()
+    resumed = AppendOnlyFile(out, resume=True)
+    stopped_at(monkeypatch, "/rounds/round", lambda: resumed.write(
+        {"config": "{}", "status": "running", "rounds_completed": 6}, {"rounds": (5, {"round": np.array([6])})},
+        {}, {}, None))
+    resumed.file.close()
+    assert read_results(out).table("rounds")["round"].tolist() == [1, 2, 3, 4, 5]
+    assert read_results(out).attrs["rounds_completed"] == inspect_output(out).rounds_completed == 5
+    with h5py.File(out, "r+") as f:  # as an earlier mpifl left such a file: its old count over the 6 rows there
+        f["committed"][list(committed_rows(f)).index("rounds")] = 10
+    assert len(read_results(out).table("rounds")["round"]) == read_results(out).attrs["rounds_completed"] == 6
+    assert inspect_output(out).rounds_completed == 6
 
 
 def test_a_file_whose_tail_never_reached_the_disk_reads_and_resumes(tmp_path):

@@ -17,7 +17,7 @@ from benchmarks.gpu_check import kill_session
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
-from mpifl.results.layout import committed_rows
+from mpifl.results.layout import rounds_completed
 from mpifl.schema import ConfigError
 from mpifl.state_io import read_client_states, read_state, write_object, write_state
 from tests.algorithms.conftest import KARULA, RIDGE, SHARDS
@@ -195,7 +195,7 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
     assert live["standing"].endswith(" of 100000 rounds so far: a process holds its lock")
     kill_job(job)
     with h5py.File(part) as f:
-        done, checkpoint = committed_rows(f)["rounds"], int(f["checkpoint"].attrs["round"])
+        done, checkpoint = rounds_completed(f), int(f["checkpoint"].attrs["round"])
     standing = (f"stopped at round {done} of 100000, resumable from round {checkpoint}: mpirun -n 2 --oversubscribe "
                 f"python -m mpifl run --resume {part} (any rank count)")
     assert main(["report", str(part)]) == 0

@@ -19,7 +19,7 @@ import yaml
 
 from mpifl.cli import main
 from mpifl.results import read_results, shard_dir
-from mpifl.results.layout import committed_rows
+from mpifl.results.layout import rounds_completed
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, mpi_env, mpirun_cmd, run_mpifl
 from tests.test_checkpoint import kill_job
 
@@ -106,7 +106,7 @@ def test_the_same_command_after_a_kill_refuses_and_says_how_to_resume_then_resum
                            capture_output=True, text=True)
     assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
     with h5py.File(out, "r") as f:
-        done, checkpoint = committed_rows(f)["rounds"], int(f["checkpoint"].attrs["round"])
+        done, checkpoint = rounds_completed(f), int(f["checkpoint"].attrs["round"])
     # where the run stands, as report says it, and how to continue it launched as before (issue 50 rows 2, 5)
     assert again.stderr == (f"mpifl: error: output {out} holds an unfinished run: stopped at round {done} of "
                             f"{LONG['rounds']}, resumable from round {checkpoint}: mpirun -n 3 --oversubscribe python "

@@ -30,10 +30,11 @@ Layout (every table is a group of equal-length 1-D columns):
 The file is created once and grows: the tables that grow with the run (rounds, eval, ledger, ledger_totals,
 ledger_clients, physical) are resizable chunked datasets; each write appends only the new rows, flushes,
 then writes their counts to /committed (one small write) and flushes again; the last write's status
-"completed" comes after that, so a file never says it before its last rows are committed. Readers read each
-table up to its committed rows, and take the rounds a file holds from them (not from the root's
-rounds_completed, which a write sets before its commit), so a run killed at any moment, even mid-write, is read
-up to its last committed write.
+"completed" comes after that, so a file never says it before its last rows are committed. A write that changes
+committed rows (a resumed run's first, which redoes the rounds after its checkpoint) lowers their counts first.
+Readers read each table up to its committed rows, and take the rounds a file holds from them (not from the
+root's rounds_completed, which a write sets before its commit), so a run killed at any moment, even mid-write,
+is read up to its last committed write.
 The checkpoint is written under a temporary name (``checkpoint.new``, marked complete last) and then renamed
 over the old one, so a kill during a checkpoint leaves the previous one (or the complete new one) usable.
 Files written before this format (whole tables, no /committed) are read as they are. h5py's SWMR mode is
@@ -84,11 +85,15 @@ def committed_rows(f: h5py.File) -> dict[str, int]:
 
 
 def rounds_completed(f: h5py.File) -> int:
-    """The rounds a results file holds: its committed rows of ``rounds`` (a write killed after it changed the
-    file's attributes but before it committed its rows leaves ``rounds_completed`` a round ahead), or the attribute
-    in a file older than the append-only format."""
+    """The rounds a results file holds: its committed rows of ``rounds``, or the attribute in a file older than
+    the append-only format. Not the attribute in a newer one: a write sets it before it commits its rows, so a
+    kill in between leaves it ahead of them (behind them in a resumed run's first write). At most the rows there:
+    an earlier mpifl's resumed run, killed in its first write, could leave its old count over fewer rows."""
     committed = committed_rows(f)
-    return committed.get("rounds", 0) if committed else int(plain(f.attrs.get("rounds_completed", 0)))
+    if not committed:
+        return int(plain(f.attrs.get("rounds_completed", 0)))
+    column = f.get("rounds/round")
+    return min(committed.get("rounds", 0), len(column) if column is not None else 0)
 
 
 def missing(dtype: np.dtype) -> Any:

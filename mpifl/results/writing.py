@@ -126,19 +126,18 @@ class AppendOnlyFile:
         """``appended``: table → (the row its new rows start at, the new rows), committed after the data;
         ``replaced``: small tables written whole; ``checkpoint``: (round, blobs), swapped in complete."""
         f = self.file
+        rewritten = {name: start for name, (start, _) in appended.items() if start < self.rows.get(name, 0)}
+        if rewritten:  # committed rows about to change (a resumed run redoes the rounds after its checkpoint):
+            self._commit(rewritten)  # they stop counting before they do
         for name, (start, columns) in appended.items():
             self._append(f.require_group(name), start, columns)
         for name, columns in replaced.items():
             self._replace(name, columns)
         for name, extra in table_attrs.items():
             write_attrs(f.require_group(name), extra)
-        for name, (start, columns) in appended.items():
-            self.rows[name] = start + _length(columns)
         completed = attrs.get("status") == "completed"  # said only once its last rows count
         write_attrs(f, {**attrs, "status": "running"} if completed else attrs)
-        f.flush()  # the rows are in the file before the count that commits them (one write of one small dataset)
-        f[COMMITTED][...] = [self.rows.get(name, 0) for name in APPENDED]
-        f.flush()
+        self._commit({name: start + _length(columns) for name, (start, columns) in appended.items()})
         if completed:
             f.attrs["status"] = "completed"
             f.flush()
@@ -149,6 +148,14 @@ class AppendOnlyFile:
             f.close()
             os.replace(self.creating, self.path)
             self.file, self.creating = h5py.File(self.path, "r+", locking=False), None
+
+    def _commit(self, rows: dict[str, int]) -> None:
+        """Make ``rows`` (table → its row count) the committed counts: what the file holds is on disk first (one
+        flush), then the counts (one write of one small dataset, flushed)."""
+        self.rows.update(rows)
+        self.file.flush()
+        self.file[COMMITTED][...] = [self.rows.get(name, 0) for name in APPENDED]
+        self.file.flush()
 
     @staticmethod
     def _append(group: h5py.Group, start: int, columns: dict[str, np.ndarray]) -> None:
