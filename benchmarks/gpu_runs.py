@@ -49,11 +49,16 @@ def output_to(log: Path, errors: Path | None = None) -> Iterator[None]:
 
 
 def run(job: dict[str, str]) -> int:
-    """One job, as ``python -m mpifl run`` would run it; an exception mpifl lets through is its failure."""
+    """One job, as ``python -m mpifl run`` would run it."""
+    return run_mpifl(["run", job["config"], "--out", job["out"], "--quiet"])
+
+
+def run_mpifl(argv: list[str]) -> int:
+    """``python -m mpifl ARGV`` in this process; an exception mpifl lets through is its failure."""
     from mpifl.cli import main
 
     try:
-        return main(["run", job["config"], "--out", job["out"], "--quiet"])
+        return main(argv)
     except SystemExit as exc:  # argparse's
         return exc.code if isinstance(exc.code, int) else 1
     except Exception:  # noqa: BLE001 - written into the job's log, and the next job runs

@@ -19,30 +19,22 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from benchmarks.gpu_runs import output_to
+from benchmarks.gpu_runs import output_to, run_mpifl
 from mpifl.comm.transport import wait_without_spinning
 
 
 def run(argv: list[str], env: dict[str, str], cwd: str | None = None) -> int:
-    """One job, as ``python -m mpifl ARGV`` would run it (in folder ``cwd``, if given); an exception mpifl lets
-    through is its failure."""
-    from mpifl.cli import main
-
+    """One job, as ``python -m mpifl ARGV`` would run it (in folder ``cwd``, if given, with the variables ``env``
+    set for it)."""
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     folder = os.getcwd()
     try:
         if cwd is not None:
             os.chdir(cwd)
-        return main(argv)
-    except SystemExit as exc:  # argparse's
-        return exc.code if isinstance(exc.code, int) else 1
-    except Exception:  # noqa: BLE001 - written into the job's log, and the next job runs
-        traceback.print_exc()
-        return 1
+        return run_mpifl(argv)
     finally:
         os.chdir(folder)
         for name, value in before.items():

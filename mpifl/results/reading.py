@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 
 from mpifl.extras import optional_import
-from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, open_results_file, plain, rounds_completed
+from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, open_results_file, plain
 from mpifl.results.summaries import ledger_summaries
 from mpifl.schema import ConfigError
 
@@ -77,7 +77,8 @@ def _read_results(path: str | Path, checkpoint: bool, ledger: bool) -> Results:
                 groups["checkpoint"] = found
         tables = {name: _read_table(group, committed.get(name)) for name, group in groups.items()}
         table_attrs = {name: {k: plain(v) for k, v in group.attrs.items()} for name, group in groups.items()}
-        attrs["rounds_completed"] = rounds_completed(f)
+        if committed:  # the rows read up to the last commit (layout.rounds_completed's count, already read)
+            attrs["rounds_completed"] = len(tables.get("rounds", {}).get("round", ()))
         if "ledger_totals" not in f and "ledger" in f:  # an older file: the summaries from its rows
             rows = tables["ledger"] if ledger else _read_table(f["ledger"], None)
             directions = plain(f["ledger"].attrs.get("directions", np.zeros(0)))
