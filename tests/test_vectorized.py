@@ -32,7 +32,7 @@ from mpifl.training.executor import (
     padded_work,
 )
 from mpifl.training.sgd import client_generator
-from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, run_engine, run_mpifl
+from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, run_engine, run_mpifl
 from tests.test_checkpoint import CONFIGS
 from tests.test_models import layout
 
@@ -116,6 +116,38 @@ def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
             alone = local_sgd(flat, xs[c], ys[c], loss_fn, cfg, client_generator(3, 1, c))
             assert torch.equal(result.params[k], flat.params), f"client {c} in a group of {len(group)}"
             assert (result.steps[k], result.mean_losses()[k]) == (alone.steps, alone.mean_loss)
+
+
+WIDE = """
+import sys, torch
+from mpifl.models import FlatModel, build_model
+from mpifl.models.config import ModelConfig
+from mpifl.training.config import ClientConfig
+from mpifl.training.executor import ClientRun, LocalSGD, LocalStep
+from mpifl.training.sgd import client_generator
+from tests.test_models import layout
+from tests.test_vectorized import clients
+torch.set_num_threads(1)
+flat = FlatModel(build_model(ModelConfig(name="mlp", hidden=(512, 128)), layout((300,)), seed=0))
+start = flat.numpy().copy()
+xs, ys = clients((300,), (300, 290, 300, 281, 300))
+cfg = ClientConfig(lr=0.05, steps=3, batch_size=200, momentum=0.9, weight_decay=1e-3)
+params = [LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched, chunk=4).train(
+    [ClientRun(start, x, y, client_generator(3, 1, c)) for c, (x, y) in enumerate(zip(xs, ys))], LocalStep(), cfg
+).params.clone() for batched in (False, True)]
+print(torch.equal(*params), float((params[0] - params[1]).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["portable", "native"])
+def test_wide_dense_layers_round_as_the_loop_on_any_cpu_path(kernels):
+    """512 and 128 units fed 300 inputs, batches of 200 (the sums MKL rounds by code path once the batch's linear
+    layers multiplied in another order than the loop's: mpifl/training/rounding.py), on the pinned CPU kernels and
+    on this CPU's own: the batch gives the loop's bits."""
+    proc = subprocess.run([sys.executable, "-c", WIDE], capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                          env={**mpi_env(), "MPIFL_CPU_KERNELS": kernels})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "True", proc.stdout
 
 
 def test_clients_with_unequal_step_counts_train_in_separate_groups():

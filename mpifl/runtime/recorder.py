@@ -25,6 +25,7 @@ from mpifl.data import FederatedLayout
 from mpifl.results import APPENDED, AppendOnlyFile, Results, Table, ledger_summaries, rows_up_to
 from mpifl.runtime.launcher import launcher_prefix
 from mpifl.runtime.metrics import summarize
+from mpifl.training.device import cpu_kernels
 
 SEGMENT_COLUMNS = (("first_round", np.int64), ("last_round", np.int64), ("world_size", np.int64),
                    ("wall_time_s", np.float64))
@@ -200,6 +201,7 @@ class Recorder:
             "mpi4py_version": mpi4py.__version__,
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "hostname": platform.node(),
+            "cpu_kernels": cpu_kernels(),  # the same on every rank (check_cpu_kernels)
             "launcher": launcher_prefix(self.world_size),  # what the command that continues the run starts with
         }
 

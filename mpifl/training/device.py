@@ -11,14 +11,17 @@ Workers map to GPUs by their index among the worker ranks of their node (:func:`
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from mpifl import cpukernels
 from mpifl.schema import ConfigError
 
 CPU = torch.device("cpu")
@@ -106,7 +109,9 @@ def rank_devices(clients: str, server: str = "cpu", comm=None, allow_tf32: bool 
     (:func:`make_deterministic`), its GPU made current, and a check that the ``data_bytes`` of client data each
     worker may keep fit the GPU's free memory beside those of the workers sharing it. A collective over
     ``comm`` unless both settings are ``cpu`` (the same on every rank, so either all ranks take part or none);
-    a rank without GPU work never touches CUDA."""
+    a rank without GPU work never touches CUDA. First the CPU kernels (:func:`check_cpu_kernels`, a collective
+    where ``comm`` has several ranks)."""
+    check_cpu_kernels(comm)
     set_tf32(allow_tf32)
     if clients == "cpu" and server == "cpu":
         return RankDevices()
@@ -132,6 +137,68 @@ def rank_devices(clients: str, server: str = "cpu", comm=None, allow_tf32: bool 
         free, total = torch.cuda.mem_get_info(devices.clients)
         check_data_fits(free, total, data_bytes, sharing, f"{devices.clients} of {where}")
     return devices
+
+
+MKL_CBWR_BRANCH, MKL_CBWR_COMPATIBLE = 1, 3  # mkl_service.h: mkl_cbwr_get's query and the branch it names
+
+
+def mkl_branch() -> int | None:
+    """MKL's code-path branch in this process (``mkl_cbwr_get(MKL_CBWR_BRANCH)``, exported by torch's x86 wheels as
+    ``mkl_serv_cbwr_get``); None where torch carries no MKL."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+    return int(get(MKL_CBWR_BRANCH))
+
+
+def cpu_kernels() -> str:
+    """What this rank's CPU kernels are, as the results file records it (every rank of a run the same)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if cpukernels.mode() == "native" or not cpukernels.is_x86():
+        return f"native ({platform.machine()}, ATen {capability}; MKL and oneDNN choose by CPU)"
+    return "portable (x86-64: MKL_CBWR=COMPATIBLE, ATen AVX2, oneDNN AVX2)"
+
+
+def check_cpu_kernels(comm=None) -> str:  # noqa: ANN001 - an mpi4py Comm
+    """Refuse, in one line, a rank whose CPU kernels are not :mod:`mpifl.cpukernels`' (a wrong
+    ``MPIFL_CPU_KERNELS``; a library that chose its path before ``import mpifl`` pinned it; a CPU without AVX2), and
+    ranks whose kernels differ (one node set to ``native``): either would let a client's bits depend on its node.
+    Every rank reaches the one ``allgather`` before any raises, so all raise the same line. Returns
+    :func:`cpu_kernels`."""
+    mine = (_cpu_kernels_problem(), cpu_kernels())
+    ranks = comm.allgather(mine) if comm is not None and comm.Get_size() > 1 else [mine]
+    for rank, (problem, _) in enumerate(ranks):
+        if problem is not None:
+            raise ConfigError(f"rank {rank} (host {platform.node()}): {problem}" if len(ranks) > 1 else problem)
+    kinds: dict[str, list[str]] = {}
+    for rank, (_, kind) in enumerate(ranks):
+        kinds.setdefault(kind, []).append(str(rank))
+    if len(kinds) > 1:
+        raise ConfigError("ranks compute with different CPU kernels, so a client's bits would depend on its node: "
+                          + "; ".join(f"rank(s) {', '.join(r)}: {kind}" for kind, r in kinds.items())
+                          + f"; set {cpukernels.SETTING} the same for every rank (mpirun -x {cpukernels.SETTING})")
+    return mine[1]
+
+
+def _cpu_kernels_problem() -> str | None:
+    """Why this rank's CPU kernels are not the ones its ``MPIFL_CPU_KERNELS`` asks for, or None."""
+    setting = cpukernels.mode()
+    if setting not in cpukernels.MODES:
+        return f"{cpukernels.SETTING}={setting!r}: expected one of {', '.join(cpukernels.MODES)}"
+    if setting == "native" or not cpukernels.is_x86():
+        return None
+    capability, branch = torch.backends.cpu.get_cpu_capability(), mkl_branch()
+    if capability not in ("AVX2", "DEFAULT") or branch not in (None, MKL_CBWR_COMPATIBLE):
+        return (f"the CPU kernels were chosen before mpifl could pin them (ATen {capability}, MKL branch {branch}): "
+                f"import mpifl before torch computes anything, or set {cpukernels.SETTING}=native for this node's "
+                "own (then bits depend on the node)")
+    if capability == "DEFAULT":
+        return (f"this CPU has no AVX2, which the portable CPU kernels need; set {cpukernels.SETTING}=native on "
+                "every rank (then bits depend on the node)")
+    return None
 
 
 def check_data_fits(free: int, total: int, data_bytes: float, sharing: int, where: str) -> None:

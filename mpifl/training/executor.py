@@ -28,8 +28,9 @@ call therefore gets exactly :attr:`LocalSGD.chunk` rows, the last call padded wi
 whose results are dropped (tests check that a client's update is then the same in any company and at any
 position). The chunk is fixed by the config (:func:`auto_chunk`) so that padding stays small on any rank count.
 
-The two engines agree bitwise for narrow dense layers (tests check it) but round differently for convolutions and
-wide layers: ``client.vectorize`` is a setting of the results, like ``threads_per_rank``.
+The two engines agree bitwise for dense models of any width, on any CPU path (the batch's linear layers multiply in
+the loop's order: :mod:`mpifl.training.rounding`; tests check it), but round differently for convolutions:
+``client.vectorize`` is a setting of the results, like ``threads_per_rank``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch.func import functional_call, vmap
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
+from mpifl.training.rounding import LoopRounding
 from mpifl.training.sgd import BatchPlan, apply_crops, batch_plan, batched_sgd_step, to_device
 
 CPU_CHUNK, GPU_CHUNK = 16, 64
@@ -235,11 +237,12 @@ class LocalSGD:
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Each row's gradient of its loss on its batch (``params`` ``[rows, numel]``, ``x`` and ``y`` one batch
         per row), with each row's loss and outputs: plain autograd over the rows' vmapped forward pass. A row's loss
-        depends on its own parameters alone, so the gradient of the losses' sum is every row's own gradient, the
-        same bits as ``vmap(grad(loss))`` for every vectorizable model but resnet20 with batch norm (2e-7 apart),
+        depends on its own parameters alone, so the gradient of the losses' sum is every row's own gradient,
         without ``torch.func.grad``'s import of ``torch._dynamo`` on its first call: a second of CPU in every
-        process that trains with the batch (docs/how-to/tests.md)."""
-        with torch.enable_grad():
+        process that trains with the batch (docs/how-to/tests.md). Linear layers run as
+        :class:`~mpifl.training.rounding.LoopRounding` says, so their weight gradients round as the loop's on every
+        CPU (autograd's batched product alone swaps their operands)."""
+        with torch.enable_grad(), LoopRounding():  # linear layers' gradients in the loop's operand order
             rows = params.detach().requires_grad_()
             losses, outputs = self._rows_forward(rows, x, y)
             (gradients,) = torch.autograd.grad(losses.sum(), rows)
