@@ -174,3 +174,59 @@ def test_the_tutorials_show_the_example_as_it_is():
     assert len(files) == 5
     for path in files:
         assert f"\n{path.read_text()}```" in pages, path
+
+
+RECORDING = '''
+import numpy as np
+from mpifl.algorithms.fedavg import FedAvgClient, FedAvgServer
+
+TRAINED = []
+
+
+class RecordingClient(FedAvgClient):
+    """Records each client it trains, and (with ``frozen``) sends a zero delta in place of what it trained."""
+
+    frozen = False
+
+    def compute(self, step, client):
+        super().compute(step, client)
+        TRAINED.append((type(self).__name__, step.round, client, float(np.abs(np.asarray(self.deltas[client])).sum())))
+        if self.frozen:
+            self.deltas[client] = np.zeros_like(np.asarray(self.deltas[client]))
+
+
+class FrozenClient(RecordingClient):
+    frozen = True
+
+
+RECORD = (None, FedAvgServer, RecordingClient)
+FREEZE = (None, FedAvgServer, FrozenClient)
+'''
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_an_override_of_compute_on_a_stated_local_step_is_honoured(on_path, write_config, tmp_path, vectorize):
+    """A plug-in that overrides ``compute`` on FedAvg (which states its local step for the executor) sees every
+    client it trains, in the loop and where the batch would otherwise train them all at once, and what it changes
+    reaches the results: recording alone leaves FedAvg's bits, a zero delta leaves the model where it started."""
+    (on_path / "recording_fedavg.py").write_text(RECORDING)
+    import importlib
+
+    plugin = importlib.import_module("recording_fedavg")
+    plugin.TRAINED.clear()
+    base = {"rounds": 2, "eval_every": 1, "model": {"name": "mlp", "hidden": [16]},
+            "client": {"vectorize": vectorize}}
+    runs = {}
+    for name in ("fedavg", "recording_fedavg:RECORD", "recording_fedavg:FREEZE"):
+        config = write_config({**base, "algorithm": name}, f"{name.replace(':', '_')}.yaml")
+        run_config(config, tmp_path / f"{name.replace(':', '_')}.h5")
+        runs[name] = deterministic(tmp_path / f"{name.replace(':', '_')}.h5")
+    assert len(plugin.TRAINED) == 2 * 2 * 4  # 2 plug-ins x 2 rounds x 4 clients a round, each seen once
+    assert len(set(plugin.TRAINED)) == len(plugin.TRAINED)
+    assert all(trained > 0 for *_, trained in plugin.TRAINED)
+    assert_same(runs["fedavg"], runs["recording_fedavg:RECORD"])
+    frozen = runs["recording_fedavg:FREEZE"]["model/global_model"]
+    assert not np.array_equal(frozen, runs["fedavg"]["model/global_model"])
+    once = write_config({**base, "rounds": 1, "algorithm": "recording_fedavg:FREEZE"}, "once.yaml")
+    run_config(once, tmp_path / "once.h5")  # every update zero: after 1 round the model is where 2 leave it
+    assert np.array_equal(frozen, deterministic(tmp_path / "once.h5")["model/global_model"])

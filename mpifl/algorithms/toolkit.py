@@ -71,8 +71,20 @@ class ClientToolkit(ClientAlgorithm):
 
     def takes_batch(self) -> bool:
         """Whether this algorithm's clients can train in the batch: those whose local step is stated as
-        :meth:`local_step`."""
-        return type(self).local_step is not ClientToolkit.local_step
+        :meth:`local_step`, and not replaced by an override of :meth:`compute` (:meth:`computes_alone`)."""
+        return type(self).local_step is not ClientToolkit.local_step and not self.computes_alone()
+
+    @classmethod
+    def computes_alone(cls) -> bool:
+        """Whether a subclass overrides :meth:`compute` below the class that states :meth:`local_step` (a plug-in
+        that records or alters what a client trains): then every client goes through that override, one at a time,
+        so it is honoured, never bypassed by the batch. Overriding :meth:`local_start`, :meth:`local_step` or
+        :meth:`local_end` instead keeps the batch."""
+        def definer(name: str) -> type:
+            return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+        computes, states = definer("compute"), definer("local_step")
+        return computes is not states and issubclass(computes, states)  # one class stating both means both
 
     @property
     def device(self) -> torch.device:
@@ -105,17 +117,24 @@ class ClientToolkit(ClientAlgorithm):
 
     def compute(self, step: StepContext, client: int) -> None:
         """One client's local step: the stated local SGD through the executor (an algorithm with another kind of
-        local step overrides this)."""
-        if self.local_step(step) is not None:
-            self.compute_clients(step, np.array([client]))
+        local step overrides this; so may a plug-in that records or alters a client's training, calling
+        ``super().compute``: :meth:`computes_alone`)."""
+        spec = self.local_step(step)
+        if spec is not None:
+            self.train_stated(step, [client], spec)
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """The local step of ``clients``: the stated local SGD of all of them through the executor (each one's
-        seconds: its :meth:`local_start` plus its compute, an equal share of its group's in the batch)."""
+        seconds: its :meth:`local_start` plus its compute, an equal share of its group's in the batch); one at a
+        time through :meth:`compute` where that is overridden (:meth:`computes_alone`) or nothing is stated."""
         spec = self.local_step(step)
-        if spec is None:
+        if spec is None or self.computes_alone():
             return super().compute_clients(step, clients)
-        ids = [int(c) for c in clients]
+        return self.train_stated(step, [int(c) for c in clients], spec)
+
+    def train_stated(self, step: StepContext, ids: list[int], spec: LocalStep) -> np.ndarray:
+        """:meth:`local_starts`, the executor, :meth:`local_end`: the stated local SGD of ``ids``, each one's
+        seconds."""
         starts, seconds = self.local_starts(step, ids)
         trained = self.train_clients(step, ids, starts, spec)
         self.local_end(step, ids, trained)
