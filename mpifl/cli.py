@@ -146,7 +146,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                              args.output_dir, args.overwrite)
         from mpifl.report import plot
 
-        plot(args.results, args.output, args.metric, args.log, args.overwrite)
+        unfinished: list[str] = []
+        plot(args.results, args.output, args.metric, args.log, args.overwrite, unfinished)
+        for note in unfinished:
+            print(f"not completed: {note}")
         print(f"wrote {args.output}")
         return 0
     except ConfigError as exc:

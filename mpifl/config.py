@@ -136,7 +136,18 @@ def _parse_scalar(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set value {text!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"--set value {text!r} is not valid YAML: {yaml_problem(exc)}") from None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as one line: where (line and column, counted from 1) and why, a tab named as the cause (YAML
+    indents with spaces; PyYAML says only that it "cannot start any token")."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    if "'\\t'" in problem:
+        problem = "a tab character (YAML indents with spaces, never tabs)"
+    return where + problem
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -170,7 +181,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -204,11 +215,16 @@ def build_config(raw: dict[str, Any], algorithms: AlgorithmCatalog) -> RunConfig
     # settings, picked with --set algorithm=...): each section is validated, the named algorithm's applies.
     sections = {other: raw.pop(other) for other in sorted({name, *algorithms.builtin_names()}) if other in raw}
     unknown = set(raw) - {f.name for f in fields(RunConfig)}
-    if unknown:  # sections of installed plug-ins (only those present get imported); the rest are unknown keys
-        sections.update({other: raw.pop(other) for other in sorted(unknown & set(algorithms.plugin_names()))})
+    if unknown:  # sections of installed plug-ins and of plug-ins named by path (only those present get imported)
+        plugins = (unknown & set(algorithms.plugin_names())) | {key for key in unknown if ":" in str(key)}
+        sections.update({other: raw.pop(other) for other in sorted(plugins, key=str)})
     for other, options in sections.items():
         if other != name:
-            build(algorithms.options_type(other), options, other)
+            try:
+                build(algorithms.options_type(other), options, other)
+            except ConfigError as exc:
+                raise ConfigError(f"the section {other!r} holds another algorithm's options than the run's ({name}): "
+                                  f"{exc}; correct it, or drop the section to run {name}") from None
     section = sections.get(name)
     if "algorithm_options" in raw:
         raise ConfigError(f"config: unknown key 'algorithm_options' (put options under '{name}:')")

@@ -67,7 +67,11 @@ def _import(kind: Kind, name: str, path: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - a broken plug-in may raise anything while importing
-        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+        missing = isinstance(exc, ModuleNotFoundError) and module_name.split(".")[0] == (exc.name or "").split(".")[0]
+        hint = ("; every rank imports it: install it, or put its folder on PYTHONPATH, which mpirun passes on with "
+                "'mpirun -x PYTHONPATH ...' (Open MPI; MPICH's mpiexec and srun pass the environment)"
+                if missing else "")
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
     for part in attribute.split(".") if attribute else ():
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: module {module_name!r} has no attribute {attribute!r}")

@@ -18,6 +18,19 @@ import typing
 from typing import Any, Literal, Union
 
 _LINE_BREAK = re.compile(r"\s*\n\s*")
+SYNONYMS = {
+    "learning_rate": "lr", "step_size": "lr", "local_lr": "lr", "server_lr": "lr", "local_epochs": "epochs",
+    "num_epochs": "epochs", "local_steps": "steps", "num_steps": "steps", "batchsize": "batch_size", "bs": "batch_size",
+    "num_rounds": "rounds", "communication_rounds": "rounds", "total_rounds": "rounds",
+    "clients_per_rounds": "clients_per_round", "num_clients_per_round": "clients_per_round",
+    "cohort_size": "clients_per_round", "participants_per_round": "clients_per_round", "random_seed": "seed",
+    "n_clients": "num_clients", "clients": "num_clients", "total_clients": "num_clients", "wd": "weight_decay",
+    "model_name": "name", "arch": "name", "architecture": "name", "name_of_dataset": "dataset",
+    "dataset_name": "dataset", "out": "output", "output_file": "output", "results": "output",
+}
+"""Other frameworks' names for common keys, each suggested for the key mpifl calls it, where that key is one of the
+section's (``client.learning_rate`` -> ``lr``): close spelling alone would miss them."""
+
 INT64_MAX = 2**63 - 1
 """Every integer of a config ends up in int64 storage (numpy arrays, HDF5 attributes, seeds mixed into 64-bit
 keys), so none may lie beyond it; a field whose storage is smaller says so with its own ``limits``."""
@@ -171,7 +184,8 @@ def build(cls: type, mapping: Any, path: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in mapping:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = [SYNONYMS[key]] if SYNONYMS.get(key) in fields else difflib.get_close_matches(str(key),
+                                                                                                  list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: unknown key {key!r}{hint}")
     kwargs = {}

@@ -47,6 +47,16 @@ def test_defaults_parse_and_round_trip():
         ({"fedavg": {"x": 1}}, "fedavg: unknown key 'x'"),
         ({"checkpoint_every": -1}, "checkpoint_every: must be >= 0"),
         ({"device": "gpu"}, "device: 'gpu' is not one of"),
+        # other frameworks' names for common keys (issue 57)
+        ({"client": {"learning_rate": 0.1}}, "client: unknown key 'learning_rate' (did you mean 'lr'?)"),
+        ({"client": {"local_epochs": 2}}, "client: unknown key 'local_epochs' (did you mean 'epochs'?)"),
+        ({"num_rounds": 2}, "unknown key 'num_rounds' (did you mean 'rounds'?)"),
+        ({"data": {"n_clients": 20}}, "data: unknown key 'n_clients' (did you mean 'num_clients'?)"),
+        # a section of another algorithm named by its path, left behind by --set algorithm=fedavg
+        ({"algorithm": "fedavg", "not_installed_feddyn:ALGORITHM": {"alpha": 0.1}},
+         "the section 'not_installed_feddyn:ALGORITHM' holds another algorithm's options than the run's (fedavg): "),
+        ({"fedprox": {"mu": -1}}, "the section 'fedprox' holds another algorithm's options than the run's (fedavg): "
+                                  "fedprox.mu: must be >= 0, got -1.0; correct it, or drop the section to run fedavg"),
     ],
 )
 def test_bad_configs_give_one_clear_error(raw, message):
@@ -152,3 +162,16 @@ def test_reading_a_config_loads_neither_torch_nor_h5py_nor_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("algorithm: fedavg\ndata:\n\tdataset: digits\n",
+     "is not valid YAML: line 3, column 1: a tab character (YAML indents with spaces, never tabs)"),
+    ("algorithm: fedavg\ndata: {dataset: digits\n", "is not valid YAML: line 3, column 1: expected ',' or '}'"),
+])
+def test_invalid_yaml_names_the_line_column_and_cause(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path} {message}") and "\n" not in str(info.value)

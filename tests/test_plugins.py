@@ -106,6 +106,10 @@ BROKEN_MODULE = "import not_installed_dependency  # noqa: F401\n\n\ndef build(cf
     ({"model": {"name": "broken_plugin:build"}},
      "model.name: model plug-in 'broken_plugin:build': cannot import module 'broken_plugin': ModuleNotFoundError: "
      "No module named 'not_installed_dependency'"),
+    ({"model": {"name": "not_on_any_path:build"}},  # the plug-in itself missing: how the ranks find it
+     "model.name: model plug-in 'not_on_any_path:build': cannot import module 'not_on_any_path': ModuleNotFoundError: "
+     "No module named 'not_on_any_path'; every rank imports it: install it, or put its folder on PYTHONPATH, which "
+     "mpirun passes on with 'mpirun -x PYTHONPATH ...'"),
     ({"model": {"name": "mpifl_example.model:biuld"}},
      "model.name: model plug-in 'mpifl_example.model:biuld': module 'mpifl_example.model' has no attribute 'biuld'"),
     ({"algorithm": "mpifl_example.model:build"},

@@ -162,3 +162,33 @@ def test_plot_metric_consensus_per_layer(sweep_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mpifl: error: --metric descriptor_*: no rounds or eval column matches") and \
         "consensus_layer01" in err
+
+
+def test_a_plot_of_an_unfinished_run_says_where_it_stands(write_config, tmp_path, capsys):
+    """A run stopped after round 1 of 5 (as by SIGTERM): the figure's title and the terminal say so, as report
+    does; a completed run beside it adds nothing."""
+    import signal
+
+    from mpi4py import MPI
+
+    from mpifl.registry import load_config
+    from mpifl.runtime.engine import Engine
+    from mpifl.runtime.stopping import StopRequest
+
+    config = write_config({"rounds": 5, "eval_every": 1})
+    out = tmp_path / "stopped.h5"
+    engine = Engine(load_config(config), MPI.COMM_SELF, out)
+    engine.prepare()
+    stop = StopRequest(announce=False)
+    stop.signum = signal.SIGTERM  # asked before round 1 ends: the run stops after it
+    assert engine.run(progress=False, stop=stop) == 1
+    done = tmp_path / "done.h5"
+    assert main(["run", str(config), "--out", str(done), "--quiet", "--set", "seed=8"]) == 0
+    unfinished: list[str] = []
+    fig = plot([str(out), str(done)], str(tmp_path / "both.png"), unfinished=unfinished)
+    assert unfinished == ["stopped.h5: interrupted at round 1 of 5"]
+    assert fig._suptitle is not None and "interrupted at round 1 of 5" in fig._suptitle.get_text()
+    capsys.readouterr()
+    assert main(["plot", str(out), "-o", str(tmp_path / "one.png")]) == 0
+    assert capsys.readouterr().out.splitlines() == ["not completed: stopped.h5: interrupted at round 1 of 5",
+                                                    f"wrote {tmp_path / 'one.png'}"]

@@ -6,6 +6,7 @@ Each test of a refusal checks that the file's bytes are unchanged afterwards."""
 import hashlib
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -255,3 +256,24 @@ def test_a_heartbeat_that_is_not_positive_is_one_line_and_exit_2(write_config, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mpifl: error: --heartbeat: expected a positive number")
     assert not out.exists()
+
+
+def test_report_of_a_file_a_run_is_creating_says_so(tmp_path, capsys):
+    """In a run's first seconds its results file exists only under a temporary name, its lock held: report names
+    the run that is creating it, not "does not exist"."""
+    out = tmp_path / "new.h5"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpifl.results.guard import OutputLock; "
+                               f"OutputLock.acquire({str(out)!r}); print('locked', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True, env=mpi_env(), cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["report", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"mpifl: error: results file {out} is being created by a run (pid {holder.pid} on "
+                       f"{platform.node()}): it appears once the run's first results are written (after the first "
+                       "evaluation or checkpoint); try again then\n")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["report", str(out)]) == 2
+    assert capsys.readouterr().err == f"mpifl: error: results file {out} does not exist\n"

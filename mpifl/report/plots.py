@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from textwrap import fill
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpifl.report.seeds import RunGroup, group_runs, mean_2se
 from mpifl.results import check_writable
-from mpifl.results.guard import refuse_existing
+from mpifl.results.guard import inspect_output, refuse_existing
 from mpifl.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -19,17 +20,24 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, log_y: bool = False,
-         overwrite: bool = False) -> Figure:
+         overwrite: bool = False, unfinished: list[str] | None = None) -> Figure:
     """Test accuracy against rounds, cumulative logical training bytes and simulated time: for each group of runs
     that differ only in seed (:func:`group_runs`; a directory gives every run in it), the mean over seeds with a
     ±2·SE band, one colour per group and model kind, seen clients solid, unseen dashed. With ``metric`` (a rounds
     or eval column, or a glob such as ``consensus_layer*``): that column against rounds instead, one panel per
     group and one line per matching column (FedALS's per-layer consensus distances, the paper's Fig. 1). Writes
     ``output`` (an existing file only if ``overwrite``) and returns the figure, whose lines and bands are what was
-    drawn."""
+    drawn. A run that did not complete is named in the figure's title with where it stands ("stopped at round 100
+    of 300", as ``report`` says), and in ``unfinished`` where given (the command line prints it)."""
     check_image_output(output, overwrite)
     groups, _ = group_runs(paths)
     fig = _metric_figure(groups, metric) if metric else _accuracy_figure(groups)
+    notes = [f"{path.name}: {state.where()}" for group in groups for path, _ in group.runs
+             for state in [inspect_output(path)] if state.unfinished]
+    if notes:
+        fig.suptitle(fill("not completed: " + "; ".join(notes), 140), fontsize=9, color="firebrick")
+        if unfinished is not None:
+            unfinished.extend(notes)
     if log_y:
         for ax in fig.axes:
             ax.set_yscale("log")
@@ -139,7 +147,6 @@ def _accuracy_figure(groups: list[RunGroup]) -> Figure:
 def _metric_figure(groups: list[RunGroup], pattern: str) -> Figure:
     """One panel per group that recorded a column matching ``pattern``, one line (mean ± 2·SE) per column."""
     from fnmatch import fnmatchcase
-    from textwrap import fill
 
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

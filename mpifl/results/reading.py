@@ -13,6 +13,7 @@ import numpy as np
 import yaml
 
 from mpifl.extras import optional_import
+from mpifl.results.guard import being_written, lock_file
 from mpifl.results.layout import CHECKPOINT_PENDING, committed_rows, open_results_file, plain
 from mpifl.results.summaries import ledger_summaries
 from mpifl.schema import ConfigError
@@ -48,6 +49,16 @@ class Results:
         return [name for name in self.table_attrs.get(table, {}).get("diagnostics", []) if name in self.table(table)]
 
 
+def _absent(path: Path) -> str:
+    """Why there is no results file at ``path``: none, or one a run has locked and is creating (a new file appears
+    under its name once its first write is committed; until then the lock names the run)."""
+    if being_written(path):
+        holder = lock_file(path).read_text().strip() if lock_file(path).exists() else "another process"
+        return (f"results file {path} is being created by a run ({holder}): it appears once the run's first "
+                "results are written (after the first evaluation or checkpoint); try again then")
+    return f"results file {path} does not exist"
+
+
 def read_results(path: str | Path, checkpoint: bool = False, ledger: bool = True) -> Results:
     """Read a results file: every table up to its committed rows; its (possibly large) checkpoint only when
     asked for; the per-client ledger unless ``ledger`` is False (its per-round summaries are always read,
@@ -58,7 +69,7 @@ def read_results(path: str | Path, checkpoint: bool = False, ledger: bool = True
             return _read_results(path, checkpoint, ledger)
         except (OSError, KeyError, ValueError) as exc:
             if isinstance(exc, FileNotFoundError):
-                raise ConfigError(f"results file {path} does not exist") from None
+                raise ConfigError(_absent(Path(path))) from None
             if attempt == 2:
                 raise ConfigError(f"{path} is not a readable mpifl results file (HDF5): {exc}") from None
             time.sleep(0.2)
