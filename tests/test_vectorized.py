@@ -338,3 +338,23 @@ def test_auto_chunk_keeps_w2s_padding_small_on_any_worker_count_and_depends_on_t
     for cohort in (1, 3, 7, 20, 100, 333, 5000):
         chunk = auto_chunk(cohort, gpu)
         assert all(padded_work(cohort, w, chunk) <= PADDING_BOUND for w in (1, 2, 4) if w <= cohort)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_start_may_be_a_tensor(batched):
+    """Starts held as tensors (a client state kept on the device), some shared and some a client's own, train to
+    the bits of the same starts as host arrays, in the loop and in the batch."""
+    torch.set_num_threads(1)
+    flat = FlatModel(build_model(ModelConfig(name="mlp", hidden=(16,)), layout((20,)), seed=0))
+    shared = flat.numpy().copy()
+    own = shared + np.float32(0.01)
+    xs, ys = clients((20,))
+    cfg = ClientConfig(lr=0.1, epochs=1, batch_size=8, momentum=0.9)
+    trainer = LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched=batched, chunk=4)
+    starts = [shared, shared, own, shared, own.copy(), shared, shared]
+    results = []
+    for as_tensor in (False, True):
+        held = {id(s): torch.from_numpy(s.copy()) for s in starts} if as_tensor else {}
+        runs = [ClientRun(held.get(id(s), s), xs[c], ys[c], client_generator(3, 1, c)) for c, s in enumerate(starts)]
+        results.append(trainer.train(runs, LocalStep(delta=True), cfg).params.clone())
+    assert torch.equal(results[0], results[1])

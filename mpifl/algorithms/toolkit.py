@@ -36,7 +36,8 @@ def send_from(outbox: dict[int, np.ndarray]) -> Handler:
 class ClientStart:
     """Where one client's local SGD starts (:meth:`ClientToolkit.local_start`) and what its step reads."""
 
-    params: np.ndarray  # the start parameters (read-only views of received rows are fine)
+    params: np.ndarray | torch.Tensor  # the start: a host array (read-only views of received rows are fine) or a
+    # tensor (a state kept on the device)
     values: Mapping[str, np.ndarray] = field(default_factory=dict)  # per-client values the transform reads
     momentum: np.ndarray | None = None  # the carried momentum, with ``LocalStep.carries_momentum``
     purpose: int = 0  # the client's generator is keyed by (seed, round, client, purpose)

@@ -372,10 +372,12 @@ class LocalSGD:
         return torch.cat([torch.stack(alone), vmapped[real:]]) if real < len(vmapped) else torch.stack(alone)
 
     def _stacked(self, rows: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
-        """Per-client values as one block on the device, in one asynchronous copy (a new tensor)."""
-        if isinstance(rows[0], torch.Tensor):
-            return torch.stack(list(rows)).to(self.model.device)  # type: ignore[arg-type]
-        return to_device(torch.from_numpy(np.stack(rows)), self.model.device)
+        """Per-client values as one block on the device (a new tensor): host arrays in one asynchronous copy,
+        tensors (on the device already, or anywhere) stacked where they are, then moved if they are not there."""
+        device = self.model.device
+        if all(isinstance(row, np.ndarray) for row in rows):
+            return to_device(torch.from_numpy(np.stack(rows)), device)  # type: ignore[arg-type]
+        return torch.stack([torch.as_tensor(row).to(device, non_blocking=True) for row in rows])
 
     def _momentum(self, runs: Sequence[ClientRun], order: Sequence[int], step: LocalStep, cfg: ClientConfig
                   ) -> torch.Tensor | None:
@@ -386,21 +388,22 @@ class LocalSGD:
             return self._stacked([runs[k].momentum for k in order])  # type: ignore[misc]
         return torch.zeros(len(order), _part_size(step.part, self.model.numel), device=self.model.device)
 
-    def _stack_starts(self, starts: Sequence[np.ndarray], order: Sequence[int]
+    def _stack_starts(self, starts: Sequence[np.ndarray | torch.Tensor], order: Sequence[int]
                       ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """The rows' start parameters on the device ([len(order), numel]), and what gives the starts again (as a
         tensor that broadcasts against them): each distinct start copied up once (a broadcast model, which every
-        client's start is a view of, once for all)."""
-        distinct: dict[tuple[int, tuple[int, ...]], int] = {}  # (data pointer, strides) -> index among the firsts
+        client's start is a view of, once for all). A start is a host array or a tensor (a client state kept on
+        the device), told apart from the others by the memory it views."""
+        distinct: dict[tuple, int] = {}  # (device, data pointer, strides) -> index among the firsts
         firsts: list[int] = []  # the first run of each distinct start
         which = []
         for k in order:
-            key = (starts[k].ctypes.data, starts[k].strides)
+            key = _memory(starts[k])
             if key not in distinct:
                 distinct[key] = len(firsts)
                 firsts.append(k)
             which.append(distinct[key])
-        unique = to_device(torch.from_numpy(np.stack([starts[k] for k in firsts])), self.model.device)
+        unique = self._stacked([starts[k] for k in firsts])
         if len(firsts) == 1:
             return unique.expand(len(order), -1).clone(), lambda: unique.expand(len(order), -1)
         index = to_device(torch.tensor(which), self.model.device)
@@ -447,6 +450,13 @@ def _step_block(block: _Block, grads: torch.Tensor, call: slice, step: LocalStep
         step.transform(params, grads, block.rows(call))
     momentum = None if block.momentum is None else block.momentum[call]
     batched_sgd_step(params[:, step.part], grads[:, step.part], momentum, lr, cfg)
+
+
+def _memory(start: np.ndarray | torch.Tensor) -> tuple:
+    """Which memory ``start`` views: two starts with the same are the same start."""
+    if isinstance(start, torch.Tensor):
+        return str(start.device), start.data_ptr(), start.stride()
+    return "host", start.ctypes.data, start.strides
 
 
 def _part_size(part: slice, numel: int) -> int:
