@@ -32,6 +32,7 @@ from torch import nn
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
 from mpifl.results import KEPT, SHARDS, shard_dir
+from mpifl.results.space import storage_errno, storage_full
 from mpifl.schema import ConfigError
 
 SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "handler_table"})
@@ -181,10 +182,16 @@ def _write_synced(path: Path, fill: Any) -> int:
     """An HDF5 file written by ``fill(file)`` under a temporary name, synced and renamed, so a file that exists
     is complete. Returns its size."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with h5py.File(tmp, "w") as f:
-        fill(f)
-    with open(tmp, "rb") as written:
-        os.fsync(written.fileno())
+    try:
+        with h5py.File(tmp, "w") as f:
+            fill(f)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+    except (OSError, RuntimeError) as exc:  # a full, read-only or failing file system: no half file left
+        if storage_errno(exc) is None:
+            raise
+        tmp.unlink(missing_ok=True)
+        raise storage_full(exc, path, f"the checkpoint file {path.name}") from None
     tmp.replace(path)
     return path.stat().st_size
 

@@ -26,7 +26,10 @@ from mpifl.results.layout import (
     open_results_file,
     shard_dir,
 )
+from mpifl.results.space import arrays_bytes, ensure_room
 from mpifl.schema import ConfigError
+
+LEDGER_CHUNK, CHUNK = 16384, 1024  # rows of a chunk of an appended column: the ledger's, every other table's
 
 
 def write_table(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
@@ -125,6 +128,8 @@ class AppendOnlyFile:
               checkpoint: tuple[int, dict[str, np.ndarray]] | None = None) -> None:
         """``appended``: table → (the row its new rows start at, the new rows), committed after the data;
         ``replaced``: small tables written whole; ``checkpoint``: (round, blobs), swapped in complete."""
+        ensure_room(self.path, _write_bytes(appended, replaced, checkpoint),
+                    f"writing round {attrs.get('rounds_completed', '?')}'s results to {self.path.name}")
         f = self.file
         rewritten = {name: start for name, (start, _) in appended.items() if start < self.rows.get(name, 0)}
         if rewritten:  # committed rows about to change (a resumed run redoes the rounds after its checkpoint):
@@ -164,7 +169,7 @@ class AppendOnlyFile:
         end = start + _length(columns)
         for key, values in columns.items():
             if key not in group:
-                chunk = 16384 if values.dtype.itemsize <= 8 and group.name == "/ledger" else 1024
+                chunk = LEDGER_CHUNK if values.dtype.itemsize <= 8 and group.name == "/ledger" else CHUNK
                 group.create_dataset(key, shape=(start,), maxshape=(None,), chunks=(chunk,), dtype=values.dtype,
                                      fillvalue=missing(values.dtype))
             column = group[key]
@@ -230,6 +235,18 @@ def prune_checkpoints(path: Path, blobs: dict[str, np.ndarray] | None, up_to: in
     if up_to is None:
         with contextlib.suppress(OSError):  # not empty, or not there
             folder.rmdir()
+
+
+def _write_bytes(appended: dict[str, tuple[int, dict[str, np.ndarray]]], replaced: dict[str, dict[str, np.ndarray]],
+                 checkpoint: tuple[int, dict[str, np.ndarray]] | None) -> int:
+    """An upper estimate of what a write adds to the file: the small tables and the checkpoint's arrays, and the
+    chunks the appended rows start (a column's space grows a whole chunk at a time)."""
+    need = sum(arrays_bytes(columns.values()) for columns in replaced.values())
+    for name, (start, columns) in appended.items():
+        rows = LEDGER_CHUNK if name == "ledger" else CHUNK
+        chunks = -(-(start + _length(columns)) // rows) - -(-start // rows)
+        need += sum(chunks * rows * np.asarray(c).dtype.itemsize for c in columns.values())
+    return need + (arrays_bytes(checkpoint[1].values()) if checkpoint is not None else 0)
 
 
 def _length(columns: dict[str, np.ndarray]) -> int:

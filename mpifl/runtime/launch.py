@@ -30,6 +30,7 @@ from mpifl.comm.transport import arrive_together
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, results_names, resume_command
+from mpifl.results.space import StorageFull
 from mpifl.results.writing import check_names
 from mpifl.runtime.faults import selection_size
 from mpifl.runtime.launcher import launcher_prefix
@@ -38,6 +39,7 @@ from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
+EXIT_STORAGE = 75  # sysexits.h's EX_TEMPFAIL: free space (or fix the file system), then --resume
 
 
 def _error(message: str) -> None:
@@ -122,11 +124,37 @@ def _ending_note(output: Path) -> str:
             "where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with time to save)")
 
 
-def _failed_hint(checkpoint_round: int | None, output: Path, size: int) -> str:
-    if checkpoint_round is None:
-        return "; no checkpoint was taken yet: start again with --overwrite"
-    return (f"; continue from its last checkpoint (round {checkpoint_round}) with: "
+def _failed_hint(output: Path, size: int, cure: str = "") -> str:
+    """What the results file keeps after a failure, read from the file (a checkpoint counts once it is committed
+    there, not when a rank began writing it), and how to continue (after ``cure``, e.g. "free space")."""
+    state = inspect_output(output)
+    then = f"{cure}, then " if cure else ""
+    if state.kind != "results":
+        return f"; nothing was kept: {then}run it again"
+    kept = f"; {output} keeps {state.rounds_completed} round(s)"
+    if state.checkpoint_round is None:
+        return f"{kept} and no checkpoint: {then}start again with --overwrite"
+    return (f"{kept} and the checkpoint of round {state.checkpoint_round}; {then}continue with: "
             f"{resume_command(output, launcher_prefix(size))}")
+
+
+def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN001 - an Engine, a Comm
+    """After a failure during training on this rank: the write in flight settled, one line (a full file system's
+    says where, what and what was kept), the lock released, the whole job aborted; returns the exit code."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    engine.settle()
+    if isinstance(exc, StorageFull):  # the machine's fault, not the run's
+        where = f"rank {rank} of {size}: " if size > 1 else ""
+        _error(f"{where}{exc.strerror}{_failed_hint(path, size, 'free space')}")
+    else:
+        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(path, size)}")
+    if os.environ.get("MPIFL_DEBUG"):
+        traceback.print_exception(exc)
+    code = EXIT_STORAGE if isinstance(exc, StorageFull) else EXIT_FAILURE
+    engine.release_output()  # before an abort ends this process: no lock left behind
+    if size > 1:
+        comm.Abort(code)
+    return code
 
 
 def load_mpi():  # noqa: ANN201 - mpi4py's MPI module
@@ -192,13 +220,7 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     try:
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
-        engine.settle()
-        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(engine.checkpointer.taken, path, size)}")
-        if os.environ.get("MPIFL_DEBUG"):
-            traceback.print_exc()
-        if size > 1:
-            comm.Abort(EXIT_FAILURE)
-        return EXIT_FAILURE
+        return _failed(exc, engine, comm, path)
     if stopped_at is not None:
         if rank == 0:
             line = f"mpifl: {_stopped_line(stop, path, size, stopped_at, cfg.rounds)}"

@@ -1,0 +1,106 @@
+"""A full file system (issue 57): on a real small file system (a tmpfs this test mounts; skipped where it cannot),
+a run whose results do not fit ends with one line that names the file system, what it needed and had, what the
+file keeps and the command that continues; no temporary file, no lock, never a crash; and once there is room, the
+resumed run is bitwise the uninterrupted one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mpifl.cli import main
+from mpifl.results.guard import inspect_output
+from mpifl.results.space import free_bytes
+from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, mpirun_cmd
+from tests.test_run_outputs import LONG, start, wait_for_checkpoint
+
+STORAGE_EXIT = 75
+
+
+@pytest.fixture
+def small_fs(tmp_path):  # noqa: ANN001, ANN201
+    """A tmpfs of a given size at a folder of this test, resizable (``remount(size)``), unmounted after."""
+    point = tmp_path / "fs"
+    point.mkdir()
+
+    def mount(kib: int, again: bool = False) -> Path:
+        options = f"{'remount,' if again else ''}size={kib}k"
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'not root'})")
+        return point
+
+    yield mount
+    with contextlib.suppress(OSError):
+        subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def run(config: Path, out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = (mpirun_cmd(ranks) if ranks > 1 else []) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
+                                                      str(out), "--quiet", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=mpi_env(), cwd=REPO)
+
+
+def errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("mpifl: error")]
+
+
+def test_a_new_run_that_does_not_fit_ends_in_one_line_leaving_nothing(small_fs, write_config):
+    folder = small_fs(300)
+    out = folder / "q.h5"
+    proc = run(write_config({"rounds": 2}), out, 1)
+    assert proc.returncode == STORAGE_EXIT, proc.stderr
+    assert "Segmentation" not in proc.stderr and "Traceback" not in proc.stderr
+    assert errors(proc) == [errors(proc)[0]] and proc.stderr.count("\n") == 1
+    line = errors(proc)[0]
+    assert f"the file system at {folder} has " in line and "free; writing round 1's results to q.h5 needs about" in line
+    assert line.endswith("nothing was kept: free space, then run it again")
+    assert sorted(p.name for p in folder.iterdir()) == []  # no temporary file, no lock
+
+
+def fill(folder: Path, leave: int = 64 << 10) -> Path:
+    """Another job's file taking all but ``leave`` bytes of the file system of ``folder``."""
+    filler = folder / "other-job.bin"
+    with open(filler, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, max(free_bytes(folder) - leave, 1))
+    return filler
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_run_whose_file_system_fills_keeps_what_was_complete_and_resumes_bitwise(small_fs, tmp_path, ranks):
+    """Another job fills the file system once the run has committed a checkpoint: the run ends at its next write
+    with one line naming what its file keeps (the checkpoint committed there, not one a rank had begun) and the
+    command that continues; once the space is freed, --resume finishes with the bits of a run that had room."""
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(_merge(LONG, {"eval_every": 5})))
+    whole = tmp_path / "whole.h5"
+    assert main(["run", str(config), "--out", str(whole), "--quiet"]) == 0
+    folder = small_fs(64 << 10)
+    out = folder / "q.h5"
+    job = start([str(config), "--out", str(out), "--quiet"], ranks=ranks if ranks > 1 else 0)
+    wait_for_checkpoint(job, out, at_least=10)
+    filler = fill(folder)
+    _, stderr = job.communicate(timeout=HANG_S)
+    assert job.returncode == STORAGE_EXIT, stderr
+    assert "Segmentation" not in stderr and "Traceback" not in stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("mpifl: error")]
+    state = inspect_output(out)
+    assert state.checkpoint_round is not None and state.checkpoint_round >= 10
+    assert (f"{out} keeps {state.rounds_completed} round(s) and the checkpoint of round {state.checkpoint_round}; "
+            f"free space, then continue with: ") in line and line.endswith(f"--resume {out}")
+    if ranks == 1:  # (an aborted job's lock goes with rank 0's process; the next run takes it over)
+        assert not (folder / ".q.h5.lock").exists()
+    assert not list(folder.glob(".q.h5.tmp-*"))
+    filler.unlink()
+    resumed = subprocess.run((mpirun_cmd(ranks) if ranks > 1 else []) + [
+        sys.executable, "-m", "mpifl", "run", "--resume", str(out), "--quiet"], capture_output=True, text=True,
+        timeout=HANG_S, env=mpi_env(), cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same(deterministic(whole), deterministic(out))
