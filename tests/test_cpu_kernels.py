@@ -118,7 +118,7 @@ def test_an_emulated_cpu_of_the_other_vendor_gives_this_cpus_bits(write_config, 
     and, on an AVX-512 machine, another instruction set. Portable kernels give one set of bits; the libraries' own
     choice does not (MKL's depends on the vendor), which shows the comparison sees the CPU. The CNN's convolution,
     its linear layers and the loss cover the three libraries."""
-    config = write_config({"rounds": 2, "model": {"name": "cnn", "channels": [8], "fc_hidden": 32},
+    config = write_config({"rounds": 1, "model": {"name": "cnn", "channels": [8], "fc_hidden": 32},
                            "client": {"momentum": 0.9, "batch_size": 32}})
     runs = {}
     for kernels in ("portable", "native"):
