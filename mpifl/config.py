@@ -223,8 +223,8 @@ def build_config(raw: dict[str, Any], algorithms: AlgorithmCatalog) -> RunConfig
             try:
                 build(algorithms.options_type(other), options, other)
             except ConfigError as exc:
-                raise ConfigError(f"the section {other!r} holds another algorithm's options than the run's ({name}): "
-                                  f"{exc}; correct it, or drop the section to run {name}") from None
+                raise ConfigError(f"{exc} (this section holds {other}'s options, not those of the run's algorithm, "
+                                  f"{name}: correct it, or drop the section to run {name})") from None
     section = sections.get(name)
     if "algorithm_options" in raw:
         raise ConfigError(f"config: unknown key 'algorithm_options' (put options under '{name}:')")

@@ -23,6 +23,7 @@ import numpy as np
 from mpifl.extras import optional_import
 from mpifl.results import Results, flatten, read_results
 from mpifl.results.guard import refuse_existing
+from mpifl.results.space import NAMED_TARGET_ERRNOS, storage_errno, written_whole
 from mpifl.results.writing import check_names
 from mpifl.schema import ConfigError
 
@@ -129,7 +130,7 @@ def write_csv(run: Run, directory: Path) -> list[Path]:
     for table, path in csv_files(run, directory).items():
         columns = run.results.table(table)
         names = list(columns)
-        with open(path, "w", newline="") as f:
+        with written_whole(path, "the CSV export") as tmp, open(tmp, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(names)
             writer.writerows(zip(*(columns[n].tolist() for n in names)))
@@ -295,5 +296,7 @@ def export(source: str, csv_dir: str | None = None, tensorboard_dir: str | None 
             uri = mlflow.write(runs)
             written.append(f"{uri} (MLflow experiment {experiment!r}, {len(runs)} run{'s' * (len(runs) != 1)})")
         return written
-    except OSError as exc:  # a target that cannot be created or written: the user's input
+    except OSError as exc:  # a target that cannot be created or written: the user's input; a full disk: the machine's
+        if storage_errno(exc) in NAMED_TARGET_ERRNOS:
+            raise
         raise ConfigError(f"export: cannot write: {exc}") from None

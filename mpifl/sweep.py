@@ -51,6 +51,7 @@ from mpifl.config import (
 )
 from mpifl.registry import parse_config
 from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, results_names, writable_directory
+from mpifl.results.space import written_whole
 from mpifl.results.writing import check_names
 from mpifl.schema import ConfigError, build, limits
 
@@ -339,10 +340,11 @@ def write_slurm_array(base: Path, spec: SweepSpec, steps: list[Step], out_dir: P
     run_list, script = out_dir / "runs.txt", out_dir / "sweep.sbatch"
     refuse_unless_ours(run_list, RUN_LIST_MARK)
     refuse_unless_ours(script, SCRIPT_MARK)
-    run_list.write_text(RUN_LIST_MARK + "".join(
-        shlex.join([str(s.run.output), *s.flags(), *(a for o in s.run.overrides for a in ("--set", o))]) + "\n"
-        for s in steps
-    ))
+    with written_whole(run_list, "the sweep's run list") as tmp:
+        tmp.write_text(RUN_LIST_MARK + "".join(
+            shlex.join([str(s.run.output), *s.flags(), *(a for o in s.run.overrides for a in ("--set", o))]) + "\n"
+            for s in steps
+        ))
     script.write_text(f"""{SCRIPT_MARK} for the runs still to do; after an interruption, write it again (completed
 # runs are left out, interrupted ones resume) and submit it again.
 #SBATCH --job-name=mpifl-sweep

@@ -11,8 +11,10 @@ groups (:func:`~mpifl.models.flat.layer_groups`; PeFLL's LeNet: the output Linea
    optimizer, on φ only).
 
 Only φ travels: per client and round |φ| floats down and |φ| up, 2·|φ|·4 bytes; h never leaves its worker.
-Evaluation: a seen client uses φ with its own head (the initial head if it was never sampled, as FL-Bench's
-clients start); an unseen client (pefll spec §4.2) trains a fresh head from the initial one for
+Evaluation: a seen client uses φ with its own head (the initial head if it was never sampled; FL-Bench hands
+such a client the server's average of the heads trained so far, since its server averages every parameter, the
+head included, and a client's own head replaces it once it has one: docs/papers/pefll_baselines.md); an unseen
+client (pefll spec §4.2) trains a fresh head from the initial one for
 ``new_head_epochs`` epochs (20) on its training data with φ frozen, is evaluated, and forgets it.
 """
 

@@ -1,5 +1,6 @@
-"""kNN-Per (Marfoq et al. 2022), a baseline of PeFLL's Table 1 (pefll spec §4.2), as FL-Bench and the authors'
-code run it (docs/papers/pefll_baselines.md).
+"""kNN-Per (Marfoq et al. 2022), a baseline of PeFLL's Table 1 (pefll spec §4.2), as the paper and the authors'
+code define it; FL-Bench's differs (it mixes the kNN probabilities with the model's raw logits and fixes k, λ and
+the scale by its options: docs/papers/pefll_baselines.md).
 
 Training is FedAvg's, message for message. At evaluation each client, seen or unseen, interpolates the global
 model's prediction with a k-nearest-neighbour predictor over its own training data:

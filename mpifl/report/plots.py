@@ -13,6 +13,7 @@ import numpy as np
 from mpifl.report.seeds import RunGroup, group_runs, mean_2se
 from mpifl.results import check_writable
 from mpifl.results.guard import inspect_output, refuse_existing
+from mpifl.results.space import written_whole
 from mpifl.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def plot(paths: Sequence[str | Path], output: str, metric: str | None = None, lo
             ax.set_yscale("log")
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     key = MARKED.get(Path(output).suffix.lower())
-    fig.savefig(output, dpi=110, metadata={key: PLOT_MARK} if key else None)
+    with written_whole(output, "the plot") as tmp:
+        fig.savefig(tmp, dpi=110, metadata={key: PLOT_MARK} if key else None, format=Path(output).suffix[1:].lower())
     return fig
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from mpifl.report.text import SELECTIONS, best_val_row, diagnostics, epsilon_at
 from mpifl.results import Results, flatten, read_results
 from mpifl.results.guard import inspect_output, refuse_unless_ours, writable_directory
+from mpifl.results.space import written_whole
 
 
 def mean_2se(values: np.ndarray) -> tuple[float, float]:
@@ -173,8 +174,9 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     if unfinished:
         md += ["", f"Left out, as not finished: {'; '.join(_unfinished(path) for path, _ in unfinished)}."]
     text = "\n".join(md)
-    md_path.write_text(f"{SUMMARY_MARK}\n{text}\n")
-    with open(csv_path, "w", newline="") as f:
+    with written_whole(md_path, "the summary") as tmp:
+        tmp.write_text(f"{SUMMARY_MARK}\n{text}\n")
+    with written_whole(csv_path, "the summary") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([SUMMARY_CSV_MARK, *varying, *(f"{m}_{s}" for m in (*plain, *both) for s in ("mean", "2se"))])
         for row in rows:

@@ -11,15 +11,24 @@ check and the write, a quota, a read-only or failing file system) is removed and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 
+STORAGE_EXIT = 75
+"""The exit code of a command the file system stopped (sysexits.h's EX_TEMPFAIL: free space, or mend the file
+system, then run it again or --resume)."""
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 """The errors of the storage itself (full, over quota, read-only, failing), not of the path or the program."""
+NAMED_TARGET_ERRNOS = STORAGE_ERRNOS - {errno.EROFS}
+"""Those that are the machine's fault where a command writes a file the user named (a plot, an export): a
+read-only target there is the user's choice, bad input (exit 2) like any other unwritable path."""
 MARGIN, SLACK = 1.25, 1 << 20
 """A write is started only when the free space holds its estimate times MARGIN plus SLACK bytes (HDF5's metadata,
 the chunks a column grows by)."""
@@ -27,6 +36,8 @@ the chunks a column grows by)."""
 
 class StorageFull(OSError):
     """A write the file system could not take, or would not have room for: one line for the user."""
+
+    hdf5_unsafe = False  # an HDF5 file's write failed half-way: end the process without freeing it (see _unsafe)
 
 
 def free_bytes(path: str | Path) -> int:
@@ -45,7 +56,7 @@ def mount_point(path: str | Path) -> Path:
     return folder
 
 
-def size(amount: float) -> str:
+def readable_bytes(amount: float) -> str:
     """Bytes as a person reads them (1.2 MB, 300 kB)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if amount >= scale:
@@ -59,12 +70,15 @@ def arrays_bytes(arrays: Iterable[np.ndarray]) -> int:
 
 def ensure_room(path: str | Path, need: float, what: str) -> None:
     """Raise :class:`StorageFull` unless the file system of ``path`` has room for ``need`` bytes of ``what`` (with
-    :data:`MARGIN` and :data:`SLACK`)."""
+    :data:`MARGIN` and :data:`SLACK`). ``MPIFL_SPACE_CHECK=off`` skips the check, for a file system whose free space
+    ``statvfs`` does not tell (a quota it does not see): a write that fails is then caught as it fails."""
+    if os.environ.get("MPIFL_SPACE_CHECK", "").lower() == "off":
+        return
     wanted = need * MARGIN + SLACK
     free = free_bytes(path)
     if free < wanted:
-        raise StorageFull(errno.ENOSPC, f"the file system at {mount_point(path)} has {size(free)} free; {what} needs "
-                          f"about {size(wanted)}")
+        raise StorageFull(errno.ENOSPC, f"the file system at {mount_point(path)} has {readable_bytes(free)} free; "
+                          f"{what} needs about {readable_bytes(wanted)}")
 
 
 def storage_errno(exc: BaseException) -> int | None:
@@ -82,4 +96,63 @@ def storage_full(exc: BaseException, path: str | Path, what: str) -> StorageFull
     """``exc`` (a storage error) as one line: which file system, what failed, why."""
     code = storage_errno(exc) or errno.EIO
     return StorageFull(code, f"the file system at {mount_point(path)} could not take {what}: {os.strerror(code)} "
-                       f"({size(free_bytes(path))} free)")
+                       f"({readable_bytes(free_bytes(path))} free)")
+
+
+@contextlib.contextmanager
+def written_whole(path: str | Path, what: str) -> Iterator[Path]:
+    """A temporary name beside ``path`` to write a file under; renamed to ``path`` once written, removed if the
+    write fails, so ``path`` is the old file or the whole new one, never a part (a plot, a summary, a CSV export on
+    a file system that fills). A storage error becomes :class:`StorageFull`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if storage_errno(exc) in NAMED_TARGET_ERRNOS:
+            raise storage_full(exc, path, f"{what} {path.name}") from None
+        raise
+
+
+@contextlib.contextmanager
+def storage_failures(path: str | Path, what: str) -> Iterator[list[BaseException]]:
+    """Around a write into an HDF5 file kept open: the storage errors HDF5 reports while h5py frees its objects
+    ("Exception ignored in ObjectID.__dealloc__", dozens of tracebacks on a full disk) are collected instead of
+    printed, beside any the block appends to the list it is given; if there were any, the block's end raises
+    :class:`StorageFull` for them (other errors pass as they are)."""
+    failed: list[BaseException] = []
+    previous, printed = sys.unraisablehook, sys.excepthook
+
+    def collect(unraisable: sys.UnraisableHookArgs) -> None:
+        if unraisable.exc_value is not None and storage_errno(unraisable.exc_value) is not None:
+            failed.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    def quiet(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        # Cython prints a freed object's error in full (PyErr_PrintEx, through sys.excepthook) before the hook above
+        if storage_errno(value) is None:
+            printed(kind, value, trace)
+
+    sys.unraisablehook, sys.excepthook = collect, quiet
+    try:
+        yield failed
+    except (OSError, RuntimeError) as exc:
+        if storage_errno(exc) is None and not any(storage_errno(f) is not None for f in failed):
+            sys.unraisablehook, sys.excepthook = previous, printed
+            raise
+        raise _unsafe(storage_full(exc if storage_errno(exc) else failed[0], path, what)) from None
+    storage = [f for f in failed if storage_errno(f) is not None]
+    if storage:
+        raise _unsafe(storage_full(storage[0], path, what))
+    # (after a failure both stay: HDF5 reports more as the file's objects go, until the process ends)
+    sys.unraisablehook, sys.excepthook = previous, printed
+
+
+def _unsafe(error: StorageFull) -> StorageFull:
+    """``error``, marked as leaving an HDF5 file that must not be touched again, not even by the interpreter's
+    garbage collection at exit (:attr:`StorageFull.hdf5_unsafe`: the process ends at once after reporting it)."""
+    error.hdf5_unsafe = True
+    return error

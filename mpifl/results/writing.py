@@ -26,7 +26,7 @@ from mpifl.results.layout import (
     open_results_file,
     shard_dir,
 )
-from mpifl.results.space import arrays_bytes, ensure_room
+from mpifl.results.space import arrays_bytes, ensure_room, storage_failures
 from mpifl.schema import ConfigError
 
 LEDGER_CHUNK, CHUNK = 16384, 1024  # rows of a chunk of an appended column: the ledger's, every other table's
@@ -122,32 +122,60 @@ class AppendOnlyFile:
             self.file.create_dataset(COMMITTED, data=np.zeros(len(APPENDED), np.int64))
             self.file[COMMITTED].attrs["tables"] = np.array(APPENDED, dtype=h5py.string_dtype())
         self.rows = committed_rows(self.file)
+        self.broken = False  # a write failed in HDF5: the file is not touched again
+        self._failed: list[BaseException] = []  # the failures HDF5 reported during the write under way
 
     def write(self, attrs: dict[str, Any], appended: dict[str, tuple[int, dict[str, np.ndarray]]],
               replaced: dict[str, dict[str, np.ndarray]], table_attrs: dict[str, dict[str, Any]],
               checkpoint: tuple[int, dict[str, np.ndarray]] | None = None) -> None:
         """``appended``: table → (the row its new rows start at, the new rows), committed after the data;
-        ``replaced``: small tables written whole; ``checkpoint``: (round, blobs), swapped in complete."""
-        ensure_room(self.path, _write_bytes(appended, replaced, checkpoint),
-                    f"writing round {attrs.get('rounds_completed', '?')}'s results to {self.path.name}")
+        ``replaced``: small tables written whole; ``checkpoint``: (round, blobs), swapped in complete. A write the
+        file system would not have room for is not begun (:func:`~mpifl.results.space.ensure_room`); one that
+        fails all the same (a quota, a failing disk) leaves the file as its last commit left it, untouched from
+        then on (:attr:`broken`: HDF5 may crash on the next call into a file whose write failed)."""
+        what = f"writing round {attrs.get('rounds_completed', '?')}'s results to {self.path.name}"
+        ensure_room(self.path, _write_bytes(appended, replaced, checkpoint), what)
+        with storage_failures(self.path, what) as self._failed:
+            try:
+                self._write(attrs, appended, replaced, table_attrs, checkpoint)
+            except (OSError, RuntimeError) as exc:
+                self._failed.append(exc)
+                raise
+            finally:
+                self.broken = bool(self._failed)
+
+    def _ok(self) -> None:
+        """Stop the write at once where HDF5 has failed to write (reported only as it freed an object): the next
+        call into the file (a flush) may crash the process."""
+        if self._failed:
+            raise self._failed[0]
+
+    def _write(self, attrs: dict[str, Any], appended: dict[str, tuple[int, dict[str, np.ndarray]]],
+               replaced: dict[str, dict[str, np.ndarray]], table_attrs: dict[str, dict[str, Any]],
+               checkpoint: tuple[int, dict[str, np.ndarray]] | None) -> None:
         f = self.file
         rewritten = {name: start for name, (start, _) in appended.items() if start < self.rows.get(name, 0)}
         if rewritten:  # committed rows about to change (a resumed run redoes the rounds after its checkpoint):
             self._commit(rewritten)  # they stop counting before they do
         for name, (start, columns) in appended.items():
             self._append(f.require_group(name), start, columns)
+            self._ok()
         for name, columns in replaced.items():
             self._replace(name, columns)
+            self._ok()
         for name, extra in table_attrs.items():
             write_attrs(f.require_group(name), extra)
+        self._ok()
         completed = attrs.get("status") == "completed"  # said only once its last rows count
         write_attrs(f, {**attrs, "status": "running"} if completed else attrs)
         self._commit({name: start + _length(columns) for name, (start, columns) in appended.items()})
         if completed:
             f.attrs["status"] = "completed"
+            self._ok()
             f.flush()
         if checkpoint is not None:  # after the rows it resumes from are committed
             self._checkpoint(*checkpoint)
+            self._ok()
             f.flush()
         if self.creating is not None:
             f.close()
@@ -158,12 +186,13 @@ class AppendOnlyFile:
         """Make ``rows`` (table → its row count) the committed counts: what the file holds is on disk first (one
         flush), then the counts (one write of one small dataset, flushed)."""
         self.rows.update(rows)
+        self._ok()
         self.file.flush()
         self.file[COMMITTED][...] = [self.rows.get(name, 0) for name in APPENDED]
+        self._ok()
         self.file.flush()
 
-    @staticmethod
-    def _append(group: h5py.Group, start: int, columns: dict[str, np.ndarray]) -> None:
+    def _append(self, group: h5py.Group, start: int, columns: dict[str, np.ndarray]) -> None:
         """Rows ``start`` on become ``columns`` (rows past them, uncommitted or from before a resume, go); a
         column new to the table starts with NaN (missing) in the rows before."""
         end = start + _length(columns)
@@ -176,10 +205,13 @@ class AppendOnlyFile:
             column.resize((end,))
             if len(values):
                 column[start:end] = values
+            del column
+            self._ok()
         for key in set(group) - set(columns):  # a column these rows lack
             group[key].resize((end,))
             if end > start:
                 group[key][start:end] = missing(group[key].dtype)
+            self._ok()
 
     def _replace(self, name: str, columns: dict[str, np.ndarray]) -> None:
         """A small table written whole: in place when its columns keep their shapes (the clients table at every
@@ -212,9 +244,10 @@ class AppendOnlyFile:
             prune_checkpoints(self.path, blobs, round_)
 
     def close(self) -> None:
-        self.file.close()
+        if not self.broken:  # a file whose write failed is left to the process's end (see write)
+            self.file.close()
         if self.creating is not None:  # closed before its first write (a failure): nothing to keep
-            self.creating.unlink()
+            self.creating.unlink(missing_ok=True)
 
 
 def prune_checkpoints(path: Path, blobs: dict[str, np.ndarray] | None, up_to: int | None = None) -> None:

@@ -10,6 +10,7 @@ kept and older files deleted as each new one is committed. No algorithm writes c
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from mpifl.comm import Transport
 from mpifl.config import RESULT_NEUTRAL, RunConfig, config_differences, config_to_dict
 from mpifl.registry import parse_config
 from mpifl.results import KEPT, SHARDS, Results, shard_dir
+from mpifl.results.space import StorageFull, free_bytes, mount_point, readable_bytes
 from mpifl.runtime.timing import RankTimes
 from mpifl.schema import ConfigError
 from mpifl.state_io import (
@@ -36,6 +38,10 @@ from mpifl.state_io import (
 )
 
 RUNTIME = "runtime"  # marks the manifest entry of the rounds' own state (rank 0's asynchronous events)
+
+
+SHARD_FAILED = -2
+"""The size a rank reports for a checkpoint file the file system could not take (-1: it holds no client state)."""
 
 
 def shard_name(round_: int, rank: int) -> str:
@@ -70,11 +76,19 @@ class Checkpointer:
         if state is not None or server is not None:
             folder.mkdir(parents=True, exist_ok=True)
         if state is not None:
-            nbytes = write_client_shard(folder / shard_name(round_, self.transport.rank), state)
+            try:
+                nbytes = write_client_shard(folder / shard_name(round_, self.transport.rank), state)
+            except StorageFull:  # said once, by rank 0, for every rank it happened to (the gather below)
+                nbytes = SHARD_FAILED
         self.times.serialization += time.perf_counter() - start
         sizes = self.transport.gather_bytes(round_, "checkpoint", np.array([nbytes], dtype=np.int64).view(np.uint8))
         if server is None:
             return
+        failed = [rank for rank, size in enumerate(sizes) if size.view(np.int64)[0] == SHARD_FAILED]
+        if failed:
+            raise StorageFull(errno.ENOSPC, f"the file system at {mount_point(folder)} could not take round {round_}'s "
+                              f"checkpoint files of rank(s) {', '.join(map(str, failed))} "
+                              f"({readable_bytes(free_bytes(folder))} free)")
         start = time.perf_counter()
         server_bytes = write_server_shard(folder / server_shard_name(round_), server)
         manifest = [{"rank": 0, "file": server_shard_name(round_), "bytes": server_bytes, "server": True}]

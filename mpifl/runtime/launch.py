@@ -30,7 +30,7 @@ from mpifl.comm.transport import arrive_together
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, results_names, resume_command
-from mpifl.results.space import StorageFull
+from mpifl.results.space import STORAGE_EXIT, StorageFull
 from mpifl.results.writing import check_names
 from mpifl.runtime.faults import selection_size
 from mpifl.runtime.launcher import launcher_prefix
@@ -39,7 +39,6 @@ from mpifl.schema import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
-EXIT_STORAGE = 75  # sysexits.h's EX_TEMPFAIL: free space (or fix the file system), then --resume
 
 
 def _error(message: str) -> None:
@@ -150,10 +149,14 @@ def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN00
         _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(path, size)}")
     if os.environ.get("MPIFL_DEBUG"):
         traceback.print_exception(exc)
-    code = EXIT_STORAGE if isinstance(exc, StorageFull) else EXIT_FAILURE
+    code = STORAGE_EXIT if isinstance(exc, StorageFull) else EXIT_FAILURE
     engine.release_output()  # before an abort ends this process: no lock left behind
     if size > 1:
         comm.Abort(code)
+    if isinstance(exc, StorageFull) and exc.hdf5_unsafe:  # HDF5 would crash freeing the file at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
