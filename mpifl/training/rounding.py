@@ -20,6 +20,13 @@ from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
 
+def _keep_inputs(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """What a linear layer's backward reads: its input and weight, and whether it has a bias."""
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
 class _RowsLinear(torch.autograd.Function):
     """A block of rows' linear layers, ``x`` [rows, N, in], ``weight`` [rows, out, in], ``bias`` [rows, out] or
     None, with the loop's products (see the module's docstring)."""
@@ -30,11 +37,7 @@ class _RowsLinear(torch.autograd.Function):
             return torch.bmm(x, weight.transpose(1, 2))
         return torch.baddbmm(bias[:, None, :], x, weight.transpose(1, 2))
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        x, weight, bias = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+    setup_context = staticmethod(_keep_inputs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
@@ -49,11 +52,7 @@ class _LoopLinear(torch.autograd.Function):
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         return functional.linear(x, weight, bias)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        x, weight, bias = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+    setup_context = staticmethod(_keep_inputs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
