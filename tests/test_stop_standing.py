@@ -90,9 +90,10 @@ def test_ctrl_c_in_a_terminal_under_mpirun_says_where_the_run_stands_and_the_pri
             job.kill()
         os.close(master)
     screen = shown.decode(errors="replace").replace("\r\n", "\n")
-    assert (f"mpifl: Ctrl-C or SIGTERM to mpirun: it kills the ranks half a second later; saving a checkpoint after "
-            f"the round under way if there is time; then python -m mpifl report {out} says where the run stands and "
-            "how to continue it (kill -USR1 <mpirun's pid> stops with time to save)\n") in screen
+    assert (f"mpifl: Ctrl-C or SIGTERM to mpirun (or a rank that died on another node): it kills the ranks half a "
+            f"second later; saving a checkpoint after the round under way if there is time; then python -m mpifl "
+            f"report {out} says where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with "
+            "time to save)\n") in screen
     state = inspect_output(out)
     resume = f"mpirun -n 3 --oversubscribe python -m mpifl run --resume {out}"
     assert state.condition in ("interrupted", "stopped"), state  # stopped: the SIGKILL came before the file's mark
@@ -115,6 +116,48 @@ def test_ctrl_c_in_a_terminal_under_mpirun_says_where_the_run_stands_and_the_pri
                           cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     assert read_results(out).attrs["status"] == "completed"
+
+
+def _rank_pid(rank: int, out: Path) -> int:
+    """The process id of rank ``rank`` of the job writing ``out`` (Open MPI puts each rank's number in its
+    environment)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if str(out).encode() in (proc / "cmdline").read_bytes() and (
+                    f"OMPI_COMM_WORLD_RANK={rank}\0".encode() in (proc / "environ").read_bytes()):
+                return int(proc.name)
+        except OSError:  # a process that has ended, or is not ours
+            continue
+    raise AssertionError(f"no rank {rank} writing {out}")
+
+
+def test_a_worker_killed_under_mpirun_is_named_with_where_the_run_stands(tmp_path):
+    """kill -9 of rank 1: mpirun ends the job (SIGTERM to the other ranks, as for a Ctrl-C), and rank 0 says what
+    happened instead of blaming a Ctrl-C: which rank died, where to see the run's standing, the command that
+    continues it."""
+    config = tmp_path / "q.yaml"
+    config.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 100_000, "eval_every": 1000, "checkpoint_every": 5,
+                                                   "model": {"name": "logistic"}})))
+    out = tmp_path / "r.h5"
+    job, master = _in_a_terminal(mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
+                                                 str(out)], tmp_path)
+    deadline = time.monotonic() + HANG_S
+    try:
+        shown = _read_until(master, job, lambda _: _committed(out), deadline)
+        worker = _rank_pid(1, out)
+        os.kill(worker, 9)
+        shown += _read_until(master, job, lambda _: False, deadline)
+        job.wait(timeout=HANG_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        os.close(master)
+    screen = shown.decode(errors="replace").replace("\r\n", "\n")
+    assert (f"mpifl: rank 1 of 3 (pid {worker}) has died, so mpirun ends the job: it kills the other ranks half a "
+            f"second later; the results file keeps its last checkpoint: python -m mpifl report {out} says where the "
+            f"run stands, and mpirun -n 3 --oversubscribe python -m mpifl run --resume {out} continues it\n") in screen
+    assert "Ctrl-C" not in screen and "Traceback" not in screen
+    assert inspect_output(out).checkpoint_round is not None
 
 
 def test_a_resumed_run_that_completes_keeps_only_its_committed_checkpoints(write_config, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shlex
 import sys
 import traceback
@@ -116,11 +117,30 @@ def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, round
             f"{resume_command(output, launcher_prefix(size))} (any rank count)")
 
 
-def _ending_note(output: Path) -> str:
-    """What rank 0 writes to the terminal as soon as ``mpirun`` starts ending the job: true however it ends."""
-    return ("mpifl: Ctrl-C or SIGTERM to mpirun: it kills the ranks half a second later; saving a checkpoint after "
-            f"the round under way if there is time; then python -m mpifl report {shlex.quote(str(output))} says "
+def _ending_note(output: Path, peers: list[tuple[str, int]]) -> str:
+    """What rank 0 writes to the terminal as soon as ``mpirun`` starts ending the job: a rank of this node that has
+    died (``peers``: every rank's host and process id), named, with where the run stands and how to continue it;
+    otherwise what is true however the job ends (Ctrl-C or SIGTERM to mpirun, or a rank dying on another node)."""
+    report = f"python -m mpifl report {shlex.quote(str(output))}"
+    here = platform.node()
+    dead = [(rank, pid) for rank, (host, pid) in enumerate(peers) if rank and host == here and not _alive(pid)]
+    if dead:
+        rank, pid = dead[0]
+        return (f"mpifl: rank {rank} of {len(peers)} (pid {pid}) has died, so mpirun ends the job: it kills the other "
+                f"ranks half a second later; the results file keeps its last checkpoint: {report} says where the run "
+                f"stands, and {resume_command(output, launcher_prefix(len(peers)))} continues it")
+    return ("mpifl: Ctrl-C or SIGTERM to mpirun (or a rank that died on another node): it kills the ranks half a "
+            f"second later; saving a checkpoint after the round under way if there is time; then {report} says "
             "where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with time to save)")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node runs (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _failed_hint(output: Path, size: int, cure: str = "") -> str:
@@ -206,12 +226,16 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         return EXIT_BAD_INPUT
     path = Path(resume or output or cfg.output)
     if rank == 0 and size > 1:
-        stop.terminal_note = _ending_note(path)
+        stop.terminal_note = lambda: _ending_note(path, [])
     engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite)
     failed = _prepare_everywhere(engine, comm)
     if failed is not None:
         engine.release_output()
         return failed
+    if size > 1:  # which process each rank is, so that rank 0 can name one that dies
+        peers = comm.allgather((platform.node(), os.getpid()))
+        if rank == 0:
+            stop.terminal_note = lambda: _ending_note(path, peers)
     if rank == 0 and not options.quiet:
         start = f"from round {engine.start_round}, " if resume else ""
         print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -56,7 +56,8 @@ class StopRequest:
         self.signum = 0  # the first signal received; 0: none
         self.continued_at = -float("inf")  # when the last SIGCONT came (monotonic seconds)
         self.launcher_ending = False  # the stop came from Open MPI's mpirun ending the job (see the module's doc)
-        self.terminal_note: str | None = None  # what rank 0 writes to the terminal then (set once the output is known)
+        # what rank 0 writes to the terminal then, worked out when it happens (set once the output is known)
+        self.terminal_note: Callable[[], str] | None = None
 
     @property
     def requested(self) -> bool:
@@ -93,7 +94,7 @@ class StopRequest:
         self.launcher_ending = ("OMPI_TOOL_NAME" in os.environ and signum != signal.SIGUSR1
                                 and time.monotonic() - self.continued_at < LAUNCHER_GAP_S)
         if self.launcher_ending and self.terminal_note is not None:
-            to_terminal(self.terminal_note)
+            to_terminal(self.terminal_note())
         if self.announce:
             sys.stderr.write(f"mpifl: {self.signal_name}: stopping after the round under way and saving a "
                              "checkpoint (send it again to stop at once)\n")
