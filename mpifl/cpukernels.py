@@ -40,9 +40,21 @@ def mode() -> str:
     return os.environ.get(SETTING, "portable").strip().lower() or "portable"
 
 
+def has_avx2() -> bool:
+    """Whether this x86 CPU has AVX2 and FMA (ATen told ``avx2`` on one without them would stop at its first vector
+    instruction); where ``/proc/cpuinfo`` cannot tell, assumed."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
+    except OSError:
+        return True
+    return flags is None or {"avx2", "fma"} <= set(flags)
+
+
 def pin() -> None:
-    """Set :data:`PORTABLE` in this process's environment unless ``MPIFL_CPU_KERNELS`` says ``native``: called on
-    ``import mpifl``, before any of the three libraries has read its variable (a check at start-up,
-    ``mpifl.training.device.check_cpu_kernels``, refuses a process where one had)."""
-    if mode() == "portable" and is_x86():
+    """Set :data:`PORTABLE` in this process's environment unless ``MPIFL_CPU_KERNELS`` says ``native`` (or the CPU
+    lacks AVX2, which the check at start-up then refuses in one line): called on ``import mpifl``, before any of the
+    three libraries has read its variable (``mpifl.training.device.check_cpu_kernels`` refuses a process where one
+    had)."""
+    if mode() == "portable" and is_x86() and has_avx2():
         os.environ.update(PORTABLE)

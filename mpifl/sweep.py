@@ -345,7 +345,8 @@ def write_slurm_array(base: Path, spec: SweepSpec, steps: list[Step], out_dir: P
             shlex.join([str(s.run.output), *s.flags(), *(a for o in s.run.overrides for a in ("--set", o))]) + "\n"
             for s in steps
         ))
-    script.write_text(f"""{SCRIPT_MARK} for the runs still to do; after an interruption, write it again (completed
+    with written_whole(script, "the sweep's batch script") as tmp:
+        tmp.write_text(f"""{SCRIPT_MARK} for the runs still to do; after an interruption, write it again (completed
 # runs are left out, interrupted ones resume) and submit it again.
 #SBATCH --job-name=mpifl-sweep
 #SBATCH --array=0-{len(steps) - 1}

@@ -98,6 +98,10 @@ def test_ranks_with_different_kernels_are_refused_before_training(write_config, 
     assert lines == [lines[0]] and "ranks compute with different CPU kernels" in lines[0]
     assert "rank(s) 0: portable" in lines[0] and "rank(s) 1: native" in lines[0]
     assert not out.exists()
+    # native on every rank is what the opt-out is for, even where the nodes' own paths differ
+    both = mpmd(write_config({"rounds": 1}), tmp_path / "both.h5", [{"MPIFL_CPU_KERNELS": "native"},
+                                                                    {"MPIFL_CPU_KERNELS": "native", **WIDEST}])
+    assert both.returncode == 0, both.stderr
 
 
 QEMU = shutil.which("qemu-x86_64")

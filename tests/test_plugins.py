@@ -188,19 +188,23 @@ TRAINED = []
 
 
 class RecordingClient(FedAvgClient):
-    """Records each client it trains, and (with ``frozen``) sends a zero delta in place of what it trained."""
-
-    frozen = False
+    """Records each client it trains."""
 
     def compute(self, step, client):
         super().compute(step, client)
         TRAINED.append((type(self).__name__, step.round, client, float(np.abs(np.asarray(self.deltas[client])).sum())))
-        if self.frozen:
-            self.deltas[client] = np.zeros_like(np.asarray(self.deltas[client]))
 
 
-class FrozenClient(RecordingClient):
-    frozen = True
+class Freezing:
+    """A mixin, before the algorithm's class in the MRO: its compute overrides the stated step as well."""
+
+    def compute(self, step, client):
+        super().compute(step, client)
+        self.deltas[client] = np.zeros_like(np.asarray(self.deltas[client]))
+
+
+class FrozenClient(Freezing, RecordingClient):
+    pass
 
 
 RECORD = (None, FedAvgServer, RecordingClient)

@@ -154,8 +154,8 @@ def test_a_worker_killed_under_mpirun_is_named_with_where_the_run_stands(tmp_pat
         os.close(master)
     screen = shown.decode(errors="replace").replace("\r\n", "\n")
     assert (f"mpifl: rank 1 of 3 (pid {worker}) has died, so mpirun ends the job: it kills the other ranks half a "
-            f"second later; the results file keeps its last checkpoint: python -m mpifl report {out} says where the "
-            f"run stands, and mpirun -n 3 --oversubscribe python -m mpifl run --resume {out} continues it\n") in screen
+            f"second later; python -m mpifl report {out} says where the run stands, and mpirun -n 3 --oversubscribe "
+            f"python -m mpifl run --resume {out} continues it from its last checkpoint\n") in screen
     assert "Ctrl-C" not in screen and "Traceback" not in screen
     assert inspect_output(out).checkpoint_round is not None
 

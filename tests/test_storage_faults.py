@@ -61,7 +61,7 @@ def test_a_new_run_that_does_not_fit_ends_in_one_line_leaving_nothing(small_fs, 
     assert "Segmentation" not in proc.stderr and "Traceback" not in proc.stderr
     assert errors(proc) == [errors(proc)[0]] and proc.stderr.count("\n") == 1
     line = errors(proc)[0]
-    assert f"the file system at {folder} has " in line and "free; writing round 1's results to q.h5 needs about" in line
+    assert f"the file system at {folder} has " in line and "free; creating q.h5 needs about" in line
     assert line.endswith("nothing was kept: free space, then run it again")
     assert sorted(p.name for p in folder.iterdir()) == []  # no temporary file, no lock
 

@@ -81,11 +81,12 @@ class ClientToolkit(ClientAlgorithm):
         that records or alters what a client trains): then every client goes through that override, one at a time,
         so it is honoured, never bypassed by the batch. Overriding :meth:`local_start`, :meth:`local_step` or
         :meth:`local_end` instead keeps the batch."""
-        def definer(name: str) -> type:
-            return next(klass for klass in cls.__mro__ if name in vars(klass))
+        def position(name: str) -> int:  # of the class whose definition of ``name`` this one uses
+            return next(k for k, klass in enumerate(cls.__mro__) if name in vars(klass))
 
-        computes, states = definer("compute"), definer("local_step")
-        return computes is not states and issubclass(computes, states)  # one class stating both means both
+        # compute found first in the MRO (a subclass or a mixin before the stating class); one class stating both
+        # means both
+        return position("compute") < position("local_step")
 
     @property
     def device(self) -> torch.device:

@@ -53,7 +53,10 @@ def _absent(path: Path) -> str:
     """Why there is no results file at ``path``: none, or one a run has locked and is creating (a new file appears
     under its name once its first write is committed; until then the lock names the run)."""
     if being_written(path):
-        holder = lock_file(path).read_text().strip() if lock_file(path).exists() else "another process"
+        try:
+            holder = lock_file(path).read_text().strip()
+        except OSError:  # released meanwhile
+            holder = "another process"
         return (f"results file {path} is being created by a run ({holder}): it appears once the run's first "
                 "results are written (after the first evaluation or checkpoint); try again then")
     return f"results file {path} does not exist"

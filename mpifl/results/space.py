@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +39,7 @@ class StorageFull(OSError):
     """A write the file system could not take, or would not have room for: one line for the user."""
 
     hdf5_unsafe = False  # an HDF5 file's write failed half-way: end the process without freeing it (see _unsafe)
+    kept: tuple[int, int | None] | None = None  # (rounds, checkpoint round) the file held at its last commit, if known
 
 
 def free_bytes(path: str | Path) -> int:
@@ -118,33 +120,39 @@ def written_whole(path: str | Path, what: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def storage_failures(path: str | Path, what: str) -> Iterator[list[BaseException]]:
-    """Around a write into an HDF5 file kept open: the storage errors HDF5 reports while h5py frees its objects
-    ("Exception ignored in ObjectID.__dealloc__", dozens of tracebacks on a full disk) are collected instead of
-    printed, beside any the block appends to the list it is given; if there were any, the block's end raises
-    :class:`StorageFull` for them (other errors pass as they are)."""
+    """Around a write into an HDF5 file kept open: the storage errors HDF5 reports in this thread while h5py frees
+    its objects ("Exception ignored in ObjectID.__dealloc__", dozens of tracebacks on a full disk) are collected
+    instead of printed, beside any the block appends to the list it is given; if there were any, whatever the block
+    raises, or its end, raises :class:`StorageFull` for them, marked unsafe (:func:`_unsafe`). Other errors pass as
+    they are. Other threads' reports go to the hooks as before."""
     failed: list[BaseException] = []
+    writer = threading.get_ident()
     previous, printed = sys.unraisablehook, sys.excepthook
 
+    def ours(error: BaseException | None) -> bool:
+        return threading.get_ident() == writer and error is not None and storage_errno(error) is not None
+
     def collect(unraisable: sys.UnraisableHookArgs) -> None:
-        if unraisable.exc_value is not None and storage_errno(unraisable.exc_value) is not None:
-            failed.append(unraisable.exc_value)
+        if ours(unraisable.exc_value):
+            failed.append(unraisable.exc_value)  # type: ignore[arg-type]
         else:
             previous(unraisable)
 
     def quiet(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
         # Cython prints a freed object's error in full (PyErr_PrintEx, through sys.excepthook) before the hook above
-        if storage_errno(value) is None:
+        if not ours(value):
             printed(kind, value, trace)
 
     sys.unraisablehook, sys.excepthook = collect, quiet
     try:
         yield failed
-    except (OSError, RuntimeError) as exc:
-        if storage_errno(exc) is None and not any(storage_errno(f) is not None for f in failed):
+    except Exception as exc:  # after HDF5 has failed, h5py may raise anything (an invalid identifier: KeyError...)
+        storage = [error for error in (exc, *failed) if storage_errno(error) is not None]
+        if not storage:
             sys.unraisablehook, sys.excepthook = previous, printed
             raise
-        raise _unsafe(storage_full(exc if storage_errno(exc) else failed[0], path, what)) from None
-    storage = [f for f in failed if storage_errno(f) is not None]
+        raise _unsafe(storage_full(storage[0], path, what)) from None
+    storage = [error for error in failed if storage_errno(error) is not None]
     if storage:
         raise _unsafe(storage_full(storage[0], path, what))
     # (after a failure both stay: HDF5 reports more as the file's objects go, until the process ends)

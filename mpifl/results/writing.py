@@ -26,9 +26,18 @@ from mpifl.results.layout import (
     open_results_file,
     shard_dir,
 )
-from mpifl.results.space import arrays_bytes, ensure_room, storage_failures
+from mpifl.results.space import (
+    StorageFull,
+    arrays_bytes,
+    ensure_room,
+    storage_errno,
+    storage_failures,
+    storage_full,
+)
 from mpifl.schema import ConfigError
 
+BROKEN_FILES: list[h5py.File] = []
+"""Results files whose write failed in HDF5, kept referenced until the process ends (freeing one crashes)."""
 LEDGER_CHUNK, CHUNK = 16384, 1024  # rows of a chunk of an appended column: the ledger's, every other table's
 
 
@@ -115,14 +124,26 @@ class AppendOnlyFile:
         # HDF5 lays out a new file leaves no file rather than a broken one
         self.creating = None if resume else creating_name(self.path)
         # no HDF5 file lock: others (report, a test) may read the committed rows while the job runs
-        self.file = (h5py.File(self.creating, "w", locking=False) if self.creating
-                     else open_results_file(self.path, "r+", locking=False))
-        self.file.attrs["layout"] = "append"
-        if COMMITTED not in self.file:
-            self.file.create_dataset(COMMITTED, data=np.zeros(len(APPENDED), np.int64))
-            self.file[COMMITTED].attrs["tables"] = np.array(APPENDED, dtype=h5py.string_dtype())
+        ensure_room(self.path, 0, f"creating {self.path.name}")
+        try:
+            self.file = (h5py.File(self.creating, "w", locking=False) if self.creating
+                         else open_results_file(self.path, "r+", locking=False))
+            self.file.attrs["layout"] = "append"
+            if COMMITTED not in self.file:
+                self.file.create_dataset(COMMITTED, data=np.zeros(len(APPENDED), np.int64))
+                self.file[COMMITTED].attrs["tables"] = np.array(APPENDED, dtype=h5py.string_dtype())
+        except OSError as exc:  # the file system filled under it: no half-made file left
+            if self.creating is not None:
+                self.creating.unlink(missing_ok=True)
+            if storage_errno(exc) is None:
+                raise
+            raise storage_full(exc, self.path, f"creating {self.path.name}") from None
         self.rows = committed_rows(self.file)
         self.broken = False  # a write failed in HDF5: the file is not touched again
+        # (rounds, checkpoint round) its last completed write committed to disk; None while it is being created
+        self.kept: tuple[int, int | None] | None = None if self.creating else (
+            self.rows.get("rounds", 0), int(self.file["checkpoint"].attrs["round"]) if "checkpoint" in self.file
+            else None)
         self._failed: list[BaseException] = []  # the failures HDF5 reported during the write under way
 
     def write(self, attrs: dict[str, Any], appended: dict[str, tuple[int, dict[str, np.ndarray]]],
@@ -134,15 +155,21 @@ class AppendOnlyFile:
         fails all the same (a quota, a failing disk) leaves the file as its last commit left it, untouched from
         then on (:attr:`broken`: HDF5 may crash on the next call into a file whose write failed)."""
         what = f"writing round {attrs.get('rounds_completed', '?')}'s results to {self.path.name}"
-        ensure_room(self.path, _write_bytes(appended, replaced, checkpoint), what)
-        with storage_failures(self.path, what) as self._failed:
-            try:
-                self._write(attrs, appended, replaced, table_attrs, checkpoint)
-            except (OSError, RuntimeError) as exc:
-                self._failed.append(exc)
-                raise
-            finally:
-                self.broken = bool(self._failed)
+        try:
+            ensure_room(self.path, _write_bytes(appended, replaced, checkpoint), what)
+            with storage_failures(self.path, what) as self._failed:
+                try:
+                    self._write(attrs, appended, replaced, table_attrs, checkpoint)
+                except Exception as exc:
+                    self._failed.append(exc)
+                    raise
+                finally:
+                    self.broken = any(storage_errno(error) is not None for error in self._failed)
+                    if self.broken:  # never freed: the interpreter's exit would close it, and HDF5 crash
+                        BROKEN_FILES.append(self.file)
+        except StorageFull as exc:  # what the file holds on disk, known here without reading it
+            exc.kept = self.kept
+            raise
 
     def _ok(self) -> None:
         """Stop the write at once where HDF5 has failed to write (reported only as it freed an object): the next
@@ -181,6 +208,8 @@ class AppendOnlyFile:
             f.close()
             os.replace(self.creating, self.path)
             self.file, self.creating = h5py.File(self.path, "r+", locking=False), None
+        self.kept = (self.rows.get("rounds", 0), checkpoint[0] if checkpoint is not None else
+                     self.kept[1] if self.kept is not None else None)
 
     def _commit(self, rows: dict[str, int]) -> None:
         """Make ``rows`` (table → its row count) the committed counts: what the file holds is on disk first (one

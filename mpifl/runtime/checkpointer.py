@@ -61,7 +61,6 @@ class Checkpointer:
         self.transport, self.times, self.output, self.keep = transport, times, output, keep
         self.latest: dict[str, Any] | None = None  # rank 0: {"round": r, "blobs": {SHARDS: ..., KEPT: ...}}
         self.kept: list[dict[str, Any]] = []  # rank 0: the older checkpoints still kept ({"round", "shards"})
-        self.taken: int | None = None  # every rank: the round of the newest checkpoint it wrote or resumed from
 
     def take(self, round_: int, server: ServerAlgorithm | None, state: ClientState | None,
              runtime: object | None = None) -> None:
@@ -70,7 +69,6 @@ class Checkpointer:
         small collective), then keeps the manifest, which goes into the next results write and commits the
         checkpoint. A collective on every rank."""
         start = time.perf_counter()
-        self.taken = round_
         folder = shard_dir(self.output)
         nbytes = -1
         if state is not None or server is not None:
@@ -132,7 +130,6 @@ class Checkpointer:
         round_, entries = next(((r, e) for r, e in listed if complete(path, e)), listed[0])
         if round_ >= cfg.rounds:
             raise ConfigError(f"--resume: {path} is already at round {round_} of {cfg.rounds}")
-        self.taken = round_
         if server is not None:
             load_server_state(path, blobs, entries, server)  # the first entry of rank 0's: the server's
             position = [r for r, _ in listed].index(round_)

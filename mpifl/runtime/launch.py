@@ -127,8 +127,8 @@ def _ending_note(output: Path, peers: list[tuple[str, int]]) -> str:
     if dead:
         rank, pid = dead[0]
         return (f"mpifl: rank {rank} of {len(peers)} (pid {pid}) has died, so mpirun ends the job: it kills the other "
-                f"ranks half a second later; the results file keeps its last checkpoint: {report} says where the run "
-                f"stands, and {resume_command(output, launcher_prefix(len(peers)))} continues it")
+                f"ranks half a second later; {report} says where the run stands, and "
+                f"{resume_command(output, launcher_prefix(len(peers)))} continues it from its last checkpoint")
     return ("mpifl: Ctrl-C or SIGTERM to mpirun (or a rank that died on another node): it kills the ranks half a "
             f"second later; saving a checkpoint after the round under way if there is time; then {report} says "
             "where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with time to save)")
@@ -143,18 +143,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _failed_hint(output: Path, size: int, cure: str = "") -> str:
-    """What the results file keeps after a failure, read from the file (a checkpoint counts once it is committed
-    there, not when a rank began writing it), and how to continue (after ``cure``, e.g. "free space")."""
-    state = inspect_output(output)
+def _failed_hint(output: Path, size: int, rank: int, cure: str = "",
+                 kept: tuple[int, int | None] | None = None) -> str:
+    """What the results file keeps after a failure, and how to continue (after ``cure``, e.g. "free space"): from
+    ``kept`` (rank 0's writer knows it when the file must not be read again), else read from the file by rank 0 (a
+    checkpoint counts once it is committed there, not when a rank began writing it); a worker, which must not read
+    a file rank 0 is writing, points to ``report``."""
     then = f"{cure}, then " if cure else ""
-    if state.kind != "results":
-        return f"; nothing was kept: {then}run it again"
-    kept = f"; {output} keeps {state.rounds_completed} round(s)"
-    if state.checkpoint_round is None:
-        return f"{kept} and no checkpoint: {then}start again with --overwrite"
-    return (f"{kept} and the checkpoint of round {state.checkpoint_round}; {then}continue with: "
-            f"{resume_command(output, launcher_prefix(size))}")
+    resume = resume_command(output, launcher_prefix(size))
+    if kept is None and rank != 0:
+        return (f"; python -m mpifl report {shlex.quote(str(output))} says what the results file keeps; {then}"
+                f"continue from its last checkpoint, if it holds one, with: {resume}")
+    if kept is None:
+        state = inspect_output(output)
+        if state.kind == "absent":
+            return f"; nothing was kept: {then}run it again"
+        if state.kind != "results":
+            return (f"; {output} could not be read now: python -m mpifl report {shlex.quote(str(output))} says "
+                    "what it keeps")
+        kept = (state.rounds_completed, state.checkpoint_round)
+    rounds, checkpoint = kept
+    if checkpoint is None:
+        return f"; {output} keeps {rounds} round(s) and no checkpoint: {then}start again with --overwrite"
+    return f"; {output} keeps {rounds} round(s) and the checkpoint of round {checkpoint}; {then}continue with: {resume}"
 
 
 def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN001 - an Engine, a Comm
@@ -164,9 +175,9 @@ def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN00
     engine.settle()
     if isinstance(exc, StorageFull):  # the machine's fault, not the run's
         where = f"rank {rank} of {size}: " if size > 1 else ""
-        _error(f"{where}{exc.strerror}{_failed_hint(path, size, 'free space')}")
+        _error(f"{where}{exc.strerror}{_failed_hint(path, size, rank, 'free space', exc.kept)}")
     else:
-        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(path, size)}")
+        _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(path, size, rank)}")
     if os.environ.get("MPIFL_DEBUG"):
         traceback.print_exception(exc)
     code = STORAGE_EXIT if isinstance(exc, StorageFull) else EXIT_FAILURE

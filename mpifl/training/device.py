@@ -155,32 +155,41 @@ def mkl_branch() -> int | None:
 
 
 def cpu_kernels() -> str:
-    """What this rank's CPU kernels are, as the results file records it (every rank of a run the same)."""
+    """What this rank's CPU kernels are, as the results file records it."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if cpukernels.mode() == "native" or not cpukernels.is_x86():
+    if _kernels_kind() == "native":
         return f"native ({platform.machine()}, ATen {capability}; MKL and oneDNN choose by CPU)"
     return "portable (x86-64: MKL_CBWR=COMPATIBLE, ATen AVX2, oneDNN AVX2)"
+
+
+def _kernels_kind() -> str:
+    """``portable`` where this rank computes with the pinned kernels, else ``native``: what every rank must share
+    (two native nodes may differ in their paths, which is what native means)."""
+    return "portable" if cpukernels.mode() == "portable" and cpukernels.is_x86() else "native"
 
 
 def check_cpu_kernels(comm=None) -> str:  # noqa: ANN001 - an mpi4py Comm
     """Refuse, in one line, a rank whose CPU kernels are not :mod:`mpifl.cpukernels`' (a wrong
     ``MPIFL_CPU_KERNELS``; a library that chose its path before ``import mpifl`` pinned it; a CPU without AVX2), and
-    ranks whose kernels differ (one node set to ``native``): either would let a client's bits depend on its node.
-    Every rank reaches the one ``allgather`` before any raises, so all raise the same line. Returns
-    :func:`cpu_kernels`."""
-    mine = (_cpu_kernels_problem(), cpu_kernels())
+    ranks of which some compute with the portable kernels and others not: either would let a client's bits depend
+    on its node. Every rank reaches the one ``allgather`` (its own failure travels in it), so all raise the same
+    line. Returns :func:`cpu_kernels`."""
+    try:
+        mine = (platform.node(), _cpu_kernels_problem(), _kernels_kind(), cpu_kernels())
+    except Exception as exc:  # noqa: BLE001 - an unexpected torch or ctypes error must not skip the collective
+        mine = (platform.node(), f"cannot tell its CPU kernels: {type(exc).__name__}: {exc}", "?", "?")
     ranks = comm.allgather(mine) if comm is not None and comm.Get_size() > 1 else [mine]
-    for rank, (problem, _) in enumerate(ranks):
+    for rank, (host, problem, _, _) in enumerate(ranks):
         if problem is not None:
-            raise ConfigError(f"rank {rank} (host {platform.node()}): {problem}" if len(ranks) > 1 else problem)
+            raise ConfigError(f"rank {rank} (host {host}): {problem}" if len(ranks) > 1 else problem)
     kinds: dict[str, list[str]] = {}
-    for rank, (_, kind) in enumerate(ranks):
+    for rank, (_, _, kind, _) in enumerate(ranks):
         kinds.setdefault(kind, []).append(str(rank))
     if len(kinds) > 1:
         raise ConfigError("ranks compute with different CPU kernels, so a client's bits would depend on its node: "
                           + "; ".join(f"rank(s) {', '.join(r)}: {kind}" for kind, r in kinds.items())
                           + f"; set {cpukernels.SETTING} the same for every rank (mpirun -x {cpukernels.SETTING})")
-    return mine[1]
+    return mine[3]
 
 
 def _cpu_kernels_problem() -> str | None:
@@ -188,16 +197,16 @@ def _cpu_kernels_problem() -> str | None:
     setting = cpukernels.mode()
     if setting not in cpukernels.MODES:
         return f"{cpukernels.SETTING}={setting!r}: expected one of {', '.join(cpukernels.MODES)}"
-    if setting == "native" or not cpukernels.is_x86():
+    if _kernels_kind() == "native":
         return None
+    if not cpukernels.has_avx2():
+        return (f"this CPU has no AVX2, which the portable CPU kernels need; set {cpukernels.SETTING}=native on "
+                "every rank (then bits depend on the node)")
     capability, branch = torch.backends.cpu.get_cpu_capability(), mkl_branch()
-    if capability not in ("AVX2", "DEFAULT") or branch not in (None, MKL_CBWR_COMPATIBLE):
+    if capability != "AVX2" or branch not in (None, MKL_CBWR_COMPATIBLE):
         return (f"the CPU kernels were chosen before mpifl could pin them (ATen {capability}, MKL branch {branch}): "
                 f"import mpifl before torch computes anything, or set {cpukernels.SETTING}=native for this node's "
                 "own (then bits depend on the node)")
-    if capability == "DEFAULT":
-        return (f"this CPU has no AVX2, which the portable CPU kernels need; set {cpukernels.SETTING}=native on "
-                "every rank (then bits depend on the node)")
     return None
 
 

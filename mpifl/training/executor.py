@@ -242,7 +242,10 @@ class LocalSGD:
         process that trains with the batch (docs/how-to/tests.md). Linear layers run as
         :class:`~mpifl.training.rounding.LoopRounding` says, so their weight gradients round as the loop's on every
         CPU (autograd's batched product alone swaps their operands)."""
-        with torch.enable_grad(), LoopRounding():  # linear layers' gradients in the loop's operand order
+        # on the CPU, linear layers' products in the loop's order (MKL's rounding; a GPU's batched products are
+        # another matter, not measured: there the batch stays as it was)
+        rounding = LoopRounding() if params.device.type == "cpu" else contextlib.nullcontext()
+        with torch.enable_grad(), rounding:
             rows = params.detach().requires_grad_()
             losses, outputs = self._rows_forward(rows, x, y)
             (gradients,) = torch.autograd.grad(losses.sum(), rows)
@@ -377,7 +380,7 @@ class LocalSGD:
         device = self.model.device
         if all(isinstance(row, np.ndarray) for row in rows):
             return to_device(torch.from_numpy(np.stack(rows)), device)  # type: ignore[arg-type]
-        return torch.stack([torch.as_tensor(row).to(device, non_blocking=True) for row in rows])
+        return torch.stack([torch.as_tensor(row).to(device, non_blocking=device.type != "cpu") for row in rows])
 
     def _momentum(self, runs: Sequence[ClientRun], order: Sequence[int], step: LocalStep, cfg: ClientConfig
                   ) -> torch.Tensor | None:

@@ -40,9 +40,11 @@ class _RowsLinear(torch.autograd.Function):
     setup_context = staticmethod(_keep_inputs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        return grad.bmm(weight), grad.transpose(1, 2).bmm(x), grad.sum(1) if ctx.has_bias else None
+        wanted = ctx.needs_input_grad  # the data's own gradient is needed by no one
+        return (grad.bmm(weight) if wanted[0] else None, grad.transpose(1, 2).bmm(x) if wanted[1] else None,
+                grad.sum(1) if ctx.has_bias and wanted[2] else None)
 
 
 class _LoopLinear(torch.autograd.Function):
@@ -55,9 +57,11 @@ class _LoopLinear(torch.autograd.Function):
     setup_context = staticmethod(_keep_inputs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        return grad.mm(weight), grad.t().mm(x), grad.sum(0) if ctx.has_bias else None
+        wanted = ctx.needs_input_grad
+        return (grad.mm(weight) if wanted[0] else None, grad.t().mm(x) if wanted[1] else None,
+                grad.sum(0) if ctx.has_bias and wanted[2] else None)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: torch.Tensor | None) -> tuple[torch.Tensor, int]:
