@@ -67,12 +67,9 @@ def _committed(out: Path) -> bool:
         return False
 
 
-def test_ctrl_c_in_a_terminal_under_mpirun_says_where_the_run_stands_and_the_printed_line_resumes(tmp_path, capsys):
-    """Row 1 and 5: a terminal's Ctrl-C reaches ``mpirun`` alone, which stops forwarding output and kills the ranks
-    half a second later. Rank 0 writes to the terminal itself: at once, that the stop is under way and where to
-    look; once the checkpoint is saved (if the SIGKILL leaves time), the command that continues the run, with
-    mpirun's own options. The same command run again refuses, touching nothing, with where the run stands; the
-    printed command, as printed, resumes it on this 2-core machine (3 ranks need --oversubscribe)."""
+def _long_run_in_a_terminal(tmp_path: Path, act) -> tuple[str, Path, Path]:  # noqa: ANN001 - act(master, out)
+    """A 3-rank run of 100,000 rounds under mpirun in a terminal; once it has committed a checkpoint, ``act`` (a
+    Ctrl-C typed, a rank killed); what the terminal showed until the job ended, the config and the results file."""
     config = tmp_path / "q.yaml"
     config.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 100_000, "eval_every": 1000, "checkpoint_every": 5,
                                                    "model": {"name": "logistic"}})))
@@ -82,14 +79,24 @@ def test_ctrl_c_in_a_terminal_under_mpirun_says_where_the_run_stands_and_the_pri
     deadline = time.monotonic() + HANG_S
     try:
         shown = _read_until(master, job, lambda _: _committed(out), deadline)
-        os.write(master, b"\x03")  # Ctrl-C, as typed: the terminal sends SIGINT to its foreground group, mpirun's
+        act(master, out)
         shown += _read_until(master, job, lambda _: False, deadline)
         job.wait(timeout=HANG_S)
     finally:
         if job.poll() is None:
             job.kill()
         os.close(master)
-    screen = shown.decode(errors="replace").replace("\r\n", "\n")
+    return shown.decode(errors="replace").replace("\r\n", "\n"), config, out
+
+
+def test_ctrl_c_in_a_terminal_under_mpirun_says_where_the_run_stands_and_the_printed_line_resumes(tmp_path, capsys):
+    """Row 1 and 5: a terminal's Ctrl-C reaches ``mpirun`` alone, which stops forwarding output and kills the ranks
+    half a second later. Rank 0 writes to the terminal itself: at once, that the stop is under way and where to
+    look; once the checkpoint is saved (if the SIGKILL leaves time), the command that continues the run, with
+    mpirun's own options. The same command run again refuses, touching nothing, with where the run stands; the
+    printed command, as printed, resumes it on this 2-core machine (3 ranks need --oversubscribe)."""
+    # Ctrl-C, as typed: the terminal sends SIGINT to its foreground group, mpirun's
+    screen, config, out = _long_run_in_a_terminal(tmp_path, lambda master, out: os.write(master, b"\x03"))
     assert (f"mpifl: Ctrl-C or SIGTERM to mpirun (or a rank that died on another node): it kills the ranks half a "
             f"second later; saving a checkpoint after the round under way if there is time; then python -m mpifl "
             f"report {out} says where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with "
@@ -135,24 +142,14 @@ def test_a_worker_killed_under_mpirun_is_named_with_where_the_run_stands(tmp_pat
     """kill -9 of rank 1: mpirun ends the job (SIGTERM to the other ranks, as for a Ctrl-C), and rank 0 says what
     happened instead of blaming a Ctrl-C: which rank died, where to see the run's standing, the command that
     continues it."""
-    config = tmp_path / "q.yaml"
-    config.write_text(yaml.safe_dump(_merge(TINY, {"rounds": 100_000, "eval_every": 1000, "checkpoint_every": 5,
-                                                   "model": {"name": "logistic"}})))
-    out = tmp_path / "r.h5"
-    job, master = _in_a_terminal(mpirun_cmd(3) + [sys.executable, "-m", "mpifl", "run", str(config), "--out",
-                                                 str(out)], tmp_path)
-    deadline = time.monotonic() + HANG_S
-    try:
-        shown = _read_until(master, job, lambda _: _committed(out), deadline)
-        worker = _rank_pid(1, out)
-        os.kill(worker, 9)
-        shown += _read_until(master, job, lambda _: False, deadline)
-        job.wait(timeout=HANG_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
-        os.close(master)
-    screen = shown.decode(errors="replace").replace("\r\n", "\n")
+    killed: list[int] = []
+
+    def kill_rank_1(master: int, out: Path) -> None:
+        killed.append(_rank_pid(1, out))
+        os.kill(killed[0], 9)
+
+    screen, _, out = _long_run_in_a_terminal(tmp_path, kill_rank_1)
+    worker = killed[0]
     assert (f"mpifl: rank 1 of 3 (pid {worker}) has died, so mpirun ends the job: it kills the other ranks half a "
             f"second later; python -m mpifl report {out} says where the run stands, and mpirun -n 3 --oversubscribe "
             f"python -m mpifl run --resume {out} continues it from its last checkpoint\n") in screen
