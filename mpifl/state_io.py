@@ -32,7 +32,7 @@ from torch import nn
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
 from mpifl.results import KEPT, SHARDS, shard_dir
-from mpifl.results.space import storage_errno, storage_full
+from mpifl.results.space import STORAGE_ERRNOS, written_whole
 from mpifl.schema import ConfigError
 
 SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "handler_table"})
@@ -181,18 +181,12 @@ def load_state_blob(blob: np.ndarray, obj: Any) -> None:
 def _write_synced(path: Path, fill: Any) -> int:
     """An HDF5 file written by ``fill(file)`` under a temporary name, synced and renamed, so a file that exists
     is complete. Returns its size."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    # the temporary name prune_checkpoints knows; a full, read-only or failing file system leaves no half file
+    with written_whole(path, "the checkpoint file", path.with_name(f".{path.name}.tmp"), STORAGE_ERRNOS) as tmp:
         with h5py.File(tmp, "w") as f:
             fill(f)
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
-    except (OSError, RuntimeError) as exc:  # a full, read-only or failing file system: no half file left
-        if storage_errno(exc) is None:
-            raise
-        tmp.unlink(missing_ok=True)
-        raise storage_full(exc, path, f"the checkpoint file {path.name}") from None
-    tmp.replace(path)
     return path.stat().st_size
 
 

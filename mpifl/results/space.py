@@ -102,18 +102,20 @@ def storage_full(exc: BaseException, path: str | Path, what: str) -> StorageFull
 
 
 @contextlib.contextmanager
-def written_whole(path: str | Path, what: str) -> Iterator[Path]:
-    """A temporary name beside ``path`` to write a file under; renamed to ``path`` once written, removed if the
-    write fails, so ``path`` is the old file or the whole new one, never a part (a plot, a summary, a CSV export on
-    a file system that fills). A storage error becomes :class:`StorageFull`."""
+def written_whole(path: str | Path, what: str, temporary: Path | None = None,
+                  storage: set[int] = NAMED_TARGET_ERRNOS) -> Iterator[Path]:
+    """A temporary name beside ``path`` (``temporary``, else ``.NAME.tmp-PID``) to write a file under; renamed to
+    ``path`` once written, removed if the write fails, so ``path`` is the old file or the whole new one, never a
+    part (a plot, a summary, a CSV export, a checkpoint file on a file system that fills). An error of ``storage``
+    becomes :class:`StorageFull`."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if storage_errno(exc) in NAMED_TARGET_ERRNOS:
+        if storage_errno(exc) in storage:
             raise storage_full(exc, path, f"{what} {path.name}") from None
         raise
 

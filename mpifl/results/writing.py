@@ -139,7 +139,6 @@ class AppendOnlyFile:
                 raise
             raise storage_full(exc, self.path, f"creating {self.path.name}") from None
         self.rows = committed_rows(self.file)
-        self.broken = False  # a write failed in HDF5: the file is not touched again
         # (rounds, checkpoint round) its last completed write committed to disk; None while it is being created
         self.kept: tuple[int, int | None] | None = None if self.creating else (
             self.rows.get("rounds", 0), int(self.file["checkpoint"].attrs["round"]) if "checkpoint" in self.file
@@ -164,12 +163,16 @@ class AppendOnlyFile:
                     self._failed.append(exc)
                     raise
                 finally:
-                    self.broken = any(storage_errno(error) is not None for error in self._failed)
                     if self.broken:  # never freed: the interpreter's exit would close it, and HDF5 crash
                         BROKEN_FILES.append(self.file)
         except StorageFull as exc:  # what the file holds on disk, known here without reading it
             exc.kept = self.kept
             raise
+
+    @property
+    def broken(self) -> bool:
+        """Whether a write failed in HDF5: the file is not touched again."""
+        return any(storage_errno(error) is not None for error in self._failed)
 
     def _ok(self) -> None:
         """Stop the write at once where HDF5 has failed to write (reported only as it freed an object): the next
