@@ -8,6 +8,8 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.schema import ConfigError
+from mpifl.training.config import ClientConfig
+from mpifl.training.sgd import sgd_update
 from tests.conftest import HANG_S, run_mpifl
 
 
@@ -81,19 +83,19 @@ class _Unreached(torch.nn.Module):
         return self.net(x)
 
 
-def test_descend_is_the_flat_sgd_step_bit_for_bit():
-    """FlatModel.descend (the step on autograd's own gradients) lands on the bits of compute_gradient and then
-    params.add_(grads, alpha=-lr), step after step; an unreached parameter keeps its value, and the flat
-    gradient buffer works again afterwards."""
+def test_the_update_on_fresh_gradients_is_the_flat_update_bit_for_bit():
+    """The plain SGD update parameter by parameter on autograd's own gradients (FlatModel.fresh_gradients, the
+    executor's loop) lands on the bits of the update on compute_gradient's vector, step after step; an unreached
+    parameter keeps its value, and the flat gradient buffer works again afterwards."""
     flat, ref = FlatModel(_Unreached()), FlatModel(_Unreached())
     loss_fn = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         x, y = torch.randn(10, 3, 32, 32, generator=gen), torch.randint(0, 10, (10,), generator=gen)
-        flat.descend(loss_fn(flat.module(x), y), 0.1)
+        for param, grad in flat.fresh_gradients(loss_fn(flat.module(x), y)):
+            sgd_update(param[None], grad[None], None, 0.1, ClientConfig())
         ref.compute_gradient(loss_fn(ref.module(x), y))
-        with torch.no_grad():
-            ref.params.add_(ref.grads, alpha=-0.1)
+        sgd_update(ref.params[None], ref.grads[None], None, 0.1, ClientConfig())
         assert torch.equal(flat.params.view(torch.int32), ref.params.view(torch.int32))
     assert flat.module.unused.tolist() == [1.5, -0.25]
     flat.compute_gradient(loss_fn(flat.module(x), y))

@@ -13,7 +13,7 @@ from mpifl.algorithms.pefll import clip_
 from mpifl.comm.privacy import clip_update
 from mpifl.models.reductions import l2_norm
 from mpifl.training.config import ClientConfig
-from mpifl.training.sgd import sgd_step
+from mpifl.training.sgd import sgd_update
 from tests.algorithms.test_pefll import split_round
 from tests.conftest import CUDA_ONLY
 
@@ -109,7 +109,7 @@ def test_local_sgd_clips_the_gradient_to_the_clip_norm(device, make):
     grads = make(device)
     exact = exact_norm(grads)
     params = torch.zeros_like(grads)
-    sgd_step(params, grads, None, 1.0, ClientConfig(clip_norm=exact / 3))
+    sgd_update(params[None], grads[None], None, 1.0, ClientConfig(clip_norm=exact / 3))
     assert relative_error(exact_norm(params), clipped_norm(exact, exact / 3)) < TOLERANCE
 
 

@@ -138,7 +138,7 @@ def test_a_host_branch_on_the_norm_is_caught(monkeypatch):
     """The check fails if the clipping branch on the host comes back: one read per step."""
     model, loss_fn, x, y = example("mlp", torch.device("cpu"))
     cfg = ClientConfig(steps=5, batch_size=4, clip_norm=0.1)
-    monkeypatch.setattr(executor, "batched_sgd_step", clip_with_a_host_branch)  # the executor's one step
+    monkeypatch.setattr(executor, "sgd_update", clip_with_a_host_branch)  # the executor's one update
     with host_reads() as counts:
         local_sgd(model, x, y, loss_fn, cfg, client_generator(0, 1, 0))
     assert counts == {"__bool__": 5}

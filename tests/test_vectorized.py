@@ -24,6 +24,7 @@ from mpifl.training.executor import (
     PADDING_BOUND,
     VECTORIZABLE_MODELS,
     ClientRun,
+    ClientStart,
     LocalSGD,
     LocalStep,
     auto_chunk,
@@ -56,7 +57,7 @@ def clients(shape: tuple[int, ...], sizes=SIZES) -> tuple[list[torch.Tensor], li
 
 
 def train(trainer: LocalSGD, start: np.ndarray, xs, ys, group, cfg: ClientConfig):  # noqa: ANN001, ANN201
-    runs = [ClientRun(start, xs[c], ys[c], client_generator(3, 1, c)) for c in group]
+    runs = [ClientRun(ClientStart(start), xs[c], ys[c], client_generator(3, 1, c)) for c in group]
     return trainer.train(runs, LocalStep(), cfg)
 
 
@@ -123,7 +124,7 @@ import sys, torch
 from mpifl.models import FlatModel, build_model
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import ClientRun, LocalSGD, LocalStep
+from mpifl.training.executor import ClientRun, ClientStart, LocalSGD, LocalStep
 from mpifl.training.sgd import client_generator
 from tests.test_models import layout
 from tests.test_vectorized import clients
@@ -133,7 +134,8 @@ start = flat.numpy().copy()
 xs, ys = clients((300,), (300, 290, 300, 281, 300))
 cfg = ClientConfig(lr=0.05, steps=3, batch_size=200, momentum=0.9, weight_decay=1e-3)
 params = [LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched, chunk=4).train(
-    [ClientRun(start, x, y, client_generator(3, 1, c)) for c, (x, y) in enumerate(zip(xs, ys))], LocalStep(), cfg
+    [ClientRun(ClientStart(start), x, y, client_generator(3, 1, c)) for c, (x, y) in enumerate(zip(xs, ys))],
+    LocalStep(), cfg
 ).params.clone() for batched in (False, True)]
 print(torch.equal(*params), float((params[0] - params[1]).abs().max()))
 """
@@ -176,12 +178,12 @@ import sys, torch
 from mpifl.models import FlatModel, build_model
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import ClientRun, LocalSGD, LocalStep
+from mpifl.training.executor import ClientRun, ClientStart, LocalSGD, LocalStep
 from mpifl.training.sgd import client_generator
 from tests.test_models import layout
 flat = FlatModel(build_model(ModelConfig(name="cnn", channels=(2,), fc_hidden=4), layout((1, 6, 6)), seed=0))
-runs = [ClientRun(flat.numpy().copy(), torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8,)), client_generator(3, 1, c))
-        for c in range(3)]
+runs = [ClientRun(ClientStart(flat.numpy().copy()), torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8,)),
+                  client_generator(3, 1, c)) for c in range(3)]
 trained = LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched=True, chunk=4).train(runs, LocalStep(),
                                                                                      ClientConfig(batch_size=4))
 assert trained.steps.tolist() == [2, 2, 2], trained.steps
@@ -355,6 +357,67 @@ def test_a_start_may_be_a_tensor(batched):
     results = []
     for as_tensor in (False, True):
         held = {id(s): torch.from_numpy(s.copy()) for s in starts} if as_tensor else {}
-        runs = [ClientRun(held.get(id(s), s), xs[c], ys[c], client_generator(3, 1, c)) for c, s in enumerate(starts)]
+        runs = [ClientRun(ClientStart(held.get(id(s), s)), xs[c], ys[c], client_generator(3, 1, c))
+                for c, s in enumerate(starts)]
         results.append(trainer.train(runs, LocalStep(delta=True), cfg).params.clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_the_batched_step_keeps_its_storage_across_steps_and_rounds_and_reads_nothing(monkeypatch):
+    """Every call's step (two calls of 4 rows, ragged last batches, momentum, FedProx-like transform) reads and
+    writes the same parameters, gradients, momentum, sample indices, inputs and targets step after step and round
+    after round: what a CUDA graph captures; and nothing inside it is read on the host. ``cuda_graph`` on the CPU is
+    the same eager code, bitwise."""
+    from mpifl.training import executor
+    from mpifl.training.syncdebug import host_reads
+
+    torch.set_num_threads(1)
+    model_cfg, shape = CNNS["cnn"]
+    flat = FlatModel(build_model(ModelConfig(**model_cfg), layout(shape), seed=0))
+    start = flat.numpy().copy()
+    xs, ys = clients(shape, (20,) * 6)  # one group: batches of 8, 8 and 4
+    cfg = ClientConfig(lr=0.05, epochs=1, batch_size=8, momentum=0.9, clip_norm=5.0, augment="crop_flip")
+    step = LocalStep(transform=lambda params, grads, rows: grads.add_(params - rows["start"], alpha=0.01))
+    seen: dict[tuple, set[tuple[int, ...]]] = {}
+    reads: list[dict] = []
+    call_step = executor.LocalSGD._call_step
+
+    def recorded(self, block, call, xb, yb, grads, loss_sums, real, step, cfg):  # noqa: ANN001, ANN202
+        index = self.buffers.held["index"][(tuple(yb.shape), torch.int64)]
+        storage = tuple(t.untyped_storage().data_ptr() for t in (block.params, block.momentum, grads, index, xb, yb))
+        seen.setdefault((id(self), call.start, tuple(yb.shape)), set()).add(storage)
+        with host_reads() as counts:
+            call_step(self, block, call, xb, yb, grads, loss_sums, real, step, cfg)
+        reads.append(dict(counts))
+
+    monkeypatch.setattr(executor.LocalSGD, "_call_step", recorded)
+    results = []
+    for cuda_graph in (False, True):
+        trainer = LocalSGD(flat, loss_function(layout(shape)), batched=True, chunk=4, cuda_graph=cuda_graph)
+        assert trainer.cuda_graph is False  # on the CPU: eager
+        for round_ in (1, 2):
+            runs = [ClientRun(ClientStart(start), x, y, client_generator(3, round_, c))
+                    for c, (x, y) in enumerate(zip(xs, ys))]
+            results.append(trainer.train(runs, step, cfg).params)
+    assert len(seen) == 2 * 2 * 2  # two trainers, two calls, two batch sizes
+    assert all(len(storages) == 1 for storages in seen.values()), seen  # the same storage every step and round
+    assert len(reads) == 2 * 2 * 2 * 3 and not any(reads)  # 2 trainers x 2 rounds x 2 calls x 3 steps
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+    assert not torch.equal(results[0], results[1])  # the rounds drew other batches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: client.cuda_graph captures the step there")
+def test_a_captured_step_is_bitwise_the_eager_step_on_cuda():
+    """``client.cuda_graph`` on a GPU: the captured and replayed step gives the eager step's bits."""
+    model_cfg, shape = CNNS["cnn"]
+    device = torch.device("cuda")
+    results = []
+    for cuda_graph in (False, True):
+        flat = FlatModel(build_model(ModelConfig(**model_cfg), layout(shape), seed=0).to(device))
+        xs, ys = clients(shape)
+        runs = [ClientRun(ClientStart(flat.numpy().copy()), x.to(device), y.to(device), client_generator(3, 1, c))
+                for c, (x, y) in enumerate(zip(xs, ys))]
+        cfg = ClientConfig(lr=0.05, epochs=2, batch_size=8, momentum=0.9, clip_norm=5.0)
+        trainer = LocalSGD(flat, loss_function(layout(shape)), batched=True, chunk=4, cuda_graph=cuda_graph)
+        results.append(trainer.train(runs, LocalStep(delta=True), cfg).params.cpu())
     assert torch.equal(results[0], results[1])

@@ -25,7 +25,7 @@ from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.schema import limits
-from mpifl.training.sgd import client_generator, sgd_step, training_batches
+from mpifl.training.sgd import client_generator, sgd_update, training_batches
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,9 @@ class FedDeperClient(DeltaClient):
             y.compute_gradient(loss)
             y.grads.add_(v.params + y.params - twice_x, alpha=opts.rho / cfg.lr)
             v.compute_gradient(self.loss_fn(v.module(xb), yb))
-            sgd_step(y.params, y.grads, momenta[0], cfg.lr, cfg)
-            sgd_step(v.params, v.grads, momenta[1], cfg.lr, cfg)
+            for model, momentum in zip((y, v), momenta):  # each model its own one-row block
+                sgd_update(model.params[None], model.grads[None], None if momentum is None else momentum[None],
+                           cfg.lr, cfg)
             loss_sum += loss.detach()
             steps += 1
         self.round_losses[client] = float(loss_sum) / max(steps, 1)

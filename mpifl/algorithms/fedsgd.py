@@ -8,7 +8,6 @@ Mini-batch FedSGD is FedAvg with ``client.steps: 1``; this is the variant Karula
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -16,7 +15,6 @@ import numpy as np
 from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.device import host_numpy
 from mpifl.training.executor import LocalStep
 
 
@@ -44,6 +42,9 @@ class FedSGDServer(FedAvgServer):
 
 
 class FedSGDClient(FedAvgClient):
+    """FedAvg's client whose local step is one full-batch gradient (:attr:`LocalStep.gradient`), kept as its
+    delta: the loop or the batch, as the executor chooses."""
+
     kernel_on_cpu = False  # the loop under auto on the CPU, as before
     protocol_type: type[FedSGDProtocol] = FedSGDProtocol
     protocol: FedSGDProtocol
@@ -51,27 +52,5 @@ class FedSGDClient(FedAvgClient):
     def handlers(self) -> Mapping[Message, Handler]:
         return {**super().handlers(), self.protocol.grad_msg: self.send_delta}  # the gradient, kept as a delta
 
-    def compute(self, step: StepContext, client: int) -> None:
-        self.deltas[client] = self.gradient_at(client, self.start.pop(client))
-
     def local_step(self, step: StepContext) -> LocalStep | None:
-        return None  # a full-batch gradient, not local SGD: compute, or the batch's full_gradients below
-
-    def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
-        """In the batch, the full-batch gradients of a rank's equally sized clients as one computation (each
-        reporting an equal share of the seconds)."""
-        if not self.executor.batched:
-            return super().compute_clients(step, clients)
-        began = time.perf_counter()
-        ids = [int(c) for c in clients]
-        starts = [self.start.pop(c) for c in ids]
-        grads, losses = self.executor.full_gradients(starts, [self.data[c].x_train for c in ids],
-                                                       [self.data[c].y_train for c in ids])
-        decay, rows = self.ctx.cfg.client.weight_decay, host_numpy(grads)
-        for k, (client, start) in enumerate(zip(ids, starts)):
-            self.deltas[client] = rows[k].copy()
-            if decay:  # as gradient_at adds it
-                self.deltas[client] += decay * start
-            self.round_losses[client] = losses[k]
-        self.trained_together += len(ids)
-        return np.full(len(ids), (time.perf_counter() - began) / max(len(ids), 1))
+        return LocalStep(gradient=True)

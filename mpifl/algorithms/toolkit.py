@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,8 +16,15 @@ from mpifl.algorithms.context import EvalLayout, RunContext, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.models import loss_function
 from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
-from mpifl.training.device import host_numpy
-from mpifl.training.executor import ClientRun, LocalSGD, LocalStep, TrainedRows, auto_chunk, kernel_wanted
+from mpifl.training.executor import (
+    ClientRun,
+    ClientStart,
+    LocalSGD,
+    LocalStep,
+    TrainedRows,
+    auto_chunk,
+    kernel_wanted,
+)
 from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.tensors import TensorSplit
 
@@ -30,17 +36,6 @@ momentum, delta)."""
 def send_from(outbox: dict[int, np.ndarray]) -> Handler:
     """A client's send handler that hands over what its local step left in ``outbox`` (client id -> row)."""
     return lambda step, client: outbox.pop(client)
-
-
-@dataclass(frozen=True)
-class ClientStart:
-    """Where one client's local SGD starts (:meth:`ClientToolkit.local_start`) and what its step reads."""
-
-    params: np.ndarray | torch.Tensor  # the start: a host array (read-only views of received rows are fine) or a
-    # tensor (a state kept on the device)
-    values: Mapping[str, np.ndarray] = field(default_factory=dict)  # per-client values the transform reads
-    momentum: np.ndarray | None = None  # the carried momentum, with ``LocalStep.carries_momentum``
-    purpose: int = 0  # the client's generator is keyed by (seed, round, client, purpose)
 
 
 class ClientToolkit(ClientAlgorithm):
@@ -68,7 +63,8 @@ class ClientToolkit(ClientAlgorithm):
         batched = self.takes_batch() and kernel_wanted(cfg.client, cfg.model.name, self.device, self.kernel_on_cpu)
         chunk = cfg.client.vectorize_chunk
         self.executor = LocalSGD(self.workspace, self.loss_fn, batched,
-                                 auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk)
+                                 auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk,
+                                 cuda_graph=cfg.client.cuda_graph)
 
     def takes_batch(self) -> bool:
         """Whether this algorithm's clients can train in the batch: those whose local step is stated as
@@ -158,9 +154,8 @@ class ClientToolkit(ClientAlgorithm):
         """Local SGD of ``clients`` from ``starts`` as ``spec`` says, their mean losses in :attr:`round_losses`
         (all read in one copy); the rows stay where they were trained."""
         seed = self.ctx.cfg.seed
-        runs = [ClientRun(start.params, self.data[c].x_train, self.data[c].y_train,
-                          client_generator(seed, step.round, c, start.purpose), start.values, start.momentum)
-                for c, start in zip(clients, starts)]
+        runs = [ClientRun(start, self.data[c].x_train, self.data[c].y_train,
+                          client_generator(seed, step.round, c, start.purpose)) for c, start in zip(clients, starts)]
         trained = self.executor.train(runs, spec, self.ctx.cfg.client)
         self.round_losses.update(zip(clients, trained.mean_losses().tolist()))
         if self.executor.batched:
@@ -201,14 +196,11 @@ class ClientToolkit(ClientAlgorithm):
         return norm_statistics(model, self.data[client].x_train, self.ctx.cfg.client.batch_size)
     def gradient_at(self, client: int, params: np.ndarray, rows: torch.Tensor | None = None) -> np.ndarray:
         """∇ at ``params`` of ``client``'s mean loss over ``rows`` of its training split, plus the configured
-        weight decay; all rows (the default) give the full-batch gradient ("clients return full gradients")."""
+        weight decay; all rows (the default) give the full-batch gradient: the executor's one gradient
+        (:attr:`LocalStep.gradient`, FedSGD's step), for one client."""
         split = self.data[client]
         x, y = (split.x_train, split.y_train) if rows is None else (split.x_train[rows], split.y_train[rows])
-        self.workspace.load(params)
-        loss = self.loss_fn(self.workspace.module(x), y)
-        self.workspace.compute_gradient(loss)
-        self.round_losses[client] = float(loss.detach())
-        grads = host_numpy(self.workspace.grads).copy()
-        if self.ctx.cfg.client.weight_decay:
-            grads += self.ctx.cfg.client.weight_decay * self.workspace.numpy()
-        return grads
+        trained = self.executor.train([ClientRun(ClientStart(params), x, y)], LocalStep(gradient=True),
+                                      self.ctx.cfg.client)
+        self.round_losses[client] = float(trained.mean_losses()[0])
+        return trained.host("params")[0][0]

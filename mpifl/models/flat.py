@@ -80,22 +80,24 @@ class FlatModel:
                 torch.add(p.grad, 0.0, out=view)
             p.grad = view
 
-    def descend(self, loss: torch.Tensor, lr: float) -> None:
-        """Plain SGD's step, params −= lr·∇loss, on autograd's fresh gradients: no pass writing them into the
-        flat buffer, which nothing reads when no hook, clipping, weight decay or momentum needs one vector (W2's
-        simple_cnn: about 1.3 ms a batch). Bitwise the step of :meth:`compute_gradient` then
-        ``params.add_(grads, alpha=-lr)`` (the same kernel on each parameter's span), with one exception: that
-        path's ``g + 0`` turns a −0 gradient into +0, so a parameter that is exactly −0 (adding never makes one
-        from +0; a start decoded from an underflowing fp16 can hold one) with a gradient of exactly −0 ends +0
-        here and −0 there, the same value. The flat buffer is left stale; :meth:`compute_gradient` rewrites it."""
+    def fresh_gradients(self, loss: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Backpropagate ``loss`` and give each trained parameter the loss reaches (a view of the flat parameters,
+        detached) with autograd's fresh gradient, not written into the flat gradient buffer: a plain SGD update needs
+        no gradient as one vector, and that write is a pass over the model (W2's simple_cnn: about 1.3 ms a batch).
+        The update on these spans is bitwise the update on :meth:`compute_gradient`'s vector, with one exception:
+        that path's ``g + 0`` turns a −0 gradient into +0, so a parameter that is exactly −0 (adding never makes
+        one from +0; a start decoded from an underflowing fp16 can hold one) with a gradient of exactly −0 ends +0
+        there and −0 here, the same value. A parameter the loss does not reach is left out (it keeps its value, as
+        p + (−lr)·0). The flat buffer is left stale; :meth:`compute_gradient` rewrites it."""
         for p in self._trained:
             p.grad = None
         loss.backward()
-        with torch.no_grad():
-            for p, view in zip(self._trained, self._grad_views):
-                if p.grad is not None:  # a parameter the loss does not reach keeps its value, as p + (−lr)·0
-                    p.add_(p.grad, alpha=-lr)
-                p.grad = view
+        spans = []
+        for p, view in zip(self._trained, self._grad_views):
+            if p.grad is not None:
+                spans.append((p.detach(), p.grad))
+            p.grad = view
+        return spans
 
     def segment_sizes(self) -> list[int]:
         return [int(np.prod(s)) for s in self.shapes]

@@ -36,6 +36,7 @@ the loop's order: :mod:`mpifl.training.rounding`; tests check it), but round dif
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,7 +51,7 @@ from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
 from mpifl.training.device import host_numpy
 from mpifl.training.rounding import LoopRounding
-from mpifl.training.sgd import BatchPlan, apply_crops, batch_plan, batched_sgd_step, to_device
+from mpifl.training.sgd import BatchPlan, batch_plan, sgd_update, to_device
 
 CPU_CHUNK, GPU_CHUNK = 16, 64
 """``client.vectorize_chunk: auto``'s rows per call on the CPU, and the most on a GPU (:func:`auto_chunk`)."""
@@ -77,19 +78,34 @@ class LocalStep:
     steps: int | None = None  # local steps; None: the config's steps or epochs
     part: slice = field(default_factory=lambda: slice(None))  # only this span trains, the rest stays frozen
     delta: bool = False  # give final − start (computed where the rows are: same float32 bits anywhere)
+    gradient: bool = False  # no SGD: each run's gradient of its mean loss over all its samples at its start, plus
+    # weight decay, is the row it leaves (FedSGD's full gradients, Karula's gradient queries)
+
+
+Rows = np.ndarray | torch.Tensor
+"""A client's row: a host array (read-only views of received rows are fine) or a tensor (a state kept on the
+device, copied nowhere)."""
+
+
+@dataclass(frozen=True)
+class ClientStart:
+    """Where one client's local SGD starts and what its step reads: the one start of the loop and the batch."""
+
+    params: Rows  # the workspace's own parameters are trained in place (:func:`local_sgd`)
+    values: Mapping[str, Rows] = field(default_factory=dict)  # per-client values the transform reads
+    momentum: Rows | None = None  # the carried momentum, with ``LocalStep.carries_momentum``
+    purpose: int = 0  # the client's generator is keyed by (seed, round, client, purpose)
 
 
 @dataclass(frozen=True)
 class ClientRun:
-    """One client's local SGD: its start, training data, generator, the values its step reads and its carried
-    momentum (with :attr:`LocalStep.carries_momentum`)."""
+    """One client's local SGD: its start, its training data and the generator of its batches (none for
+    :attr:`LocalStep.gradient`, which draws nothing)."""
 
-    start: np.ndarray | torch.Tensor  # the workspace's own parameters: train them in place (:func:`local_sgd`)
+    start: ClientStart
     x: torch.Tensor
     y: torch.Tensor
-    generator: torch.Generator
-    values: Mapping[str, np.ndarray] = field(default_factory=dict)
-    momentum: np.ndarray | None = None
+    generator: torch.Generator | None = None
 
 
 @dataclass(frozen=True)
@@ -217,9 +233,12 @@ def auto_chunk(cohort: int, device: torch.device) -> int:
 class LocalSGD:
     """Runs :class:`LocalStep` for many clients on one flat model, through the loop or the batch."""
 
-    def __init__(self, model: FlatModel, loss_fn: nn.Module, batched: bool, chunk: int):
-        """``batched``: the batch, else the loop; ``chunk``: the rows of every call where their count matters."""
+    def __init__(self, model: FlatModel, loss_fn: nn.Module, batched: bool, chunk: int, cuda_graph: bool = False):
+        """``batched``: the batch, else the loop; ``chunk``: the rows of every call where their count matters;
+        ``cuda_graph``: on CUDA, the batch's step captured once per call and replayed (``client.cuda_graph``)."""
         self.model, self.loss_fn, self.batched = model, loss_fn, batched
+        self.buffers = StepBuffers(model.device)
+        self.cuda_graph = cuda_graph and model.device.type == "cuda"
         module, names, shapes = model.module, model.names, model.shapes
         sizes = model.segment_sizes()
         grouped = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)
@@ -254,7 +273,7 @@ class LocalSGD:
     def train(self, runs: Sequence[ClientRun], step: LocalStep, cfg: ClientConfig) -> TrainedRows:
         """Local SGD of every run as ``step`` says (``cfg``: ``client.*``, unless ``step`` names its own)."""
         cfg = step.config or cfg
-        plans = [batch_plan(len(run.x), cfg, run.generator, step.steps) for run in runs]  # each its own generator
+        plans = [_plan(run, step, cfg) for run in runs]
         timer = _Timer(len(runs), self.model.device)
         pieces = []
         if self.batched:
@@ -277,32 +296,33 @@ class LocalSGD:
 
     def _train_alone(self, k: int, run: ClientRun, plan: BatchPlan, step: LocalStep, cfg: ClientConfig) -> _Piece:
         """The loop: run ``k`` on the workspace model with plain autograd, its block one row."""
-        model, device = self.model, self.model.device
-        if run.start is not model.params:
-            model.load(run.start)
+        model, device, start = self.model, self.model.device, run.start
+        if start.params is not model.params:
+            model.load(start.params)
         # a copy, made before the workspace trains (it may be the start), where the transform or the delta reads it
-        start = self._stacked([run.start]) if step.delta or step.transform is not None else None
+        kept = self._stacked([start.params]) if step.delta or step.transform is not None else None
         block = _Block(model.params[None], self._momentum([run], [0], step, cfg),
-                       {name: self._stacked([run.values[name]]) for name in run.values},
+                       {name: self._stacked([value]) for name, value in start.values.items()},
                        {name: torch.zeros(1, model.numel, dtype=torch.float64, device=device) for name in step.sums},
-                       lambda: start)  # type: ignore[arg-type,return-value]
+                       lambda: kept)  # type: ignore[arg-type,return-value]
         lr = cfg.lr if step.lr is None else step.lr
-        plain = (step.transform is None and block.momentum is None and cfg.clip_norm is None
+        plain = (not step.gradient and step.transform is None and block.momentum is None and cfg.clip_norm is None
                  and not cfg.weight_decay and _part_size(step.part, model.numel) == model.numel)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         plan = plan.to(device)
-        for first, last in zip(plan.bounds, plan.bounds[1:]):
-            rows = plan.rows[first:last]
-            xb = run.x[rows]
-            if plan.crops is not None:
-                xb = apply_crops(xb, plan.crops[first:last])
-            loss = self.loss_fn(model.module(xb), run.y[rows])
+        for index in range(len(plan)):
+            xb, yb = plan.batch(run.x, run.y, index)
+            loss = self.loss_fn(model.module(xb), yb)
             loss_sum += loss.detach()
-            if plain:  # nothing needs the gradient as one vector: step on autograd's own tensors (same bits)
-                model.descend(loss, lr)
+            if plain:  # nothing needs the gradient as one vector: the update parameter by parameter (same bits)
+                for param, grad in model.fresh_gradients(loss):
+                    sgd_update(param[None], grad[None], None, lr, cfg)
                 continue
             model.compute_gradient(loss)
-            _step_block(block, model.grads[None], slice(0, 1), step, lr, cfg)
+            if step.gradient:
+                block.params = _with_decay(model.grads[None], model.params[None], cfg)
+            else:
+                _step_block(block, model.grads[None], slice(0, 1), step, lr, cfg)
         if not step.delta:  # the workspace trains the next client: keep this one's rows apart
             block.params = block.params.clone()
         return _Piece.of([k], block, 1, step, loss_sum[None])
@@ -310,60 +330,50 @@ class LocalSGD:
     def _train_group(self, members: list[int], runs: Sequence[ClientRun], plans: Sequence[BatchPlan],
                      step: LocalStep, cfg: ClientConfig) -> _Piece:
         """The batch: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
-        calls."""
+        calls. The block's parameters and momentum, and each call's sample indices, inputs and gradients, live in
+        :class:`StepBuffers` (the same storage step after step and round after round); with ``cuda_graph`` each
+        call's step is captured once (per batch size) and replayed (:class:`_Graphs`)."""
         device = self.model.device
         group = [runs[k] for k in members]
-        chunk = self.chunk
-        order = _padded(len(members), chunk)  # the rows: the runs, then copies that pad the last call
+        order = _padded(len(members), self.chunk)  # the rows: the runs, then copies that pad the last call
         x = torch.cat([run.x for run in group]) if len(group) > 1 else group[0].x
         y = torch.cat([run.y for run in group]) if len(group) > 1 else group[0].y
         offsets = np.cumsum([0] + [len(run.x) for run in group])
-        samples = to_device(torch.stack([plans[members[k]].rows + int(offsets[k]) for k in order]), device)
-        crops = None
-        if plans[members[0]].crops is not None:
-            crops = to_device(torch.stack([plans[members[k]].crops for k in order]), device)  # type: ignore[misc]
-        params, starts = self._stack_starts([run.start for run in group], order)  # type: ignore[misc]
-        values = {name: self._stacked([group[k].values[name] for k in order]) for name in group[0].values}
+        plan = BatchPlan.stacked([plans[members[k]] for k in order], [offsets[k] for k in order]).to(device)
+        params, starts = self._stack_starts([run.start.params for run in group], order)
+        values = {name: self._stacked([group[k].start.values[name] for k in order]) for name in group[0].start.values}
         sums = {name: torch.zeros(len(order), self.model.numel, dtype=torch.float64, device=device)
                 for name in step.sums}
         block = _Block(params, self._momentum(group, order, step, cfg), values, sums, starts)
-        lr = cfg.lr if step.lr is None else step.lr
         loss_sums = torch.zeros(len(order), dtype=torch.float64, device=device)
-        bounds = plans[members[0]].bounds
-        for first, last in zip(bounds, bounds[1:]):
-            for call in _calls(len(order), chunk):
-                rows = samples[call, first:last]
-                xb = x[rows]
-                if crops is not None:
-                    xb = apply_crops(xb.flatten(0, 1), crops[call, first:last].flatten(0, 1)).view_as(xb)
-                yb = y[rows]
-                g, (loss, outputs) = self.kernel(params[call], xb, yb)
-                with torch.no_grad():
-                    loss_sums[call] += self._losses(loss, outputs, yb, len(group) - call.start)
-                    _step_block(block, g, call, step, lr, cfg)
+        graphs = _Graphs() if self.cuda_graph else None
+        for index in range(len(plan)):
+            for slot, call in enumerate(_calls(len(order), self.chunk)):
+                size = call.stop - call.start, plan.bounds[index + 1] - plan.bounds[index]
+                into = (self.buffers.get("index", size, torch.int64),
+                        self.buffers.get("x", (*size, *x.shape[1:]), x.dtype), self.buffers.get("y", size, y.dtype))
+                xb, yb = plan.batch(x, y, index, call, into)
+                grads = self.buffers.get("grads", (size[0], self.model.numel), params.dtype)
+                one_step = functools.partial(self._call_step, block, call, xb, yb, grads, loss_sums,
+                                             len(group) - call.start, step, cfg)
+                if graphs is None:
+                    one_step()
+                else:
+                    graphs.run((slot, size), one_step)
         return _Piece.of(members, block, len(group), step, loss_sums[: len(group)])
 
-    def full_gradients(self, starts: Sequence[np.ndarray], xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
-                       ) -> tuple[torch.Tensor, list[float]]:
-        """Each client's gradient of its mean loss over all of ``x`` at its start (rows), and that loss (FedSGD):
-        clients with equally many samples in calls of their own."""
-        params, _ = self._stack_starts(starts, list(range(len(starts))))
-        grads = torch.empty_like(params)
-        losses = torch.empty(len(starts), dtype=torch.float64, device=params.device)
-        sizes: dict[int, list[int]] = {}
-        for k, x in enumerate(xs):
-            sizes.setdefault(len(x), []).append(k)
-        with self._threads():
-            for members in sizes.values():
-                chunk = self.chunk
-                rows = [members[j] for j in _padded(len(members), chunk)]
-                for call in _calls(len(rows), chunk):
-                    block = [rows[j] for j in range(call.start, call.stop)]
-                    targets = torch.stack([ys[k] for k in block])
-                    g, (loss, outputs) = self.kernel(params[block], torch.stack([xs[k] for k in block]), targets)
-                    losses[block] = self._losses(loss, outputs, targets, len(block)).double()
-                    grads[block] = g
-        return grads, host_numpy(losses).tolist()
+    def _call_step(self, block: _Block, call: slice, xb: torch.Tensor, yb: torch.Tensor, grads: torch.Tensor,
+                   loss_sums: torch.Tensor, real: int, step: LocalStep, cfg: ClientConfig) -> None:
+        """One call's step: its rows' gradients on their batches (into ``grads``), their losses added to
+        ``loss_sums``, then the step; nothing allocated by mpifl, nothing read (a CUDA graph captures it)."""
+        g, (loss, outputs) = self.kernel(block.params[call], xb, yb)
+        with torch.no_grad():
+            grads.copy_(g)  # a copy keeps every bit (−0 included)
+            loss_sums[call] += self._losses(loss, outputs, yb, real)
+            if step.gradient:  # one step, each call its own rows: the gradient takes the start's place
+                block.params[call] = _with_decay(grads, block.params[call], cfg)
+            else:
+                _step_block(block, grads, call, step, cfg.lr if step.lr is None else step.lr, cfg)
 
     def _losses(self, vmapped: torch.Tensor, outputs: torch.Tensor, yb: torch.Tensor, real: int) -> torch.Tensor:
         """Each row's loss: on a GPU the vmapped loss the gradient came from (one call for all rows); on the CPU
@@ -374,7 +384,7 @@ class LocalSGD:
         alone = [self.loss_fn(out, target) for out, target in zip(outputs[:real], yb[:real])]
         return torch.cat([torch.stack(alone), vmapped[real:]]) if real < len(vmapped) else torch.stack(alone)
 
-    def _stacked(self, rows: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
+    def _stacked(self, rows: Sequence[Rows]) -> torch.Tensor:
         """Per-client values as one block on the device (a new tensor): host arrays in one asynchronous copy,
         tensors (on the device already, or anywhere) stacked where they are, then moved if they are not there."""
         device = self.model.device
@@ -387,11 +397,12 @@ class LocalSGD:
         """The rows' momentum buffers: carried in (FedALS) or zero; None without momentum."""
         if cfg.momentum == 0:
             return None
+        momentum = self.buffers.get("momentum", (len(order), _part_size(step.part, self.model.numel)))
         if step.carries_momentum:
-            return self._stacked([runs[k].momentum for k in order])  # type: ignore[misc]
-        return torch.zeros(len(order), _part_size(step.part, self.model.numel), device=self.model.device)
+            return momentum.copy_(self._stacked([runs[k].start.momentum for k in order]))  # type: ignore[misc]
+        return momentum.zero_()
 
-    def _stack_starts(self, starts: Sequence[np.ndarray | torch.Tensor], order: Sequence[int]
+    def _stack_starts(self, starts: Sequence[Rows], order: Sequence[int]
                       ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """The rows' start parameters on the device ([len(order), numel]), and what gives the starts again (as a
         tensor that broadcasts against them): each distinct start copied up once (a broadcast model, which every
@@ -407,10 +418,11 @@ class LocalSGD:
                 firsts.append(k)
             which.append(distinct[key])
         unique = self._stacked([starts[k] for k in firsts])
+        params = self.buffers.get("params", (len(order), self.model.numel), unique.dtype)
         if len(firsts) == 1:
-            return unique.expand(len(order), -1).clone(), lambda: unique.expand(len(order), -1)
+            return params.copy_(unique.expand(len(order), -1)), lambda: unique.expand(len(order), -1)
         index = to_device(torch.tensor(which), self.model.device)
-        return unique[index], lambda: unique[index]
+        return torch.index_select(unique, 0, index, out=params), lambda: unique[index]
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -424,6 +436,57 @@ class LocalSGD:
             yield
         finally:
             torch.set_num_threads(threads)
+
+
+class StepBuffers:
+    """The batch's step tensors (the block's parameters and momentum; each call's sample indices, inputs and
+    gradients), allocated once per name and shape and reused across steps and rounds: fixed storage, which a
+    captured CUDA graph reads and writes, and no allocation per step. A few shapes a name are kept (a full and a
+    last partial batch; groups of other sizes), the oldest dropped beyond that."""
+
+    KEPT = 4
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.held: dict[str, dict[tuple, torch.Tensor]] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The buffer ``name`` of ``shape`` and ``dtype`` (its contents are what the last user left)."""
+        shapes = self.held.setdefault(name, {})
+        key = (tuple(shape), dtype)
+        if key not in shapes:
+            if len(shapes) == self.KEPT:
+                del shapes[next(iter(shapes))]
+            shapes[key] = torch.empty(key[0], dtype=dtype, device=self.device)
+        return shapes[key]
+
+
+class _Graphs:
+    """A group's steps as CUDA graphs (``client.cuda_graph``), one per call and batch size: the first such step
+    runs eagerly on a side stream (the warm-up capture needs), the second is captured and every one from then on
+    is a replay, one launch for the whole step. Graphs live for one group: its block, values and accumulators are
+    its own tensors; the inputs and gradients are :class:`StepBuffers`, written before each replay."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.warm: set[tuple] = set()
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, key: tuple, step: Callable[[], None]) -> None:
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.warm:
+                self.warm.add(key)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step()
+                torch.cuda.current_stream().wait_stream(side)
+                return
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()  # recorded, not run: the replay below runs it
+        graph.replay()
 
 
 @dataclass
@@ -452,10 +515,24 @@ def _step_block(block: _Block, grads: torch.Tensor, call: slice, step: LocalStep
     if step.transform is not None:
         step.transform(params, grads, block.rows(call))
     momentum = None if block.momentum is None else block.momentum[call]
-    batched_sgd_step(params[:, step.part], grads[:, step.part], momentum, lr, cfg)
+    sgd_update(params[:, step.part], grads[:, step.part], momentum, lr, cfg)
 
 
-def _memory(start: np.ndarray | torch.Tensor) -> tuple:
+def _with_decay(grads: torch.Tensor, params: torch.Tensor, cfg: ClientConfig) -> torch.Tensor:
+    """A :attr:`LocalStep.gradient` row: the loss's gradient plus the configured weight decay at ``params``."""
+    return grads + params * cfg.weight_decay if cfg.weight_decay else grads
+
+
+def _plan(run: ClientRun, step: LocalStep, cfg: ClientConfig) -> BatchPlan:
+    """``run``'s batches for ``step``: all its samples in order for a gradient, else drawn from its own generator."""
+    if step.gradient:
+        return BatchPlan.whole(len(run.x))
+    if run.generator is None:
+        raise ValueError("local SGD draws its batches from the run's generator: give ClientRun one")
+    return batch_plan(len(run.x), cfg, run.generator, step.steps)
+
+
+def _memory(start: Rows) -> tuple:
     """Which memory ``start`` views: two starts with the same are the same start."""
     if isinstance(start, torch.Tensor):
         return str(start.device), start.data_ptr(), start.stride()
@@ -479,10 +556,11 @@ class _Piece:
 
     @classmethod
     def of(cls, members: list[int], block: _Block, real: int, step: LocalStep, loss_sums: torch.Tensor) -> _Piece:
+        """The real rows of ``block``, copied out of :class:`StepBuffers` (the next group trains there)."""
         params = block.params[:real]
-        return cls(members, params - block.starts()[:real] if step.delta else params, loss_sums,
+        return cls(members, params - block.starts()[:real] if step.delta else params.clone(), loss_sums,
                    {name: total[:real] for name, total in block.sums.items()},
-                   None if block.momentum is None or not step.carries_momentum else block.momentum[:real])
+                   None if block.momentum is None or not step.carries_momentum else block.momentum[:real].clone())
 
 
 def _nothing_trained(model: FlatModel, step: LocalStep, timer: _Timer) -> TrainedRows:
@@ -551,5 +629,6 @@ def local_sgd(model: FlatModel, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Mo
     """One client's local SGD on ``model`` in place, through the executor's loop (the one step): for an
     algorithm's own phases (FedRep's head then body, with one generator; a personalization before evaluation)."""
     executor = LocalSGD(model, loss_fn, batched=False, chunk=1)
-    trained = executor.train([ClientRun(model.params, x, y, generator)], LocalStep(steps=steps, part=part), cfg)
+    trained = executor.train([ClientRun(ClientStart(model.params), x, y, generator)], LocalStep(steps=steps, part=part),
+                             cfg)
     return TrainStats(int(trained.steps[0]), trained.loss_sums[0])

@@ -8,7 +8,7 @@ thread, so a client's update is bitwise the same whichever rank hosts it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +50,47 @@ class BatchPlan:
         """The plan on ``device`` in one copy (pinned and asynchronous on a GPU)."""
         if torch.device(device).type == "cpu":
             return self
-        packed = self.rows[:, None] if self.crops is None else torch.cat([self.rows[:, None], self.crops], dim=1)
-        packed = to_device(packed, device)
-        return BatchPlan(packed[:, 0], self.bounds, packed[:, 1:] if self.crops is not None else None)
+        rows = self.rows[..., None]
+        packed = to_device(rows if self.crops is None else torch.cat([rows, self.crops], dim=-1), device)
+        return BatchPlan(packed[..., 0], self.bounds, packed[..., 1:] if self.crops is not None else None)
+
+    @classmethod
+    def stacked(cls, plans: Sequence[BatchPlan], offsets: Sequence[int]) -> BatchPlan:
+        """Plans of equal step sizes as one, a row of sample indices per plan (``rows`` ``[plans, samples]``), each
+        plan's indices moved by its ``offsets`` (where its client's samples start in the clients' data end to
+        end)."""
+        rows = torch.stack([plan.rows + int(offset) for plan, offset in zip(plans, offsets)])
+        crops = None if plans[0].crops is None else torch.stack([plan.crops for plan in plans])  # type: ignore[misc]
+        return cls(rows, plans[0].bounds, crops)
+
+    @classmethod
+    def whole(cls, n: int) -> BatchPlan:
+        """One step on all ``n`` samples in their order (a full-batch gradient)."""
+        return cls(torch.arange(n), [0, n], None)
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, step: int, clients: slice = slice(None),
+              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s inputs and targets (augmented as the plan says): one batch, or for a :meth:`stacked`
+        plan a batch per row of ``clients``. The one way from a plan to a batch. ``into``: the buffers (sample
+        indices, inputs, targets) it is written into, the same storage step after step (a captured step reads
+        them there), else new tensors."""
+        first, last = self.bounds[step], self.bounds[step + 1]
+        rows = self.rows[..., first:last]
+        crops = None if self.crops is None else self.crops[..., first:last, :]
+        if rows.dim() == 2:
+            rows, crops = rows[clients], None if crops is None else crops[clients]
+        if into is None:
+            xb, yb = x[rows], y[rows]
+        else:
+            index, xb, yb = into
+            flat = index.copy_(rows).view(-1)
+            torch.index_select(x, 0, flat, out=xb.view(-1, *x.shape[1:]))
+            torch.index_select(y, 0, flat, out=yb.view(-1))
+        if crops is not None:  # each sample's crop, whatever the batch's leading dimensions
+            cropped = apply_crops(xb.flatten(0, rows.dim() - 1), crops.flatten(0, rows.dim() - 1)).view_as(xb)
+            xb = cropped if into is None else xb.copy_(cropped)
+        return xb, yb
 
 
 def batch_plan(n: int, cfg: ClientConfig, generator: torch.Generator, steps: int | None = None) -> BatchPlan:
@@ -81,12 +119,8 @@ def training_batches(x: torch.Tensor, y: torch.Tensor, cfg: ClientConfig, genera
     """Each local step's batch (:func:`batch_plan`), augmented as ``cfg.augment`` says (shared by
     algorithms with their own loop). The plan is drawn at the first batch asked for."""
     plan = batch_plan(len(x), cfg, generator, steps).to(x.device)
-    for start, end in zip(plan.bounds, plan.bounds[1:]):
-        rows = plan.rows[start:end]
-        xb = x[rows]
-        if plan.crops is not None:
-            xb = apply_crops(xb, plan.crops[start:end])
-        yield xb, y[rows]
+    for step in range(len(plan)):
+        yield plan.batch(x, y, step)
 
 
 def draw_crops(b: int, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -182,34 +216,22 @@ def _check_count(counts: np.ndarray, what: str) -> None:
 
 
 @torch.no_grad()
-def sgd_step(
-    params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float, cfg: ClientConfig
-) -> None:
+def sgd_update(params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float,
+               cfg: ClientConfig) -> None:
+    """The one SGD update, on a block of rows (``[rows, numel]``; a client alone is one row): each row's gradient
+    clipped to ``cfg.clip_norm`` by its own norm, weight decay, momentum, then params −= lr·update, in place.
+    Elementwise apart from each row's norm, so a row's bits are those of the update on that row alone, and without
+    clipping the update on any span of a row is the update of that span (the executor's loop steps parameter by
+    parameter on autograd's own gradients where nothing needs them as one vector)."""
     if cfg.clip_norm is not None:
-        grads.mul_(clip_factor(l2_norm(grads), cfg.clip_norm))
-    _decayed_momentum_step(params, grads, momentum, lr, cfg)
-
-
-def _decayed_momentum_step(params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float,
-                           cfg: ClientConfig) -> None:
-    """The step after clipping: weight decay, momentum, params −= lr·update (elementwise, any leading rows)."""
+        factors = torch.stack([clip_factor(l2_norm(row), cfg.clip_norm) for row in grads])
+        grads.mul_(factors.to(grads.dtype)[:, None])
     if cfg.weight_decay:
         grads.add_(params, alpha=cfg.weight_decay)
     if momentum is not None:
         momentum.mul_(cfg.momentum).add_(grads)
         grads = momentum
     params.add_(grads, alpha=-lr)
-
-
-@torch.no_grad()
-def batched_sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum: torch.Tensor | None, lr: float,
-                     cfg: ClientConfig) -> None:
-    """:func:`sgd_step` on every row of ``params`` ([rows, numel]) at once, each row's bits those of the step on
-    that row alone: the updates are elementwise, and each row's clip factor comes from its own norm."""
-    if cfg.clip_norm is not None:
-        factors = torch.stack([clip_factor(l2_norm(row), cfg.clip_norm) for row in grads])
-        grads.mul_(factors.to(grads.dtype)[:, None])
-    _decayed_momentum_step(params, grads, momentum, lr, cfg)
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

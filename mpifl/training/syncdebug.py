@@ -35,7 +35,7 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import VECTORIZABLE_MODELS, ClientRun, LocalSGD, LocalStep, local_sgd
+from mpifl.training.executor import VECTORIZABLE_MODELS, ClientRun, ClientStart, LocalSGD, LocalStep, local_sgd
 from mpifl.training.sgd import client_generator, evaluation_sums
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
@@ -233,7 +233,7 @@ def _kernel_failure(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor,
     the device: nothing may be read."""
     kernel = LocalSGD(model, loss_fn, batched=True, chunk=2)
     start = model.numpy().copy()
-    runs = [ClientRun(start, x[a:b], y[a:b], client_generator(0, 1, k)) for k, (a, b) in
+    runs = [ClientRun(ClientStart(start), x[a:b], y[a:b], client_generator(0, 1, k)) for k, (a, b) in
             enumerate([(0, 8), (8, 16), (4, SAMPLES)])]
     return _refused(lambda: kernel.train(runs, LocalStep(delta=True), cfg), x.device)
 
