@@ -255,7 +255,8 @@ def test_vectorize_takes_true_false_or_auto(value):
 # Local (its own model), IFCA (its cluster's), PeFLL and pFedHN (the generated one)
 DENSE_ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedsgd", "knnper", "fedbuff", "fedasync", "local", "ifca")
 KERNEL_ALGORITHMS = (*DENSE_ALGORITHMS, "pefll", "pfedhn")  # those that took the batch before the one executor
-NEWLY_BATCHED = ("fedals",)  # its carried momentum, per-round rate and SCAFFOLD option as per-row state
+# FedALS: carried momentum, per-round rate and SCAFFOLD option as per-row state; FedRep: its head, then its body
+NEWLY_BATCHED = ("fedals", "fedrep")
 IMAGES = {"data": {"dataset": "gaussian_images", "num_clients": 6, "partition": "iid",
                    "synthetic": {"image_shape": [1, 16, 16], "samples_per_client": 30, "size_sigma": 0.3}},
           "model": CNNS["cnn"][0], "rounds": 2, "eval_every": 2, "client": {"vectorize_chunk": 4}}

@@ -32,8 +32,7 @@ from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
 from mpifl.comm.messages import Message, require
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
-from mpifl.training.device import host_floats
-from mpifl.training.executor import TrainStats, local_sgd
+from mpifl.training.executor import ClientStart, LocalStep, TrainedRows, TrainStats, local_sgd
 from mpifl.training.sgd import client_generator, planned_samples
 
 NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head training
@@ -108,6 +107,7 @@ class FedRepClient(DeltaClient):
     def __init__(self, ctx: RunContext, data, state=None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.initial_head = self.workspace.numpy()[self.protocol.head].copy()
+        self.bodies: dict[int, np.ndarray] = {}  # each training client's received body, until its delta is taken
 
     def head(self, client: int) -> np.ndarray:
         return self.state.get(client, "head", self.initial_head)
@@ -123,20 +123,25 @@ class FedRepClient(DeltaClient):
         return local_sgd(self.workspace, split.x_train, split.y_train, self.loss_fn,
                          self.ctx.cfg.client.for_epochs(epochs), generator, part=part)
 
-    def compute(self, step: StepContext, client: int) -> None:
-        opts, protocol = self.ctx.options, self.protocol
-        start = self.start.pop(client)
-        self.load(start, self.head(client))
-        generator = client_generator(self.ctx.cfg.seed, step.round, client)
-        phases = [self.train_part(client, protocol.head, opts.head_epochs, generator),
-                  self.train_part(client, protocol.body, opts.body_epochs, generator)]
-        steps = sum(p.steps for p in phases)
-        sums = host_floats([p.loss_sum for p in phases]).tolist()  # both phases' losses in one read
-        means = [s / max(p.steps, 1) for s, p in zip(sums, phases)]  # each phase's TrainStats.mean_loss
-        self.round_losses[client] = sum(m * p.steps for m, p in zip(means, phases)) / steps if steps else float("nan")
-        params = self.workspace.numpy()
-        self.state.edit(client)["head"] = params[protocol.head].copy()
-        self.deltas[client] = params[protocol.body] - start
+    def local_step(self, step: StepContext) -> tuple[LocalStep, ...]:
+        """Two phases with one generator: the head with the body frozen, then the body with the head frozen."""
+        opts, protocol, cfg = self.ctx.options, self.protocol, self.ctx.cfg.client
+        return (LocalStep(config=cfg.for_epochs(opts.head_epochs), part=protocol.head),
+                LocalStep(config=cfg.for_epochs(opts.body_epochs), part=protocol.body))
+
+    def local_start(self, step: StepContext, client: int) -> ClientStart:
+        """The server's body with the client's own head."""
+        body = self.bodies[client] = self.start.pop(client)
+        params = np.empty(self.workspace.numel, dtype=body.dtype)
+        params[self.protocol.body], params[self.protocol.head] = body, self.head(client)
+        return ClientStart(params)
+
+    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        """The head stays in the client's state; the body's change is sent."""
+        protocol = self.protocol
+        for client, params in zip(clients, trained.host("params")[0]):
+            self.state.edit(client)["head"] = params[protocol.head].copy()
+            self.deltas[client] = params[protocol.body] - self.bodies.pop(client)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         body = require(self.global_params, "the evaluated body")

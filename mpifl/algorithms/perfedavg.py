@@ -103,11 +103,9 @@ class PerFedAvgClient(DeltaClient):
         self.alpha = ctx.cfg.client.lr if opts.alpha is None else opts.alpha
 
     def gradient(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """∇f(params; x, y) (a copy) and the loss (left on the device), computed in the workspace."""
-        self.workspace.load(params)
-        loss = self.loss_fn(self.workspace.module(x), y)
-        self.workspace.compute_gradient(loss)
-        return self.workspace.grads.clone(), loss.detach()
+        """∇f(params; x, y) and the loss (both left on the device): the executor's one gradient, no weight decay."""
+        trained = self.gradient_on(params, x, y, decay=False)
+        return trained.params[0], trained.loss_sums[0]
 
     def compute(self, step: StepContext, client: int) -> None:
         opts = self.ctx.options

@@ -4,6 +4,7 @@ executor (alone or many clients together), full-batch gradients and evaluation; 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping
 
@@ -21,9 +22,11 @@ from mpifl.training.executor import (
     ClientStart,
     LocalSGD,
     LocalStep,
+    Rows,
     TrainedRows,
     auto_chunk,
     kernel_wanted,
+    read_together,
 )
 from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.tensors import TensorSplit
@@ -100,9 +103,10 @@ class ClientToolkit(ClientAlgorithm):
         call = self.executor.chunk or 1
         return max(most // call, 1) * call
 
-    def local_step(self, step: StepContext) -> LocalStep | None:
-        """This algorithm's local SGD in ``step`` (see the class's docstring), or None where its local step is not
-        local SGD (then :meth:`compute` runs, a client at a time)."""
+    def local_step(self, step: StepContext) -> LocalStep | tuple[LocalStep, ...] | None:
+        """This algorithm's local SGD in ``step`` (see the class's docstring), or its phases in order, each
+        starting where the last left off with the same generator (FedRep: the head, then the body), or None where
+        its local step is not local SGD (then :meth:`compute` runs, a client at a time)."""
         return None
 
     def local_start(self, step: StepContext, client: int) -> ClientStart:
@@ -130,7 +134,7 @@ class ClientToolkit(ClientAlgorithm):
             return super().compute_clients(step, clients)
         return self.train_stated(step, [int(c) for c in clients], spec)
 
-    def train_stated(self, step: StepContext, ids: list[int], spec: LocalStep) -> np.ndarray:
+    def train_stated(self, step: StepContext, ids: list[int], spec: LocalStep | tuple[LocalStep, ...]) -> np.ndarray:
         """:meth:`local_starts`, the executor, :meth:`local_end`: the stated local SGD of ``ids``, each one's
         seconds."""
         starts, seconds = self.local_starts(step, ids)
@@ -149,17 +153,25 @@ class ClientToolkit(ClientAlgorithm):
             seconds[i] = time.perf_counter() - began
         return starts, seconds
 
-    def train_clients(self, step: StepContext, clients: list[int], starts: list[ClientStart], spec: LocalStep
-                      ) -> TrainedRows:
-        """Local SGD of ``clients`` from ``starts`` as ``spec`` says, their mean losses in :attr:`round_losses`
-        (all read in one copy); the rows stay where they were trained."""
+    def train_clients(self, step: StepContext, clients: list[int], starts: list[ClientStart],
+                      spec: LocalStep | tuple[LocalStep, ...]) -> TrainedRows:
+        """Local SGD of ``clients`` from ``starts`` as ``spec`` (or each of its phases in turn) says, their mean
+        losses in :attr:`round_losses` (all read in one copy); the rows stay where they were trained, and the
+        seconds are every phase's."""
         seed = self.ctx.cfg.seed
         runs = [ClientRun(start, self.data[c].x_train, self.data[c].y_train,
                           client_generator(seed, step.round, c, start.purpose)) for c, start in zip(clients, starts)]
-        trained = self.executor.train(runs, spec, self.ctx.cfg.client)
-        self.round_losses.update(zip(clients, trained.mean_losses().tolist()))
+        phases: list[TrainedRows] = []
+        for phase in (spec,) if isinstance(spec, LocalStep) else spec:
+            if phases:  # where the last phase left each client, with its generator where it left it
+                runs = [dataclasses.replace(run, start=ClientStart(phases[-1].params[k])) for k, run in enumerate(runs)]
+            phases.append(self.executor.train(runs, phase, self.ctx.cfg.client))
+        self.round_losses.update(zip(clients, _mean_losses(phases).tolist()))
         if self.executor.batched:
             self.trained_together += len(clients)
+        trained = phases[-1]
+        for earlier in phases[:-1]:
+            trained.timer.spans.extend(earlier.timer.spans)
         return trained
 
     def rank_stats(self) -> dict[str, float]:
@@ -196,11 +208,27 @@ class ClientToolkit(ClientAlgorithm):
         return norm_statistics(model, self.data[client].x_train, self.ctx.cfg.client.batch_size)
     def gradient_at(self, client: int, params: np.ndarray, rows: torch.Tensor | None = None) -> np.ndarray:
         """∇ at ``params`` of ``client``'s mean loss over ``rows`` of its training split, plus the configured
-        weight decay; all rows (the default) give the full-batch gradient: the executor's one gradient
-        (:attr:`LocalStep.gradient`, FedSGD's step), for one client."""
+        weight decay; all rows (the default) give the full-batch gradient (Karula's queries)."""
         split = self.data[client]
         x, y = (split.x_train, split.y_train) if rows is None else (split.x_train[rows], split.y_train[rows])
-        trained = self.executor.train([ClientRun(ClientStart(params), x, y)], LocalStep(gradient=True),
-                                      self.ctx.cfg.client)
+        trained = self.gradient_on(params, x, y)
         self.round_losses[client] = float(trained.mean_losses()[0])
         return trained.host("params")[0][0]
+
+    def gradient_on(self, params: Rows, x: torch.Tensor, y: torch.Tensor, decay: bool = True) -> TrainedRows:
+        """The executor's one gradient (:attr:`LocalStep.gradient`, FedSGD's step) at ``params`` of the mean loss
+        on ``x``, ``y``: the row it leaves, on the device, plus the configured weight decay unless ``decay`` is
+        off; its loss is the row's loss sum."""
+        cfg = self.ctx.cfg.client if decay else dataclasses.replace(self.ctx.cfg.client, weight_decay=0.0)
+        return self.executor.train([ClientRun(ClientStart(params), x, y)], LocalStep(gradient=True), cfg)
+
+
+def _mean_losses(phases: list[TrainedRows]) -> np.ndarray:
+    """Each client's mean training loss over every phase: the phases' mean losses weighted by their steps (NaN
+    for none), all loss sums read in one copy."""
+    if len(phases) == 1:
+        return phases[0].mean_losses()
+    sums = read_together([phase.loss_sums for phase in phases])
+    weighted = sum(total / np.maximum(phase.steps, 1) * phase.steps for total, phase in zip(sums, phases))
+    steps = sum(phase.steps for phase in phases)
+    return np.where(steps > 0, weighted / np.maximum(steps, 1), np.nan)

@@ -179,7 +179,7 @@ class _Timer:
                 span = began.elapsed_time(ended) / 1e3  # type: ignore[attr-defined]
             else:
                 span = ended - began  # type: ignore[operator]
-            seconds[members] = span / len(members)
+            seconds[members] += span / len(members)  # a run in several spans (phases) takes each share
         return seconds
 
 
