@@ -103,6 +103,9 @@ class RunConfig:
     # clients' states spill to files in state_spill_dir (default: the system's temporary folder), same results
     state_memory_gb: float | None = field(default=None, metadata=limits(ge=0))
     state_spill_dir: str | None = None  # where state_memory_gb spills (a temporary folder in it); null: the system's
+    # GPU memory a rank's client states may keep on the GPU (GB; null: a quarter of the GPU's), where an algorithm
+    # keeps them there (SCAFFOLD's control variates); beyond it the least recently used come to host memory
+    state_device_gb: float | None = field(default=None, metadata=limits(ge=0))
     # where each rank's clients compute: cpu; cuda (a GPU of the rank's node; an error where PyTorch sees none);
     # auto: cuda where a GPU is visible, else cpu (docs/how-to/gpus.md)
     device: Literal["auto", "cpu", "cuda"] = "cpu"
@@ -302,8 +305,8 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir", "checkpoint_keep",
-                  "checkpoint_minutes")
+RESULT_NEUTRAL = ("output", "data_memory_gb", "state_memory_gb", "state_spill_dir", "state_device_gb",
+                  "checkpoint_keep", "checkpoint_minutes")
 """Config keys that change no bit of a run's results (where it writes, how much memory it may use, how many
 checkpoints it keeps): two configs that differ only there describe the same run."""
 

@@ -115,3 +115,36 @@ def test_bad_spill_settings_are_one_line(three_ranks, setting, message):
     proc = three_ranks[BAD_SETTINGS.index((setting, message))]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_a_tensor_entry_on_the_cpu_is_kept_as_its_array():
+    """A tensor committed on the CPU becomes an array (the host is the device there), the same bits; edits of it
+    and reads as a tensor give those bits too."""
+    import torch
+
+    state = ClientState()
+    row = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    state.edit(3)["control"] = row
+    state.commit([3])
+    kept = state.get(3, "control")
+    assert isinstance(kept, np.ndarray) and not kept.flags.writeable and state.device_bytes == 0
+    assert np.array_equal(kept.view(np.int32), row.numpy().view(np.int32))
+    assert torch.equal(state.get_on(3, "control", torch.device("cpu")), row)
+    assert state.export_states()[3]["control"].tobytes() == row.numpy().tobytes()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA: the state's device tier")
+def test_tensor_entries_stay_on_the_gpu_within_the_budget_and_come_to_the_host_beyond_it():
+    import torch
+
+    state = ClientState(device_budget_bytes=2 * 64 * 4)  # two clients' rows
+    rows = {c: torch.randn(64, device="cuda") for c in range(3)}
+    for c, row in rows.items():
+        state.edit(c)["control"] = row
+        state.commit([c])
+    assert state.device_bytes == 2 * 64 * 4  # clients 1 and 2 on the GPU, 0 (least recent) on the host
+    assert isinstance(state.read(0)["control"], np.ndarray) and state.read(2)["control"].is_cuda
+    assert state.get_on(2, "control", torch.device("cuda")) is state.read(2)["control"]  # no copy
+    exported = state.export_states()
+    for c, row in rows.items():
+        assert exported[c]["control"].tobytes() == row.cpu().numpy().tobytes()

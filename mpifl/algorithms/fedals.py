@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 from torch import nn
@@ -41,7 +41,7 @@ from torch import nn
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import corrected, population_weights, sample_shares, update_control
-from mpifl.algorithms.state import ClientState, StateDict
+from mpifl.algorithms.state import ClientState, HostState
 from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models.flat import layer_groups
@@ -257,9 +257,10 @@ class FedALSClient(ClientToolkit):
         self.eval_params: np.ndarray | None = None
         self.eval_norm: np.ndarray | None = None
 
-    def working(self, client: int) -> StateDict:
-        """This round's state of ``client``, created at its first participation."""
-        st = self.state.edit(client)
+    def working(self, client: int) -> HostState:
+        """This round's state of ``client``, created at its first participation (arrays only: FedALS keeps its
+        clients' models on the host)."""
+        st = cast(HostState, self.state.edit(client))
         if not st:
             opts, cfg = self.ctx.options, self.ctx.cfg.client
             st.update(model=self.initial.copy(), reference=self.initial.copy(),

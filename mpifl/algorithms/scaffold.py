@@ -30,7 +30,7 @@ from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.algorithms.toolkit import ClientStart
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.executor import GradTransform, LocalStep, TrainedRows, read_together
+from mpifl.training.executor import GradTransform, LocalStep, TrainedRows
 from mpifl.training.sgd import to_device
 
 
@@ -48,12 +48,11 @@ def corrected(weight_decay: float) -> GradTransform:
     return transform
 
 
-def mean_gradients(trained: TrainedRows) -> np.ndarray:
-    """Each trained row's mean local gradient (float32, option II's cᵢ⁺), computed where the rows are and read in
-    one copy."""
+def mean_gradients(trained: TrainedRows) -> torch.Tensor:
+    """Each trained row's mean local gradient (float32, option II's cᵢ⁺), computed and left where the rows are."""
     steps = torch.from_numpy(np.maximum(trained.steps, 1).astype(np.float64))
     total = trained.sums["gradient_sum"]
-    return read_together([(total / to_device(steps, total.device)[:, None]).float()])[0]
+    return (total / to_device(steps, total.device)[:, None]).float()
 
 
 def population_weights(ctx: RunContext, clients: np.ndarray) -> np.ndarray:
@@ -117,24 +116,32 @@ class ScaffoldServer(FedAvgServer):
 class ScaffoldClient(FedAvgClient):
     protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
     protocol: ScaffoldProtocol
-    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas")
+    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas", "uploaded")
     kernel_on_cpu = False  # the loop under auto on the CPU, as before
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        self.global_control: dict[int, np.ndarray] = {}
-        self.control_deltas: dict[int, np.ndarray] = {}
+        self.global_control: dict[int, torch.Tensor] = {}
+        self.control_deltas: dict[int, torch.Tensor] = {}
+        # this round's received c on the device, with the row it came from (kept, so its memory is not reused)
+        self.uploaded: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
         return {**super().handlers(), p.control_msg: self.receive_control, p.control_delta_msg: self.send_control}
 
     def receive_control(self, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.global_control[client] = row
+        """c, copied to the device once a round however many clients receive it (one broadcast row)."""
+        key = (row.__array_interface__["data"][0], row.shape, row.strides)
+        if key not in self.uploaded:
+            self.uploaded[key] = row, to_device(torch.from_numpy(np.array(row)), self.device)
+        self.global_control[client] = self.uploaded[key][1]
 
-    def own_control(self, client: int) -> np.ndarray:
-        own = self.state.get(client, "control")
-        return np.zeros(self.workspace.numel, dtype=np.float32) if own is None else own
+    def own_control(self, client: int) -> torch.Tensor:
+        """cᵢ on the device: kept there by the client state within its budget (``state_device_gb``), else copied
+        up; zero before the client's first round."""
+        own = self.state.get_on(client, "control", self.device)
+        return torch.zeros(self.workspace.numel, device=self.device) if own is None else own
 
     def local_step(self, step: StepContext) -> LocalStep | None:
         return LocalStep(corrected(self.ctx.cfg.client.weight_decay), sums=("gradient_sum",), delta=True)
@@ -144,10 +151,11 @@ class ScaffoldClient(FedAvgClient):
         return ClientStart(self.start.pop(client), {"shift": shift})
 
     def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
+        """Δcᵢ to send and cᵢ⁺ to keep, both rows on the device (a GPU folds the Δcᵢ there and keeps cᵢ⁺)."""
         super().local_end(step, clients, trained)
         for client, new in zip(clients, mean_gradients(trained)):
             self.control_deltas[client] = new - self.own_control(client)
-            self.state.edit(client)["control"] = new.copy()
+            self.state.edit(client)["control"] = new
 
-    def send_control(self, step: StepContext, client: int) -> np.ndarray:
+    def send_control(self, step: StepContext, client: int) -> torch.Tensor:
         return self.control_deltas.pop(client)

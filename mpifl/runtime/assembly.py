@@ -85,11 +85,13 @@ def check_asynchronous(cfg: RunConfig, concurrency: int, seen: int) -> None:
 
 
 def client_state(cfg: RunConfig) -> ClientState:
-    """A worker's client-state store, spilling beyond ``state_memory_gb`` to ``state_spill_dir``."""
+    """A worker's client-state store, spilling beyond ``state_memory_gb`` to ``state_spill_dir``, keeping tensors on
+    a GPU within ``state_device_gb``."""
+    device = None if cfg.state_device_gb is None else cfg.state_device_gb * 2**30
     if cfg.state_memory_gb is None:
-        return ClientState()
+        return ClientState(device_budget_bytes=device)
     try:
-        return ClientState(cfg.state_memory_gb * 2**30, cfg.state_spill_dir)
+        return ClientState(cfg.state_memory_gb * 2**30, cfg.state_spill_dir, device)
     except OSError as exc:
         raise ConfigError(f"state_spill_dir: cannot make a spill folder in {cfg.state_spill_dir} ({exc.strerror})"
                           ) from None

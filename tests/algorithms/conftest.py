@@ -17,6 +17,7 @@ from mpifl.data import FederatedDataset, build_federated_dataset
 from mpifl.registry import get_algorithm, parse_config
 from mpifl.results import Results, read_results
 from mpifl.runtime.store import ClientStore
+from mpifl.training.device import host_numpy
 from tests.conftest import _merge, assert_same, rank_dependent, run_config
 
 SHARDS = {
@@ -119,7 +120,7 @@ def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, cl
             for c, row in zip(targets, rows):
                 client.receive(step, here, int(c), row)
         else:
-            rows = np.stack([np.array(client.send(step, here, int(c))) for c in targets])
+            rows = np.stack([_on_host(client.send(step, here, int(c))) for c in targets])
             if step.summed is not None:  # each client's row into its group's sum, as the runtime adds them
                 group = np.array([client.sum_group(step, int(c)) for c in targets])
                 weights = server.ctx.sum_weights(step.summed, targets)
@@ -131,3 +132,8 @@ def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, cl
         seen[step.name] = np.array(rows)
     client.state.commit(np.union1d(clients, audience))
     return seen
+
+
+def _on_host(row: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A sent row as a host array (a tensor row, kept on the device by its client, copied out)."""
+    return host_numpy(row) if isinstance(row, torch.Tensor) else np.array(row)

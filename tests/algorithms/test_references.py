@@ -129,7 +129,7 @@ def test_scaffold_option_ii_is_the_mean_local_gradient_under_plain_sgd():
     xys = data(cfg)
     for round_ in (1, 2):  # round 2 starts from nonzero c and cᵢ
         x, c = server.params.astype(np.float64), server.control.astype(np.float64)
-        own = {i: client.own_control(i).astype(np.float64) for i in SAMPLED}
+        own = {i: client.own_control(i).numpy().astype(np.float64) for i in SAMPLED}
         rows = walk(server, client, server.protocol.train_plan(round_), round_, SAMPLED)
         for k, i in enumerate(SAMPLED):
             y, mean_grad = scaffold_client(x, c, own[i], xys[i], 3, 0.05)
@@ -149,12 +149,12 @@ def test_scaffold_client_under_momentum_and_weight_decay(momentum):
     xys = data(cfg)
     walk(server, client, server.protocol.train_plan(1), 1, SAMPLED)  # nonzero c, cᵢ from here on
     x, c = server.params.astype(np.float64), server.control.astype(np.float64)
-    own = {i: client.own_control(i).astype(np.float64) for i in SAMPLED}
+    own = {i: client.own_control(i).numpy().astype(np.float64) for i in SAMPLED}
     rows = walk(server, client, server.protocol.train_plan(2), 2, SAMPLED)
     for k, i in enumerate(SAMPLED):
         y, mean_grad = scaffold_client(x, c, own[i], xys[i], 3, 0.05, momentum, 1e-2)
         np.testing.assert_allclose(rows["delta"][k], y - x, **TOL)
-        np.testing.assert_allclose(client.own_control(i), mean_grad, **TOL)
+        np.testing.assert_allclose(client.own_control(i).numpy(), mean_grad, **TOL)
 
 
 def pooled_optimum(xys: dict, weight_decay: float = 0.0) -> np.ndarray:

@@ -49,6 +49,6 @@ def test_uniform_weighting_averages_the_model_over_the_cohort_and_c_over_the_pop
         delta_y, delta_c = rows["delta"].astype(np.float64), rows["control_delta"].astype(np.float64)
         np.testing.assert_allclose(server.params, x + (delta_y[0] + delta_y[1] + delta_y[2]) / 3, **TOL)
         np.testing.assert_allclose(server.control, c + (delta_c[0] + delta_c[1] + delta_c[2]) / 4, **TOL)
-    own = [client.own_control(i).astype(np.float64) for i in range(4)]
+    own = [client.own_control(i).numpy().astype(np.float64) for i in range(4)]
     assert not own[1].any()
     np.testing.assert_allclose(server.control, (own[0] + own[1] + own[2] + own[3]) / 4, **TOL)
