@@ -29,8 +29,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from mpifl.comm import exactsum
-from mpifl.comm.exactsum import Array, ExactSum, Window, host_copy, round_sum, words
+from mpifl.comm.exactsum import Array, ExactSum, Window, _backends, host_copy, round_sum, words
 from mpifl.comm.messages import Message, require
 from mpifl.comm.transport import Transport
 
@@ -183,7 +182,7 @@ class DistributedSum:
 def _worker_shares(entries: int, numel: int, workers: int) -> np.ndarray:
     """Where each worker's share of the groups' ``entries`` (``numel`` a group, end to end) starts, and the end:
     whole chunks of ``CHUNK`` entries of each group (where the wire may be split), as even as they allow."""
-    starts = np.concatenate([group * numel + np.arange(0, numel, exactsum.CHUNK, dtype=np.int64)
+    starts = np.concatenate([group * numel + np.arange(0, numel, _backends.CHUNK, dtype=np.int64)
                              for group in range(entries // max(numel, 1))] or [np.zeros(0, dtype=np.int64)])
     fair = np.arange(workers) * entries / workers
     return np.append(starts[np.minimum(np.searchsorted(starts, fair), len(starts) - 1)] if len(starts) else
