@@ -15,8 +15,8 @@ from mpi4py import MPI
 
 from mpifl.algorithms.base import ClientAlgorithm
 from mpifl.comm import Message, Placement, Transport
-from mpifl.comm.distributed_sum import DistributedSum
 from mpifl.comm.exactsum import ExactSum, _backends
+from mpifl.comm.exactsum.distributed import DistributedSum
 from mpifl.registry import get_algorithm
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig

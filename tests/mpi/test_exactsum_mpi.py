@@ -94,7 +94,7 @@ def workers_sum():  # noqa: ANN201 - (the world, a DistributedSum over it, the w
     i mod workers + 1): the sum, not yet given any term."""
     from mpi4py import MPI
 
-    from mpifl.comm.distributed_sum import DistributedSum
+    from mpifl.comm.exactsum.distributed import DistributedSum
     from mpifl.comm.messages import Message
     from mpifl.comm.placement import Placement
     from mpifl.comm.transport import Transport

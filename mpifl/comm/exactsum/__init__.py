@@ -9,7 +9,9 @@ Each part changes for its own reason, so each is a module of its own:
 - ``_grid``: where a term's bits sit (``Window``), the levels that cover them and the cut of floats into them;
 - ``_accumulator``: one rank's running total (``ExactSum``) and the one-shot ``exact_sum``;
 - ``_wire``: how totals travel between ranks (``words``) and how their sum is rounded (``round_sum``);
-- ``_backends``: the array operations all of them run on, numpy on the host or torch on a tensor's device.
+- ``_backends``: the array operations all of them run on, numpy on the host or torch on a tensor's device;
+- ``distributed``: a summed message's sum over the ranks (``DistributedSum``): the whole protocol, on the
+  transport's generic wait.
 
 Memory: the accumulator holds levels + 1 (the carry) int64 per entry, the wire buffer ``words`` int64. The
 float32 deltas of B1's MLP after local SGD, weighted 1/50, span about 75 bits: 2 levels of W = 50 (24 B per
