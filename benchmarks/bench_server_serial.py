@@ -5,14 +5,14 @@ broadcast (issue 48, "the host off the round's path").
     python benchmarks/bench_server_serial.py --parts [--write]
 
 Under ``mpirun`` it runs W2 (``configs/w2.yaml``, no evaluation) in this process on every rank and, on rank 0, notes
-when each collective's wait began and ended (``Transport._timed``). Per round it prints two gaps, median (minimum)
-over the rounds after the first: **rank 0 alone**, from the end of the summed delta's last collective on rank 0 (the
-reduce before issue 48, the gather of the workers' rounded sums after) to the start of the next round's model
-broadcast: the exact sum's rounding where rank 0 does it, the server step, the round's records, the next cohort;
-and **from the agreement**, from the end of the delta's window agreement (every worker has folded its clients) to
-the same broadcast: also the sum's moves, its export and the workers' rounding where they round. The script only
-reads the transport's log, so the same file run from an older checkout measures "before" (copy it there). Rank
-0's CPU seconds in its gap are printed too: on a loaded machine its wall gap also holds the time it waited for a
+when each collective's wait began and ended (``Transport.wait``; ``_timed`` before issue 58). Per round it prints two
+gaps, median (minimum) over the rounds after the first: **rank 0 alone**, from the end of the summed delta's last
+collective on rank 0 (the reduce before issue 48, the gather of the workers' rounded sums after) to the start of the
+next round's model broadcast: the exact sum's rounding where rank 0 does it, the server step, the round's records, the
+next cohort; and **from the agreement**, from the end of the delta's window agreement (every worker has folded its
+clients) to the same broadcast: also the sum's moves, its export and the workers' rounding where they round. The
+script only reads the transport's log, so the same file run from an older checkout measures "before" (copy it there).
+Rank 0's CPU seconds in its gap are printed too: on a loaded machine its wall gap also holds the time it waited for a
 core.
 
 ``--parts`` times, in one process, the pieces of that serial path on W2-sized rows (1,626,442 entries; the exact
@@ -60,7 +60,7 @@ def job(rounds: int) -> dict[str, list[float]] | None:
         if self.is_server:
             events.append((round_, name, op, start, end, cpu, time.process_time()))
 
-    Transport._timed = timed  # type: ignore[method-assign]
+    setattr(Transport, "wait" if hasattr(Transport, "wait") else "_timed", timed)  # _timed: an older checkout's
     raw = yaml.safe_load(W2.read_text())
     raw.update(rounds=rounds, eval_every=10**6)
     comm = MPI.COMM_WORLD

@@ -30,7 +30,7 @@ backend in whole-row passes (as on a GPU; on the CPU it would fold with numpy, w
 row's "÷ floor" is the GPU path's count over the floor's; the issue's target is ≤ 1.25× and ≤ 2 host reads a
 round. Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are host-side draws on CPU
 tensors (no GPU launches), so the GPU path's count is an upper bound. The emulation patches private names of
-mpifl (``PlanWalker._leaving``, ``exactsum._ops_for``, ``exactsum._TorchOps``, the kernel's ``_losses``:
+mpifl (``PlanWalker._leaving``, the exact sum's ``ops_for`` and ``TorchOps``, the kernel's ``_losses``:
 :data:`KERNELS`); where one is missing after a change the table's header says which part of the GPU's path was not
 emulated, and the counts are the CPU's there.
 """
@@ -137,7 +137,7 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
     import numpy as np
     import torch
 
-    from mpifl.comm import exactsum
+    from mpifl.comm.exactsum import _accumulator, _backends, _wire
     from mpifl.runtime.walker import PlanWalker
 
     def marking(losses: Callable) -> Callable:
@@ -159,7 +159,7 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
         return kept_on_device
 
     def whole_rows(ops_for: Callable) -> Callable:
-        torch_ops = getattr(exactsum, "_TorchOps", None)
+        torch_ops = getattr(_backends, "TorchOps", None)
         if torch_ops is None:
             return ops_for
 
@@ -184,7 +184,8 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
                                             applied))
         if gpu_path:
             stack.enter_context(patched(PlanWalker, "_leaving", as_tensors, applied))
-            stack.enter_context(patched(exactsum, "_ops_for", whole_rows, applied))
+            for user in (_accumulator, _wire):  # the modules that pick a backend: a total's fold, round_sum
+                stack.enter_context(patched(user, "ops_for", whole_rows, applied))
         with counter.mode:
             yield
 
@@ -305,7 +306,8 @@ def main() -> int:
             if vectorize and counted.kernel_clients == 0:
                 name += " — does not take the kernel (clients_trained_vectorized 0): the loop's counts"
             rows.append(row(name, counted, floor, gpu_path))
-    wanted = ["the kernel's _losses"] + (["PlanWalker._leaving", "mpifl.comm.exactsum._ops_for"] if gpu_path else [])
+    backends = ["mpifl.comm.exactsum._accumulator.ops_for", "mpifl.comm.exactsum._wire.ops_for"]
+    wanted = ["the kernel's _losses"] + (["PlanWalker._leaving", *backends] if gpu_path else [])
     found = ["the kernel's _losses" if name.endswith("._losses") else name for name in applied]
     missing = [w for w in wanted if w not in found]
     print(f"W2 round, 1 rank, {args.clients} clients, client.vectorize_chunk {args.chunk}; "

@@ -14,9 +14,9 @@ import torch
 from mpi4py import MPI
 
 from mpifl.algorithms.base import ClientAlgorithm
-from mpifl.comm import Message, Placement, Transport, exactsum
-from mpifl.comm.distributed_sum import DistributedSum
-from mpifl.comm.exactsum import ExactSum
+from mpifl.comm import Message, Placement, Transport
+from mpifl.comm.exactsum import ExactSum, _backends
+from mpifl.comm.exactsum.distributed import DistributedSum
 from mpifl.registry import get_algorithm
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
@@ -96,7 +96,7 @@ def test_the_exact_fold_syncs_once_per_batch_whatever_its_clients_and_groups(dev
 def test_a_pageable_upload_per_block_fails_the_fold_check(monkeypatch):
     """Host arrays uploaded as the fold's weights were before (``torch.tensor(weights, device=...)``, pageable: a
     wait per block of rows) fail syncdebug's fold case, and a sync per row fails the generic check."""
-    monkeypatch.setattr(exactsum._TorchOps, "upload",
+    monkeypatch.setattr(_backends.TorchOps, "upload",
                         lambda self, array: torch.tensor(array, device=self.device))
     failure = dict(check("cpu", []))["exact fold of a batch of rows"]
     # the weights' and the kept rows' index uploads wait, beside the windows' read; so does a host wire's upload

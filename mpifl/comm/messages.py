@@ -29,7 +29,7 @@ class Message:
 
     A ``summed`` up message is one the server needs only as Σᵢ weightᵢ·rowᵢ over the accepted clients (a FedAvg
     delta): each worker folds its clients' rows into an exact running total as they finish and one reduction
-    brings the total to rank 0 (:mod:`mpifl.comm.distributed_sum`), so no rank holds every client's row (where
+    brings the total to rank 0 (:mod:`mpifl.comm.exactsum.distributed`), so no rank holds every client's row (where
     each worker hosts only a few, their rows travel instead, cheaper and with the same bits).
     ``groups`` sums side by side (IFCA: one per cluster; each client's row goes into the one its client side
     names).

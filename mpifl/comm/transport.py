@@ -5,10 +5,10 @@ payloads go by ``Ibcast``, per-client payloads by ``Iscatterv``/``Igatherv`` wit
 displacements. Rows for a set of clients are always presented in client-id order, whichever rank
 holds which client, so everything downstream is independent of the rank count.
 
-The transport moves bytes and lists each collective in the physical log; what a real deployment would send
-(the ledger) is counted by the plan walker, and how a summed message is added up is
-:class:`~mpifl.comm.distributed_sum.DistributedSum`'s business, built on :meth:`Transport.allreduce_max`,
-:meth:`Transport.reduce_words` and :meth:`Transport.gather_bytes`.
+The transport moves bytes and lists each collective in the physical log (:meth:`Transport.wait`); what a real
+deployment would send (the ledger) is counted by the plan walker. How a summed message is added up, with the
+collectives only it needs, is :class:`~mpifl.comm.exactsum.distributed.DistributedSum`'s business, on
+:meth:`Transport.wait`, :meth:`Transport.workers` and :meth:`Transport.gather_bytes`.
 
 Waiting is non-blocking with a growing sleep: Open MPI's blocking calls poll a full core, which
 on an oversubscribed node steals cycles from the training ranks.
@@ -136,26 +136,6 @@ class Transport:
                 arrived[j] = self._gather_blobs(round_, msgs[j], blobs, order)  # type: ignore[arg-type]
         return arrived
 
-    def allreduce_max(self, round_: int, name: str, vector: np.ndarray) -> np.ndarray:
-        """The entrywise maximum of every rank's int64 ``vector``, on every rank (``Iallreduce``, MPI.MAX)."""
-        if self.size > 1:
-            from mpi4py import MPI
-
-            self._timed(round_, name, "allreduce", vector.nbytes,
-                        self.comm.Iallreduce(MPI.IN_PLACE, vector, op=MPI.MAX))
-        return vector
-
-    def reduce_words(self, round_: int, name: str, words: np.ndarray) -> np.ndarray | None:
-        """The entrywise sum of every rank's int64 ``words`` on the server (``Ireduce``, MPI.SUM: integers add
-        associatively); ``None`` elsewhere."""
-        if self.size == 1:
-            return words
-        from mpi4py import MPI
-
-        summed = np.empty_like(words) if self.is_server else None
-        self._timed(round_, name, "reduce", words.nbytes, self.comm.Ireduce(words, summed, op=MPI.SUM, root=0))
-        return summed
-
     def workers(self) -> Any:
         """The communicator of the worker ranks (1..P−1), for collectives the server takes no part in; ``None`` on
         the server and alone. Made at the first call, which every rank makes together (``Comm.Split``)."""
@@ -166,30 +146,6 @@ class Transport:
 
             self._workers = self.comm.Split(MPI.UNDEFINED if self.is_server else 1, self.rank)
         return None if self.is_server else self._workers
-
-    def reduce_scatter_words(self, round_: int, name: str, words: np.ndarray, counts: list[int]) -> np.ndarray:
-        """A worker's part of the workers' entrywise sum of their int64 ``words`` (``Ireduce_scatter``, MPI.SUM,
-        on :meth:`workers`: the server holds no terms and takes no part): worker r keeps ``counts[r − 1]`` words, those
-        after the workers' before it."""
-        from mpi4py import MPI
-
-        mine = np.empty(counts[self.rank - 1], dtype=np.int64)
-        self._timed(round_, name, "reduce_scatter", words.nbytes,
-                    self.workers().Ireduce_scatter(words, mine, recvcounts=counts, op=MPI.SUM))
-        return mine
-
-    def gather_floats(self, round_: int, name: str, values: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
-        """Every rank's float64 ``values`` end to end on the server, rank by rank (``Igatherv``; ``counts[r]``, known
-        to every rank, is how many rank r sends); ``None`` elsewhere."""
-        from mpi4py import MPI
-
-        if not self.is_server:
-            self._timed(round_, name, "gatherv", values.nbytes, self.comm.Igatherv(values, None, root=0))
-            return None
-        recv = np.empty(int(counts.sum()))
-        request = self.comm.Igatherv(values, [recv, counts, _displacements(counts), MPI.DOUBLE], root=0)
-        self._timed(round_, name, "gatherv", recv.nbytes, request)
-        return recv
 
     def _gather_blobs(self, round_: int, msg: Message, blobs: list[np.ndarray],
                       order: tuple[np.ndarray, np.ndarray] | None) -> list[np.ndarray] | None:
@@ -202,14 +158,14 @@ class Transport:
         send = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
         byte = _mpi_type(Message(msg.name, "up", 0, "uint8"))
         if order is None or all_sizes is None:
-            self._timed(round_, msg.name, "gatherv", send.nbytes, self.comm.Igatherv(send, None, root=0))
+            self.wait(round_, msg.name, "gatherv", send.nbytes, self.comm.Igatherv(send, None, root=0))
             return None
         perm, per_rank = order
         in_rank_order = all_sizes.reshape(-1)[perm]  # the rows as they arrive: rank by rank
         counts = _per_rank_sums(in_rank_order, per_rank)
         recv = np.empty(int(in_rank_order.sum()), dtype=np.uint8)
-        self._timed(round_, msg.name, "gatherv", recv.nbytes,
-                    self.comm.Igatherv(send, [recv, counts, _displacements(counts), byte], root=0))
+        self.wait(round_, msg.name, "gatherv", recv.nbytes,
+                  self.comm.Igatherv(send, [recv, counts, displacements(counts), byte], root=0))
         pieces = np.split(recv, np.cumsum(in_rank_order)[:-1])
         out: list[np.ndarray] = [np.zeros(0, np.uint8)] * len(perm)
         for position, client_index in enumerate(perm):
@@ -233,7 +189,7 @@ class Transport:
             size = self._bcast(round_, sizes_msg, sizes if self.is_server else None)
             buf = blobs[0] if self.is_server else np.empty(int(size[0]), np.uint8)  # type: ignore[index]
             nbytes = buf.nbytes * (self.size - 1) if self.is_server else buf.nbytes
-            self._timed(round_, msg.name, "bcast", nbytes, self.comm.Ibcast([buf, byte], root=0))
+            self.wait(round_, msg.name, "bcast", nbytes, self.comm.Ibcast([buf, byte], root=0))
             return [buf] * n_local
         payload = sizes.reshape(-1, 1) if self.is_server else None
         local_sizes = self._scatter(round_, sizes_msg, payload, clients, n_local).reshape(-1)
@@ -243,12 +199,12 @@ class Transport:
             in_rank_order = sizes[perm]
             counts = _per_rank_sums(in_rank_order, per_rank)
             send = np.concatenate([blobs[i] for i in perm]) if len(perm) else np.zeros(0, np.uint8)  # type: ignore[index]
-            request = self.comm.Iscatterv([send, counts, _displacements(counts), byte], [recv, byte], root=0)
+            request = self.comm.Iscatterv([send, counts, displacements(counts), byte], [recv, byte], root=0)
             nbytes = send.nbytes
         else:
             request = self.comm.Iscatterv(None, [recv, byte], root=0)
             nbytes = recv.nbytes
-        self._timed(round_, msg.name, "scatterv", nbytes, request)
+        self.wait(round_, msg.name, "scatterv", nbytes, request)
         return np.split(recv, np.cumsum(local_sizes)[:-1]) if n_local else []
 
     def gather_bytes(self, round_: int, name: str, blob: np.ndarray) -> list[np.ndarray]:
@@ -260,14 +216,14 @@ class Transport:
         msg = Message(name, "up", 0, "uint8", logical=False)
         sizes_msg = Message(f"{name}_sizes", "up", 1, "int64", logical=False)
         request = self.comm.Igather(np.array([blob.size], dtype=np.int64), sizes if self.is_server else None, root=0)
-        self._timed(round_, sizes_msg.name, "gather", 8, request)  # no blocking call: it would spin a core
-        displs = _displacements(sizes)
+        self.wait(round_, sizes_msg.name, "gather", 8, request)  # no blocking call: it would spin a core
+        displs = displacements(sizes)
         if not self.is_server:
-            self._timed(round_, msg.name, "gatherv", blob.nbytes, self.comm.Igatherv(blob, None, root=0))
+            self.wait(round_, msg.name, "gatherv", blob.nbytes, self.comm.Igatherv(blob, None, root=0))
             return []
         recv = np.empty(int(sizes.sum()), dtype=np.uint8)
         request = self.comm.Igatherv(blob, [recv, sizes, displs, _mpi_type(msg)], root=0)
-        self._timed(round_, msg.name, "gatherv", int(sizes.sum()), request)
+        self.wait(round_, msg.name, "gatherv", int(sizes.sum()), request)
         return [recv[d : d + n] for d, n in zip(displs, sizes)]
 
     def exchange(self, round_: int, name: str, outgoing: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -281,14 +237,14 @@ class Transport:
             send_counts[rank] = blob.size
         recv_counts = np.zeros(self.size, dtype=np.int32)
         counts_msg = Message(exchange_names(name)[1], "up", self.size, "int32", logical=False)
-        self._timed(round_, counts_msg.name, "alltoall", 8 * self.size, self.comm.Ialltoall(send_counts, recv_counts))
+        self.wait(round_, counts_msg.name, "alltoall", 8 * self.size, self.comm.Ialltoall(send_counts, recv_counts))
         send = np.concatenate([outgoing.get(r, np.zeros(0, np.uint8)) for r in range(self.size)]).astype(np.uint8)
         recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
-        send_displs, recv_displs = _displacements(send_counts), _displacements(recv_counts)
+        send_displs, recv_displs = displacements(send_counts), displacements(recv_counts)
         msg = Message(name, "up", 0, "uint8", logical=False)
         byte = _mpi_type(msg)
         request = self.comm.Ialltoallv([send, send_counts, send_displs, byte], [recv, recv_counts, recv_displs, byte])
-        self._timed(round_, msg.name, "alltoallv", int(send_counts.sum() + recv_counts.sum()), request)
+        self.wait(round_, msg.name, "alltoallv", int(send_counts.sum() + recv_counts.sum()), request)
         return {r: recv[d : d + n] for r, (d, n) in enumerate(zip(recv_displs, recv_counts)) if n}
 
     @staticmethod
@@ -299,8 +255,10 @@ class Transport:
             raise ValueError(f"message {msg.name}: expected {rows}×{msg.numel} {msg.dtype}, got {got}")
         return payload
 
-    def _timed(self, round_: int, name: str, op: str, nbytes: int, request) -> None:  # noqa: ANN001
-        """Wait for ``request`` (message ``name``'s collective ``op``) and list it in the physical log."""
+    def wait(self, round_: int, name: str, op: str, nbytes: int, request) -> None:  # noqa: ANN001
+        """Wait for ``request``, a collective ``op`` of message ``name`` started on :attr:`comm` (or on
+        :meth:`workers`), and list it in the physical log at ``nbytes``: every collective, this module's and the
+        exact sum's, is recorded here alike."""
         start = time.perf_counter()
         wait_without_spinning(request)
         self.physical.record(round_, name, op, nbytes, time.perf_counter() - start)
@@ -308,7 +266,7 @@ class Transport:
     def _bcast(self, round_: int, msg: Message, payload: np.ndarray | None) -> np.ndarray:
         buf = np.ascontiguousarray(payload) if self.is_server else np.empty(msg.numel, dtype=msg.dtype)
         nbytes = buf.nbytes * (self.size - 1) if self.is_server else buf.nbytes
-        self._timed(round_, msg.name, "bcast", nbytes, self.comm.Ibcast(buf, root=0))
+        self.wait(round_, msg.name, "bcast", nbytes, self.comm.Ibcast(buf, root=0))
         return buf
 
     def _scatter(
@@ -321,12 +279,12 @@ class Transport:
             send = np.ascontiguousarray(np.asarray(payload).reshape(-1, msg.numel)[perm])  # checked by down()
             self.pack_seconds += time.perf_counter() - start
             counts = per_rank * msg.numel
-            request = self.comm.Iscatterv([send, counts, _displacements(counts), _mpi_type(msg)], recv, root=0)
+            request = self.comm.Iscatterv([send, counts, displacements(counts), _mpi_type(msg)], recv, root=0)
             nbytes = send.nbytes
         else:
             request = self.comm.Iscatterv(None, recv, root=0)
             nbytes = recv.nbytes
-        self._timed(round_, msg.name, "scatterv", nbytes, request)
+        self.wait(round_, msg.name, "scatterv", nbytes, request)
         return recv
 
     def _start_gather(self, msg: Message, rows: np.ndarray, order: tuple[np.ndarray, np.ndarray] | None
@@ -339,13 +297,13 @@ class Transport:
         perm, per_rank = order
         counts = per_rank * msg.numel
         recv = np.empty((len(perm), msg.numel), dtype=msg.dtype)
-        request = self.comm.Igatherv(send, [recv, counts, _displacements(counts), _mpi_type(msg)], root=0)
+        request = self.comm.Igatherv(send, [recv, counts, displacements(counts), _mpi_type(msg)], root=0)
         return request, recv, recv.nbytes
 
     def _finish_gather(self, round_: int, msg: Message, order: tuple[np.ndarray, np.ndarray] | None, request: Any,
                        recv: np.ndarray | None, nbytes: int) -> np.ndarray | None:
         """Wait for a gather; on the server, its rows back in client order."""
-        self._timed(round_, msg.name, "gatherv", nbytes, request)
+        self.wait(round_, msg.name, "gatherv", nbytes, request)
         if recv is None or order is None:
             return None
         start = time.perf_counter()
@@ -376,7 +334,7 @@ def _per_rank_sums(values: np.ndarray, per_rank: np.ndarray) -> np.ndarray:
     return totals[ends] - totals[ends - per_rank]
 
 
-def _displacements(counts: np.ndarray) -> np.ndarray:
+def displacements(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts in a buffer of consecutive parts of ``counts`` (their dtype)."""
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(counts.dtype)
 

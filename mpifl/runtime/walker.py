@@ -19,7 +19,7 @@ import torch
 
 from mpifl.algorithms.base import Stage, StepContext
 from mpifl.comm import LocalCompute, Message, Step, Transport
-from mpifl.comm.distributed_sum import DistributedSum
+from mpifl.comm.exactsum.distributed import DistributedSum
 from mpifl.comm.messages import SumWeights, require
 from mpifl.comm.wire import BROADCAST
 from mpifl.runtime.faults import FaultModel

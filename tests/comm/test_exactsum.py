@@ -21,6 +21,10 @@ from mpifl.comm.exactsum import (
     MAX_RANKS,
     ExactSum,
     Window,
+    _accumulator,
+    _backends,
+    _grid,
+    _wire,
     exact_sum,
     round_sum,
     words,
@@ -146,7 +150,7 @@ def test_any_order_and_grouping_over_ranks_gives_the_same_bits(backend, data):
 def test_groupings_of_many_rows_agree_bitwise(monkeypatch, backend):
     """Several chunks per row (a small CHUNK), windows that differ per rank (one rank sees only the tiny
     rows), ranks with nothing folded."""
-    monkeypatch.setattr(exactsum, "CHUNK", 8)
+    monkeypatch.setattr(_backends, "CHUNK", 8)
     rng = np.random.default_rng(11)
     rows = adversarial_rows(rng, 12, 30).astype(np.float64)
     rows[5:8] *= 1e-200
@@ -162,7 +166,7 @@ def test_groupings_of_many_rows_agree_bitwise(monkeypatch, backend):
 def test_rows_outside_the_levels_add_levels_mid_row(monkeypatch, backend):
     """The first row sets the levels; later chunks far above and far below (down to subnormals, which re-cut
     the levels onto float64's smallest unit) widen them part-way through a row (on CUDA a row is one chunk)."""
-    monkeypatch.setattr(exactsum, "CHUNK", 4)
+    monkeypatch.setattr(_backends, "CHUNK", 4)
     rows = np.ones((4, 12))
     rows[1, 4:8] = 1e250
     rows[2, 8:] = 1e-200
@@ -251,7 +255,7 @@ def test_terms_up_to_the_range_limit_sum_exactly(backend):
 def test_the_wire_buffer_splits_at_whole_chunks(monkeypatch, backend):
     """A reduce-scatter may hand each rank a block of whole chunks: rounding the blocks apart gives the
     whole's bits."""
-    monkeypatch.setattr(exactsum, "CHUNK", 4)
+    monkeypatch.setattr(_backends, "CHUNK", 4)
     rng = np.random.default_rng(5)
     rows = adversarial_rows(rng, 3, 10)
     total = new_total(10, backend)
@@ -297,7 +301,7 @@ def test_bad_rows_raise_one_clear_error(row, weight, error, match, backend):
 
 
 def test_a_row_that_fails_part_way_leaves_the_total_unusable(monkeypatch, backend):
-    monkeypatch.setattr(exactsum, "CHUNK", 2)
+    monkeypatch.setattr(_backends, "CHUNK", 2)
     total = new_total(4, backend)
     total.add(on(backend, np.ones(4)))
     with pytest.raises(ValueError, match="NaN"):
@@ -348,11 +352,11 @@ def backend_wire(rows: np.ndarray, weights: np.ndarray, backend: str, window: Wi
 
 def chunked(monkeypatch, backend: str, chunk: int, spans: str) -> str:  # noqa: ANN001
     """The wire's blocks ``chunk`` entries long; a "whole rows" backend is torch on the CPU working in one span as on
-    a GPU (``_TorchOps``' method ``spans``: the fold's or the rounding's). Returns the backend to use."""
-    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    a GPU (``TorchOps``' method ``spans``: the fold's or the rounding's). Returns the backend to use."""
+    monkeypatch.setattr(_backends, "CHUNK", chunk)
     if not backend.endswith("whole rows"):
         return backend
-    monkeypatch.setattr(exactsum._TorchOps, spans, lambda self, size: max(size, 1))
+    monkeypatch.setattr(_backends.TorchOps, spans, lambda self, size: max(size, 1))
     return "torch-cpu"
 
 
@@ -383,7 +387,7 @@ def test_torch_and_numpy_give_the_same_wire_words_and_sums(monkeypatch, backend,
 def test_a_total_rounded_where_it_is_equals_its_exported_wire_rounded(monkeypatch, backend, chunk):
     """``rounded`` (one rank: no re-cut onto the wire's grid) gives the bits of ``round_sum`` of the export, on the
     fold's own grid of 50-bit levels, for every path of the fold, totals normalised or not, and both are exact."""
-    monkeypatch.setattr(exactsum, "CHUNK", chunk)
+    monkeypatch.setattr(_backends, "CHUNK", chunk)
     rng = np.random.default_rng(9)
     cases = comparison_rows(rng)
     cases["adversarial"] = (adversarial_rows(rng, 7, 40), 10.0 ** rng.uniform(-4, 4, 7) * rng.choice([-1.0, 1.0], 7))
@@ -410,7 +414,7 @@ def test_torch_ldexp_gives_numpy_bits_down_to_and_below_the_smallest_unit():
     (odd digits, and exponents below −1074 where most bits are lost)."""
     rng = np.random.default_rng(8)
     digits = np.concatenate([rng.integers(-(2**53) + 1, 2**53, 200), [0, 1, -1, 3, -3, 2**52 + 1, -(2**53) + 1]])
-    ops = exactsum._TorchOps("cpu")
+    ops = _backends.TorchOps("cpu")
     out = torch.empty(len(digits), dtype=torch.float64)
     for exponent in [*range(-1140, -1000), *range(-60, 61, 7), 900, 960]:
         ops.ldexp(torch.from_numpy(digits), exponent, out)
@@ -431,7 +435,7 @@ def test_the_backend_follows_the_first_row_unless_named():
         assert total.backend == expected
         assert same_bits(round_sum(total.export(total.window), total.window), 4.0 * row)
     tensor = torch.arange(4.0, dtype=torch.float64, requires_grad=True)
-    assert exactsum._NumpyOps().row(tensor).base is not None  # a view of the tensor's memory, not a copy
+    assert _backends.NumpyOps().row(tensor).base is not None  # a view of the tensor's memory, not a copy
 
 
 def test_torch_rows_in_half_precisions_are_widened_exactly():
@@ -461,7 +465,7 @@ def test_a_batch_of_rows_folds_to_the_bits_of_folding_each_in_turn(monkeypatch, 
     widen the levels above and below (down to subnormals, which re-cut them), and with ``few_folds`` batches
     that cross a normalisation; the same wire words, terms and rounded sums, also after more rows."""
     if few_folds:
-        monkeypatch.setattr(exactsum, "FOLDS_PER_NORMALISATION", 3)
+        monkeypatch.setattr(_accumulator, "FOLDS_PER_NORMALISATION", 3)
     rng = np.random.default_rng(5)
     rows = adversarial_rows(rng, 9, 40)
     rows[:2] = 0.0
@@ -533,17 +537,17 @@ def test_the_hosts_one_addition_gives_the_general_ways_bits(monkeypatch):
     more, takes the general way."""
     rng = np.random.default_rng(11)  # (some seeds draw a term out of range)
     taken = []
-    original = exactsum._round_few
-    monkeypatch.setattr(exactsum, "_round_few", lambda *args: taken.append(out := original(*args)) or out)
+    original = _wire._round_few
+    monkeypatch.setattr(_wire, "_round_few", lambda *args: taken.append(out := original(*args)) or out)
     for name, (rows, weights) in rounding_cases(rng).items():
         total, wire = backend_wire(rows, weights, "numpy")
         with monkeypatch.context() as general:
-            general.setattr(exactsum._NumpyOps, "reads_free", False)
+            general.setattr(_backends.NumpyOps, "reads_free", False)
             slow = round_sum(wire, total.window)
         assert same_bits(round_sum(wire, total.window), slow), name
         assert same_bits(slow, reference(rows.astype(np.float64), weights)), name
     assert any(out is None for out in taken) and any(out is not None for out in taken)
-    grid = exactsum._Grid(0, 3, exactsum.WIRE_WIDTH)
-    assert original(exactsum._NumpyOps(), np.array([[1], [1], [1]]), grid) is None
-    assert original(exactsum._NumpyOps(), np.array([[2**53], [0], [0]]), grid) is None
-    assert same_bits(original(exactsum._NumpyOps(), np.array([[3], [0], [-1]]), grid), np.array([3.0 - 2.0**96]))
+    grid = _grid.Grid(0, 3, exactsum.WIRE_WIDTH)
+    assert original(_backends.NumpyOps(), np.array([[1], [1], [1]]), grid) is None
+    assert original(_backends.NumpyOps(), np.array([[2**53], [0], [0]]), grid) is None
+    assert same_bits(original(_backends.NumpyOps(), np.array([[3], [0], [-1]]), grid), np.array([3.0 - 2.0**96]))

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.comm import exactsum
-from mpifl.comm.exactsum import ExactSum, Window, round_sum, words
+from mpifl.comm.exactsum import ExactSum, Window, _backends, round_sum, words
 from tests.comm.test_exactsum import adversarial_rows, reference, same_bits
 
 ROWS, SIZE, CHUNK = 24, 300, 64
@@ -27,7 +26,7 @@ def spreads(ranks: int) -> dict[str, list[list[int]]]:
 
 @pytest.fixture
 def data(monkeypatch):
-    monkeypatch.setattr(exactsum, "CHUNK", CHUNK)  # several chunks per row, and a wire split at whole chunks
+    monkeypatch.setattr(_backends, "CHUNK", CHUNK)  # several chunks per row, and a wire split at whole chunks
     rng = np.random.default_rng(9)
     rows = adversarial_rows(rng, ROWS, SIZE)
     rows[ROWS // 2 :] *= 1e-150  # ranks holding only these see a far lower window than the others
@@ -95,7 +94,7 @@ def workers_sum():  # noqa: ANN201 - (the world, a DistributedSum over it, the w
     i mod workers + 1): the sum, not yet given any term."""
     from mpi4py import MPI
 
-    from mpifl.comm.distributed_sum import DistributedSum
+    from mpifl.comm.exactsum.distributed import DistributedSum
     from mpifl.comm.messages import Message
     from mpifl.comm.placement import Placement
     from mpifl.comm.transport import Transport
