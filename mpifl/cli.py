@@ -68,6 +68,8 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--overwrite", action="store_true",
                        help="start every run again, replacing its results file (without it: a run completed with "
                             "the same config is skipped, an interrupted one resumed)")
+    sweep.add_argument("--force-start", action="store_true",
+                       help="start each run even where its estimate does not fit in the free space (run --force-start)")
 
 
 def _results_commands(sub: argparse._SubParsersAction) -> None:
@@ -146,7 +148,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             from mpifl.sweep import run_sweep
 
             return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds,
-                             args.output_dir, args.overwrite)
+                             args.output_dir, args.overwrite, args.force_start)
         from mpifl.report import plot
 
         unfinished: list[str] = []

@@ -21,8 +21,8 @@ import inspect
 import io
 import json
 import os
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -171,7 +171,7 @@ class _Tally:
     write, and keeps none of them (:func:`state_size`)."""
 
     def __init__(self, counts: list[int]):
-        self.counts, self.attrs = counts, {}
+        self.counts, self.attrs = counts, dict[str, Any]()
 
     def create_group(self, name: str) -> _Tally:
         self.counts[1] += 1
@@ -188,7 +188,7 @@ def state_size(obj: Any) -> tuple[int, int]:
     counted without writing it or copying its arrays (a space estimate, :mod:`mpifl.runtime.footprint`); an
     optimizer that has not stepped yet counted with the state its first step makes."""
     counts = [0, 0]
-    write_object(_Tally(counts), obj)  # type: ignore[arg-type] # the calls write_state makes, counted
+    write_object(_Tally(counts), obj)  # a stand-in: the calls write_state makes, counted
     for optimizer in _optimizers(obj):
         if not optimizer.state:
             for group in optimizer.param_groups:

@@ -94,8 +94,9 @@ class _Traffic:
         self.ledger += times * sum(everyone if m.everyone else clients for m in logical)
         self.totals += times * len(logical)
         self.directions += times * len({m.direction for m in logical})
-        # a down message: one broadcast (two for per-client rows); an upload: its window, sizes and gather
-        self.collectives += times * sum(3 if m.direction == "up" else 1 if m.broadcast else 2 for m in messages)
+        # a broadcast: one collective; per-client rows down or up: sizes and the rows; a sum: its window, sizes
+        # and parts (two of the three where the workers round it)
+        self.collectives += times * sum(1 if m.broadcast else 3 if m.summed else 2 for m in messages)
 
     def scaled(self, times: float) -> _Traffic:
         return _Traffic(self.ledger * times, self.totals * times, self.directions * times, self.collectives * times)
@@ -130,7 +131,7 @@ def estimate(engine: Engine) -> Footprint:
         train.add(plan, cohort, seen, 1 / len(sampled))
     train.collectives += 3  # the uploads' screening, the verdict, the clients' telemetry
     if engine.visits.dynamic:
-        train.collectives += 2  # visitors' state sizes and state, there and back, every other round or so
+        train.collectives += 1  # visitors' state sizes and state, there and back (4), in some rounds
     wire = engine.parts.wire
     if wire.masks:
         numel = max((m.numel for plan in sampled for m in plan if isinstance(m, Message) and m.update), default=0)
@@ -240,17 +241,17 @@ def check_room(engine: Engine) -> None:
     path, start = engine.output, engine.start_round
     need = footprint.peak
     there = _on_disk(path) if engine.resume or engine.overwrite else 0
-    what = (f"the rest of this run (rounds {start} to {engine.cfg.rounds})" if engine.resume else
-            "this run's results file and checkpoints")
+    what = (f"the rest of the run (rounds {start} to {engine.cfg.rounds})" if engine.resume else
+            "the run (its results file and checkpoints)")
     try:
         ensure_room(path, max(need - there, 0), what)
     except StorageFull as exc:
-        parts = f"the results file {readable_bytes(footprint.results)}"
-        if footprint.at_once:
-            parts += f", {footprint.at_once} checkpoint(s) of {readable_bytes(footprint.checkpoint)} at once"
+        many = footprint.at_once != 1
+        parts = (f"a results file of {readable_bytes(footprint.results)} and {footprint.at_once} checkpoint"
+                 f"{'s' * many} of {readable_bytes(footprint.checkpoint)} at once")
         if there:
-            parts += f", less {readable_bytes(there)} there already"
+            parts += f", less the {readable_bytes(there)} there already"
         shrink = f"{', '.join(footprint.shrink)} shrink it, or " if footprint.shrink else ""
-        raise ConfigError(f"{path}: {exc.strerror} (an estimate: {parts}); {shrink}give an --out on "
-                          "another file system; --force-start starts anyway (each write is still "
-                          "checked)") from None
+        raise ConfigError(f"{path}: {exc.strerror} (estimated: {parts}, with the margin every write is checked "
+                          f"with); {shrink}give an --out on another file system; --force-start starts anyway (each "
+                          "write is still checked)") from None
