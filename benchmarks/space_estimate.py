@@ -3,7 +3,7 @@ checkpoints; evaluation cadence, checkpoints kept, more clients, a longer run), 
 ``mpifl run`` does (:mod:`mpifl.runtime.footprint`), run, and measured: the results file and the checkpoint files
 left beside it. Prints one line per run and the largest relative error; exits 1 if one is past ``--within``::
 
-    python benchmarks/space_estimate.py [--only NAME ...] [--long]
+    python benchmarks/space_estimate.py [--only NAME ...] [--long]   # --long: also a 1,500-round run and W2
     mpirun -n 3 --oversubscribe python benchmarks/space_estimate.py
 """
 
@@ -16,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import TINY, _merge  # noqa: E402
+import yaml  # noqa: E402
+
+from tests.conftest import REPO, TINY, _merge  # noqa: E402
 from tests.test_checkpoint import CONFIGS  # noqa: E402
 
 CHECKPOINTED = {"rounds": 6, "eval_every": 2, "checkpoint_every": 2, "checkpoint_keep": 2}
@@ -33,8 +35,11 @@ SHAPES = {
                                   "model": {"name": "mlp", "hidden": [8]}}),
 }
 LONG = {"long": _merge(TINY, {"rounds": 1500, "eval_every": 100, "clients_per_round": 8, "checkpoint_every": 500,
-                              "model": {"name": "mlp", "hidden": [8]}, "client": {"batch_size": 64}})}
-"""Past the first chunk of the rounds table and of the ledger (a minute or two)."""
+                              "model": {"name": "mlp", "hidden": [8]}, "client": {"batch_size": 64}}),
+        "w2": _merge(yaml.safe_load((REPO / "configs" / "w2.yaml").read_text()),
+                     {"rounds": 2, "eval_every": 2, "checkpoint_every": 1, "data": {"num_clients": 100}})}
+"""Past the first chunk of the rounds table and of the ledger; W2's model (tens of MB of checkpoints) on 100 clients
+(a minute or two each)."""
 
 
 def on_disk(path: Path) -> int:
@@ -73,7 +78,7 @@ def measure(name: str, raw: dict, folder: Path) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these shapes only")
-    parser.add_argument("--long", action="store_true", help="also a 1,500-round run (a minute or two)")
+    parser.add_argument("--long", action="store_true", help="also a 1,500-round run and W2 (a few minutes)")
     parser.add_argument("--within", type=float, default=0.25, help="the largest relative error accepted")
     args = parser.parse_args()
     from mpi4py import MPI

@@ -71,6 +71,9 @@ def test_a_new_run_that_does_not_fit_is_refused_before_round_1_and_with_force_st
     assert line.endswith("give an --out on another file system; --force-start starts anyway (each write is still "
                          "checked)")
     assert sorted(p.name for p in folder.iterdir()) == []  # no lock, no temporary file
+    longer = ["--set", "rounds=20000", "--set", "clients_per_round=8", "--set", "eval_every=100"]  # many chunks
+    assert main(["run", str(config), "--out", str(out), *longer]) == 2
+    assert "; fewer rounds, a smaller clients_per_round would shrink it, or give " in capsys.readouterr().err
     proc = run(config, out, 1, "--force-start")
     assert proc.returncode == STORAGE_EXIT, proc.stderr
     assert "Segmentation" not in proc.stderr and "Traceback" not in proc.stderr
@@ -79,6 +82,19 @@ def test_a_new_run_that_does_not_fit_is_refused_before_round_1_and_with_force_st
     assert f"the file system at {folder} has " in line and "free; creating q.h5 needs about" in line
     assert line.endswith("nothing was kept: free space, then run it again")
     assert sorted(p.name for p in folder.iterdir()) == []  # no temporary file, no lock
+
+
+def test_a_resume_asks_only_for_the_room_the_rest_of_the_run_needs(small_fs, write_config, capsys):
+    """The run's file and checkpoints already there count: a run continued to 8 rounds starts where the same run
+    from round 1 would not fit beside it."""
+    folder = small_fs(2400)
+    out = folder / "q.h5"
+    config = write_config({"rounds": 4, "checkpoint_every": 2})
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(config), "--out", str(folder / "again.h5"), "--quiet", "--set", "rounds=8"]) == 2
+    assert "the run (its results file and checkpoints) needs about" in capsys.readouterr().err
+    assert main(["run", "--resume", str(out), "--quiet", "--set", "rounds=8"]) == 0
+    assert inspect_output(out).rounds_completed == 8 and not (folder / "again.h5").exists()
 
 
 @pytest.mark.usefixtures("runs_in_this_process")

@@ -79,14 +79,11 @@ class Footprint:
         return self.results + self.at_once * self.checkpoint
 
 
-@dataclass
 class _Traffic:
     """Rows one walk of a plan adds to the ledger and its summaries, and rank 0's collectives."""
 
-    ledger: float = 0.0
-    totals: float = 0.0
-    directions: float = 0.0
-    collectives: float = 0.0
+    def __init__(self, ledger: float = 0.0, totals: float = 0.0, directions: float = 0.0, collectives: float = 0.0):
+        self.ledger, self.totals, self.directions, self.collectives = ledger, totals, directions, collectives
 
     def add(self, plan: tuple[Step, ...] | list[Step], clients: float, everyone: float, times: float = 1.0) -> None:
         messages = [m for m in plan if isinstance(m, Message)]
@@ -108,8 +105,12 @@ def _chunked(rows: float, row_bytes: int, columns: int, chunk: int) -> int:
 
 
 def _state_file(obj: object) -> int:
-    """The bytes of the checkpoint file of ``obj``'s state."""
-    data, objects = state_size(obj)
+    """The bytes of the checkpoint file of ``obj``'s state (a state no checkpoint can hold, which only a checkpoint
+    refuses: counted as none)."""
+    try:
+        data, objects = state_size(obj)
+    except TypeError:
+        return EMPTY_FILE
     return STATE_FILE + data + objects * STATE_OBJECT if objects else EMPTY_FILE
 
 
@@ -186,7 +187,7 @@ def estimate(engine: Engine) -> Footprint:
     shrink = []
     if by_rounds > peak / 4 and grown:  # fewer rows than a chunk take no less room
         shrink.append("fewer rounds" + (", a smaller clients_per_round" if tables["ledger"] > peak / 4 else ""))
-    if by_evaluations > peak / 4 and evaluations > 1:
+    if by_evaluations > peak / 4 and evaluations > 1 and grown:
         shrink.append("a larger eval_every")
     if at_once > 1 and at_once * checkpoint > peak / 4:
         shrink.append("checkpoint_keep: 1" + (" or checkpoint_every: 0" if cfg.checkpoint_every else ""))
@@ -251,7 +252,7 @@ def check_room(engine: Engine) -> None:
                  f"{'s' * many} of {readable_bytes(footprint.checkpoint)} at once")
         if there:
             parts += f", less the {readable_bytes(there)} there already"
-        shrink = f"{', '.join(footprint.shrink)} shrink it, or " if footprint.shrink else ""
+        shrink = f"{', '.join(footprint.shrink)} would shrink it, or " if footprint.shrink else ""
         raise ConfigError(f"{path}: {exc.strerror} (estimated: {parts}, with the margin every write is checked "
                           f"with); {shrink}give an --out on another file system; --force-start starts anyway (each "
                           "write is still checked)") from None
