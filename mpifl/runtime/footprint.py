@@ -13,9 +13,8 @@ worker with the committed state of every client that has trained (:meth:`Protoco
 error-feedback residual per compressed upload). The folder holds ``checkpoint_keep`` checkpoints at the end, and
 one more while a new one is written: room for that many is asked for, counting one beyond those
 ``checkpoint_every`` writes (a stop, or ``checkpoint_minutes``). What the estimate cannot see before the run (the
-algorithm's own diagnostics, checkpoints of ``checkpoint_minutes`` beyond one) is left out; docs/reference/
-results.md gives its measured agreement with real files.
-"""
+algorithm's own diagnostics, checkpoints of ``checkpoint_minutes`` beyond one) is left out. Its measured agreement
+with real files: docs/reference/results.md#space-before-round-1 (``benchmarks/space_estimate.py``)."""
 
 from __future__ import annotations
 
