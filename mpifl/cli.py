@@ -44,6 +44,9 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
                      help="replace the results file at --out even if it holds a run (completed or not)")
     run.add_argument("--profile", action="store_true",
                      help="also record every rank's time breakdown per round (results table /profile)")
+    run.add_argument("--force-start", action="store_true",
+                     help="start even where the estimate of the results file and checkpoints does not fit in the "
+                          "free space (each write is still checked)")
     prep = sub.add_parser("prepare", help="write the config's federated dataset into one HDF5 file that runs read "
                                           "client by client (data.prepared: FILE)")
     prep.add_argument("config")
@@ -65,6 +68,8 @@ def _job_commands(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--overwrite", action="store_true",
                        help="start every run again, replacing its results file (without it: a run completed with "
                             "the same config is skipped, an interrupted one resumed)")
+    sweep.add_argument("--force-start", action="store_true",
+                       help="start each run even where its estimate does not fit in the free space (run --force-start)")
 
 
 def _results_commands(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +121,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             return run_job(args.config, args.overrides, args.out, JobOptions(
                 quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
-                heartbeat_s=args.heartbeat))
+                heartbeat_s=args.heartbeat, force_start=args.force_start))
         if args.command == "validate":
             return _validate(args)
         if args.command == "prepare":
@@ -143,7 +148,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             from mpifl.sweep import run_sweep
 
             return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds,
-                             args.output_dir, args.overwrite)
+                             args.output_dir, args.overwrite, args.force_start)
         from mpifl.report import plot
 
         unfinished: list[str] = []

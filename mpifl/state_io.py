@@ -21,6 +21,7 @@ import inspect
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,61 @@ def read_state(node: h5py.Dataset | h5py.Group, existing: Any = None) -> Any:
 def read_object(group: h5py.Group, obj: Any) -> None:
     for attr, child in group.items():
         setattr(obj, attr, read_state(child, getattr(obj, attr, None)))
+
+
+class _Tally:
+    """Stands in for an h5py group where :func:`write_object` writes: counts the bytes and HDF5 objects it would
+    write, and keeps none of them (:func:`state_size`)."""
+
+    def __init__(self, counts: list[int]):
+        self.counts, self.attrs = counts, dict[str, Any]()
+
+    def create_group(self, name: str) -> _Tally:
+        self.counts[1] += 1
+        return _Tally(self.counts)
+
+    def create_dataset(self, name: str, data: Any) -> _Tally:
+        self.counts[0] += len(data.encode()) if isinstance(data, str) else np.asarray(data).nbytes
+        self.counts[1] += 1
+        return _Tally(self.counts)
+
+
+def state_size(obj: Any) -> tuple[int, int]:
+    """The bytes of data and the number of HDF5 objects (datasets, groups) ``obj``'s checkpoint file holds,
+    counted without writing it or copying its arrays (a space estimate, :mod:`mpifl.runtime.footprint`); an
+    optimizer that has not stepped yet counted with the state its first step makes."""
+    counts = [0, 0]
+    write_object(_Tally(counts), obj)  # a stand-in: the calls write_state makes, counted
+    for optimizer in _optimizers(obj):
+        if not optimizer.state:
+            for group in optimizer.param_groups:
+                buffers = OPTIMIZER_BUFFERS.get(type(optimizer).__name__, 0)
+                if type(optimizer).__name__ == "SGD" and not group.get("momentum"):
+                    buffers = 0
+                for param in group["params"]:  # a group by parameter, its buffers and its step count
+                    counts[0] += buffers * param.numel() * param.element_size() + 8 * (buffers > 1)
+                    counts[1] += (1 + buffers + (buffers > 1)) * (buffers > 0)
+    return counts[0], counts[1]
+
+
+OPTIMIZER_BUFFERS = {"SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2,
+                     "Adamax": 2}
+"""The buffers of a parameter's shape each torch optimizer keeps (SGD: with momentum; Adam: two and a step)."""
+
+
+def _optimizers(value: Any, depth: int = 4) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers among ``value``'s attributes, and theirs (mpifl objects, dicts, lists, tuples)."""
+    if isinstance(value, torch.optim.Optimizer):
+        yield value
+    elif depth and isinstance(value, dict):
+        for item in value.values():
+            yield from _optimizers(item, depth - 1)
+    elif depth and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _optimizers(item, depth - 1)
+    elif depth and type(value).__module__.startswith("mpifl.") and hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            yield from _optimizers(item, depth - 1)
 
 
 def state_blob(obj: Any) -> np.ndarray:

@@ -27,6 +27,7 @@ holds a different config stops the sweep before anything runs, unless ``--overwr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import shlex
@@ -51,7 +52,7 @@ from mpifl.config import (
 )
 from mpifl.registry import parse_config
 from mpifl.results.guard import OutputLock, inspect_output, refuse_unless_ours, results_names, writable_directory
-from mpifl.results.space import written_whole
+from mpifl.results.space import STORAGE_EXIT, written_whole
 from mpifl.results.writing import check_names
 from mpifl.schema import ConfigError, build, limits
 
@@ -95,10 +96,12 @@ class Step:
     run: Run
     action: str
     checkpoint_round: int | None = None
+    force_start: bool = False  # start even where the run's estimate does not fit (run --force-start)
 
     def flags(self) -> list[str]:
         """The ``mpifl run`` options, beside ``--out``, that let the run take its file as it is."""
-        return {"resume": ["--resume", str(self.run.output)], "restart": ["--overwrite"]}.get(self.action, [])
+        taking = {"resume": ["--resume", str(self.run.output)], "restart": ["--overwrite"]}.get(self.action, [])
+        return taking + ["--force-start"] * self.force_start
 
     def describe(self) -> str:
         if self.action == "resume":
@@ -260,10 +263,12 @@ def _run_command(base: Path, step: Step, ranks: int, launcher: list[str]) -> lis
 
 
 def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: list[str] | None = None,
-              seeds: list[int] | None = None, output_dir: str | None = None, overwrite: bool = False) -> int:
+              seeds: list[int] | None = None, output_dir: str | None = None, overwrite: bool = False,
+              force_start: bool = False) -> int:
     base, spec, runs = load_sweep(path, overrides, seeds, output_dir)
     out_dir = writable_directory(spec.output_dir, "--output-dir" if output_dir is not None else "sweep.output_dir")
     steps = plan(runs, overwrite, RESULT_NEUTRAL + SET_BY_SLURM_TASK if slurm else RESULT_NEUTRAL)
+    steps = [dataclasses.replace(step, force_start=force_start) for step in steps]
     print(f"mpifl: {_count(steps)}", flush=True)
     todo = [s for s in steps if s.action != "skip"]
     if slurm:
@@ -273,6 +278,7 @@ def run_sweep(path: str, slurm: bool = False, dry_run: bool = False, overrides: 
     again = ["python", "-m", "mpifl", "sweep", path, *(a for o in overrides or () for a in ("--set", o))]
     again += ["--seeds", *map(str, seeds)] if seeds else []
     again += ["--output-dir", output_dir] if output_dir is not None else []
+    again += ["--force-start"] if force_start else []
     return execute(base, spec.ranks, todo, dry_run, shlex.join(again))
 
 
@@ -287,12 +293,14 @@ def child_environment() -> dict[str, str]:
 
 
 def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, again: str = "mpifl sweep") -> int:
-    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed.
-    SIGINT or SIGTERM (Ctrl-C reaches the run under way too, which stops with a checkpoint) stops the sweep after
-    the run under way, with the command ``again`` that continues it, and exit code 128 + the signal."""
+    """Run ``steps`` one after another (each its own process, under mpirun when ``ranks`` > 1); 1 if any failed
+    (named, with the command ``again`` that does them once more). SIGINT or SIGTERM (Ctrl-C reaches the run under
+    way too, which stops with a checkpoint) stops the sweep after the run under way, with ``again`` and exit code
+    128 + the signal; a run the file system stopped (exit code 75: full, over quota, failing) stops it too, with
+    what is complete, ``again`` and 75, as every run after it would fail the same way."""
     mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
     env = child_environment()
-    failed = 0
+    failed: list[str] = []
     asked: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: asked.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -303,7 +311,15 @@ def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, ag
                 print("  " + shlex.join(cmd))
                 continue
             proc = subprocess.run(cmd, env=env)
-            failed += proc.returncode != 0
+            if proc.returncode == STORAGE_EXIT:
+                done = i - 1 - len(failed)
+                print(f"mpifl: the file system stopped run {i} of {len(steps)} ({step.run.name}; what its file keeps: "
+                      f"the line above); {done} run{'s' * (done != 1)} before it completed"
+                      f"{f', {len(failed)} failed' if failed else ''}; free space, then continue with: {again} "
+                      "(completed runs are skipped, a stopped one resumes from its checkpoint)", file=sys.stderr)
+                return STORAGE_EXIT
+            if proc.returncode != 0:
+                failed.append(step.run.name)
             if asked:
                 print(f"mpifl: {signal.Signals(asked[0]).name}: sweep stopped after run {i} of {len(steps)} (an "
                       f"interrupted run resumes from its checkpoint); continue with: {again}", file=sys.stderr)
@@ -312,7 +328,8 @@ def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, ag
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failed:
-        print(f"mpifl: {failed} of {len(steps)} runs failed", file=sys.stderr)
+        print(f"mpifl: {len(failed)} of {len(steps)} runs failed ({', '.join(failed)}: their lines above say why); "
+              f"the others completed; {again} does the failed ones again", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -53,10 +53,28 @@ def errors(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("mpifl: error")]
 
 
-def test_a_new_run_that_does_not_fit_ends_in_one_line_leaving_nothing(small_fs, write_config):
+def test_a_new_run_that_does_not_fit_is_refused_before_round_1_and_with_force_start_ends_in_one_line(
+        small_fs, write_config, capsys):
+    """Before round 1, its estimate (tests/test_space_estimate.py) against the free space: one line with both
+    numbers, exit 2, nothing left. --force-start starts it, and the write that does not fit ends it: one line,
+    nothing left either."""
     folder = small_fs(300)
     out = folder / "q.h5"
-    proc = run(write_config({"rounds": 2}), out, 1)
+    config = write_config({"rounds": 2})
+    assert main(["run", str(config), "--out", str(out)]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and refused.err.count("\n") == 1  # before the line that starts round 1
+    line = refused.err.rstrip("\n")
+    assert line.startswith(f"mpifl: error: {out}: the file system at {folder} has ")
+    assert "free; the run (its results file and checkpoints) needs about " in line
+    assert "(estimated: a results file of " in line and " and 1 checkpoint of " in line
+    assert line.endswith("give an --out on another file system; --force-start starts anyway (each write is still "
+                         "checked)")
+    assert sorted(p.name for p in folder.iterdir()) == []  # no lock, no temporary file
+    longer = ["--set", "rounds=20000", "--set", "clients_per_round=8", "--set", "eval_every=100"]  # many chunks
+    assert main(["run", str(config), "--out", str(out), *longer]) == 2
+    assert "; fewer rounds, a smaller clients_per_round would shrink it, or give " in capsys.readouterr().err
+    proc = run(config, out, 1, "--force-start")
     assert proc.returncode == STORAGE_EXIT, proc.stderr
     assert "Segmentation" not in proc.stderr and "Traceback" not in proc.stderr
     assert errors(proc) == [errors(proc)[0]] and proc.stderr.count("\n") == 1
@@ -64,6 +82,75 @@ def test_a_new_run_that_does_not_fit_ends_in_one_line_leaving_nothing(small_fs, 
     assert f"the file system at {folder} has " in line and "free; creating q.h5 needs about" in line
     assert line.endswith("nothing was kept: free space, then run it again")
     assert sorted(p.name for p in folder.iterdir()) == []  # no temporary file, no lock
+
+
+def test_a_resume_asks_only_for_the_room_the_rest_of_the_run_needs(small_fs, write_config, capsys):
+    """The run's file and checkpoints already there count: a run continued to 8 rounds starts where the same run
+    from round 1 would not fit beside it."""
+    folder = small_fs(2400)
+    out = folder / "q.h5"
+    config = write_config({"rounds": 4, "checkpoint_every": 2})
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(config), "--out", str(folder / "again.h5"), "--quiet", "--set", "rounds=8"]) == 2
+    assert "the run (its results file and checkpoints) needs about" in capsys.readouterr().err
+    assert main(["run", "--resume", str(out), "--quiet", "--set", "rounds=8"]) == 0
+    assert inspect_output(out).rounds_completed == 8 and not (folder / "again.h5").exists()
+
+
+@pytest.mark.usefixtures("runs_in_this_process")
+def test_a_sweep_refuses_the_run_that_does_not_fit_and_does_the_others(small_fs, write_config, tmp_path, capsys):
+    """One run of a sweep too large for its file system (a model 250 times larger) is refused before its round 1,
+    in its own line; the sweep does the others and names the one it could not do."""
+    folder = small_fs(3 << 10)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(write_config({"rounds": 2})), "output_dir": str(folder),
+                                     "grid": {"model.fc_hidden": [16, 4096]}}))
+    assert main(["sweep", str(sweep)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    large = folder / "model.fc_hidden=4096,seed=0.h5"
+    assert err[0].startswith(f"mpifl: error: {large}: the file system at {folder} has "), err
+    assert err[1].startswith("mpifl: 1 of 2 runs failed (model.fc_hidden=4096,seed=0: their lines above say why); "
+                             f"the others completed; python -m mpifl sweep {sweep} does the failed ones again"), err
+    assert len(err) == 2
+    assert inspect_output(folder / "model.fc_hidden=16,seed=0.h5").status == "completed"
+    assert sorted(p.name for p in folder.iterdir()) == ["model.fc_hidden=16,seed=0.h5"]
+
+
+@pytest.mark.usefixtures("runs_in_this_process")
+def test_a_sweep_whose_file_system_fills_stops_with_what_is_complete_and_how_to_continue(small_fs, write_config,
+                                                                                          tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Another job fills the file system after the sweep's first run: the second (started anyway: --force-start,
+    which the sweep hands to its runs) ends at its first write, and the sweep stops there, saying what is complete
+    and the command that continues, exit 75; with space again that command does the rest."""
+    from mpifl import sweep as sweeps
+
+    folder = small_fs(4 << 10)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(write_config({"rounds": 2})), "output_dir": str(folder),
+                                     "seeds": [0, 1, 2]}))
+    started, fillers = [], []
+
+    def fill_before_the_second(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert "--force-start" in cmd
+        started.append(cmd)
+        if len(started) == 2:
+            fillers.append(fill(folder))
+        return real(cmd, env)
+
+    real = sweeps.subprocess.run
+    monkeypatch.setattr(sweeps.subprocess, "run", fill_before_the_second)
+    assert main(["sweep", str(sweep), "--force-start"]) == STORAGE_EXIT
+    err = capsys.readouterr().err.splitlines()
+    assert len(started) == 2 and len(err) == 2, err
+    assert err[0].startswith("mpifl: error: the file system at ") and "creating seed=1.h5 needs about" in err[0]
+    assert err[1] == ("mpifl: the file system stopped run 2 of 3 (seed=1; what its file keeps: the line above); 1 run "
+                      f"before it completed; free space, then continue with: python -m mpifl sweep {sweep} "
+                      "--force-start (completed runs are skipped, a stopped one resumes from its checkpoint)")
+    fillers[0].unlink()
+    assert main(["sweep", str(sweep), "--force-start"]) == 0
+    assert "3 runs: 1 completed already (skipped), 2 new" in capsys.readouterr().out
+    assert [inspect_output(folder / f"seed={s}.h5").status for s in range(3)] == ["completed"] * 3
 
 
 def fill(folder: Path, leave: int = 64 << 10) -> Path:

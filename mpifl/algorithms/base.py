@@ -90,6 +90,12 @@ class Protocol:
         and embeddings). The runtime walks it as round 0 and records it under ledger stage "setup"."""
         return ()
 
+    def client_state(self) -> dict[str, int]:
+        """The arrays one client keeps between rounds once it has trained (its committed state: name → bytes),
+        which every checkpoint saves: what the estimate of a run's checkpoints counts per client
+        (:mod:`mpifl.runtime.footprint`). None by default."""
+        return {}
+
 
 Handler = Callable[..., Any]
 """A method that handles one declared message (see :meth:`ServerAlgorithm.handlers`,
@@ -191,6 +197,11 @@ class AsynchronousProtocol(Protocol):
     def concurrency(self) -> int:
         """How many clients train at once."""
         return int(self.ctx.options.concurrency) or self.ctx.cfg.clients_per_round
+
+    @property
+    def arrivals_per_step(self) -> int:
+        """How many clients arrive (and are dispatched again) per server step."""
+        return 1
 
 
 class EventDrivenServer(ServerAlgorithm):

@@ -141,6 +141,16 @@ class FedALSProtocol(Protocol):
     def samples_per_round(self) -> np.ndarray:
         return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client, self.ctx.options.tau)
 
+    def client_state(self) -> dict[str, int]:
+        """What :meth:`FedALSClient.working` keeps (float32 models, int64 step counts, a float64 gradient sum)."""
+        opts, numel = self.ctx.options, 4 * self.eval_msg.numel
+        state = {"model": numel, "reference": numel, "steps": 8 * len(self.parts)}
+        if opts.persistent_momentum and self.ctx.cfg.client.momentum > 0:
+            state["momentum"] = numel
+        if opts.scaffold:
+            state.update(control=numel, global_control=numel, gradient_sum=2 * numel)
+        return state
+
 
 class FedALSServer(ServerAlgorithm):
     protocol_type: type[FedALSProtocol] = FedALSProtocol

@@ -59,6 +59,10 @@ class FedBuffProtocol(FedAvgProtocol, AsynchronousProtocol):
         super().__init__(ctx)
         self.delta_msg = dataclasses.replace(self.delta_msg, summed=None)
 
+    @property
+    def arrivals_per_step(self) -> int:
+        return int(self.ctx.options.buffer_size)
+
 
 class FedBuffServer(FedAvgServer, EventDrivenServer):
     protocol_type = FedBuffProtocol

@@ -42,6 +42,9 @@ class FedDeperProtocol(FedAvgProtocol):
     def samples_per_round(self) -> np.ndarray:
         return 2 * super().samples_per_round()  # every step takes a gradient at y and one at v
 
+    def client_state(self) -> dict[str, int]:
+        return {"personal": 4 * self.model_msg.numel}  # v, float32
+
 
 class FedDeperServer(FedAvgServer):
     protocol_type: type[FedDeperProtocol] = FedDeperProtocol

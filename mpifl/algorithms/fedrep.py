@@ -66,6 +66,9 @@ class FedRepProtocol(FedAvgProtocol):
         self.delta_msg = Message("body_delta", "up", boundary, update=True, summed="weighting")
         self.eval_msg = Message("eval_body", "down", boundary, broadcast=True)
 
+    def client_state(self) -> dict[str, int]:
+        return {"head": 4 * (self.head.stop - self.head.start)}  # float32
+
     def samples_per_round(self) -> np.ndarray:
         opts, client = self.ctx.options, self.ctx.cfg.client
         sizes = self.ctx.layout.train_sizes

@@ -55,6 +55,9 @@ class LocalProtocol(Protocol):
         sizes = self.ctx.layout.train_sizes
         return np.zeros(len(sizes), dtype=np.int64) if self.upfront else super().samples_per_round()
 
+    def client_state(self) -> dict[str, int]:
+        return {"model": 4 * self.ctx.new_model().numel}  # float32 (asked once, before round 1)
+
     def upfront_config(self) -> ClientConfig:
         """``client.*`` with ``local.epochs`` passes in place of the configured steps or epochs."""
         return self.ctx.cfg.client.for_epochs(self.ctx.options.epochs)

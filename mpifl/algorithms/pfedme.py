@@ -55,6 +55,9 @@ class PFedMeProtocol(FedAvgProtocol):
         local = EVERYONE_LOCAL if self.model_msg.everyone else LOCAL
         return (self.model_msg, local, self.delta_msg)
 
+    def client_state(self) -> dict[str, int]:
+        return {"personal": 4 * self.model_msg.numel}  # θᵢ, float32
+
     def samples_per_round(self) -> np.ndarray:
         return self.ctx.options.inner_steps * super().samples_per_round()
 

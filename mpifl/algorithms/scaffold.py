@@ -90,6 +90,9 @@ class ScaffoldProtocol(FedAvgProtocol):
     def train_plan(self, round_: int) -> Sequence[Step]:
         return (self.model_msg, self.control_msg, LOCAL, self.delta_msg, self.control_delta_msg)
 
+    def client_state(self) -> dict[str, int]:
+        return {"control": 4 * self.model_msg.numel}  # cᵢ, float32
+
 
 class ScaffoldServer(FedAvgServer):
     protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol

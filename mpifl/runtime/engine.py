@@ -32,6 +32,7 @@ from mpifl.results.guard import ResultsClaim, claim_results
 from mpifl.results.writing import prune_checkpoints
 from mpifl.runtime.assembly import assemble, check_run, client_state, wire_format
 from mpifl.runtime.faults import inject_fault
+from mpifl.runtime.footprint import check_room
 from mpifl.runtime.progress import Heartbeat
 from mpifl.runtime.rank import RankContext
 from mpifl.runtime.stopping import StopRequest
@@ -45,8 +46,9 @@ class Engine:
     share of the clients (rank 0 all of them when it is alone)."""
 
     def __init__(self, cfg: RunConfig, comm, output: str | Path, resume: bool = False,  # noqa: ANN001 - a Comm
-                 profile: bool = False, overwrite: bool = False):
+                 profile: bool = False, overwrite: bool = False, force_start: bool = False):
         self.cfg, self.comm, self.output, self.resume, self.overwrite = cfg, comm, Path(output), resume, overwrite
+        self.force_start = force_start  # start even where what the run writes will not fit (check_room)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.times = RankTimes()
         self.profile = Profile(self.rank) if profile else None
@@ -87,6 +89,8 @@ class Engine:
             cfg, ctx, self.parts, self.protocol, self.placement, self.output, dataset.cheap_clients)
         if self.resume:
             self._resume()
+        if self.rank == 0 and not self.force_start:  # before round 1: what the run will write must fit
+            check_room(self)
         self.times.setup = time.perf_counter() - started
 
     def _resume(self) -> None:

@@ -85,6 +85,7 @@ class JobOptions:
     overwrite: bool = False  # replace the results file even if it holds a run
     profile: bool = False  # record every rank's time breakdown per round
     heartbeat_s: float = 30.0  # between evaluations, a progress line at most this often (> 0)
+    force_start: bool = False  # start even where the results file and checkpoints will not fit
 
 
 def job_config(config_path: str | None, overrides: list[str], resume: str | None) -> RunConfig:
@@ -238,7 +239,8 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     path = Path(resume or output or cfg.output)
     if rank == 0 and size > 1:
         stop.terminal_note = lambda: _ending_note(path, [])
-    engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite)
+    engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite,
+                    force_start=options.force_start)
     failed = _prepare_everywhere(engine, comm)
     if failed is not None:
         engine.release_output()
