@@ -34,9 +34,10 @@ from mpifl.runtime.assembly import assemble, check_run, client_state, wire_forma
 from mpifl.runtime.faults import inject_fault
 from mpifl.runtime.progress import Heartbeat
 from mpifl.runtime.rank import RankContext
+from mpifl.runtime.rankreport import rank_summary
 from mpifl.runtime.stopping import StopRequest
 from mpifl.runtime.store import ClientStore
-from mpifl.runtime.timing import Profile, RankTimes, rank_summary
+from mpifl.runtime.timing import Profile, RankTimes
 from mpifl.training.device import rank_devices
 
 
