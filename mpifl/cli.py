@@ -115,48 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    commands = {"run": _run, "validate": _validate, "prepare": _prepare, "report": _report, "export": _export,
+                "sweep": _sweep, "plot": _plot}
     try:
-        if args.command == "run":
-            from mpifl.runtime.launch import JobOptions, run_job
-
-            return run_job(args.config, args.overrides, args.out, JobOptions(
-                quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
-                heartbeat_s=args.heartbeat, force_start=args.force_start))
-        if args.command == "validate":
-            return _validate(args)
-        if args.command == "prepare":
-            return _prepare(args)
-        if args.command == "report":
-            from pathlib import Path
-
-            from mpifl.report import aggregate, report
-
-            reader = aggregate if Path(args.results).is_dir() else report
-            summary = reader(args.results, args.select)
-            print(json.dumps(summary, indent=2) if args.json else summary["text"])
-            return 0
-        if args.command == "export":
-            from mpifl.export import export
-
-            if not (args.csv or args.tensorboard or args.mlflow):
-                raise ConfigError("export: give --csv DIR, --tensorboard DIR and/or --mlflow DIR")
-            for path in export(args.results, args.csv, args.tensorboard, args.mlflow, args.experiment,
-                               args.overwrite):
-                print(f"wrote {path}")
-            return 0
-        if args.command == "sweep":
-            from mpifl.sweep import run_sweep
-
-            return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds,
-                             args.output_dir, args.overwrite, args.force_start)
-        from mpifl.report import plot
-
-        unfinished: list[str] = []
-        plot(args.results, args.output, args.metric, args.log, args.overwrite, unfinished)
-        for note in unfinished:
-            print(f"not completed: {note}")
-        print(f"wrote {args.output}")
-        return 0
+        return commands[args.command](args)
     except ConfigError as exc:
         sys.stderr.write(f"mpifl: error: {exc}\n")
         return 2
@@ -169,6 +131,53 @@ def _dispatch(args: argparse.Namespace) -> int:
         full = exc if isinstance(exc, StorageFull) else storage_full(exc, exc.filename or ".", what)
         sys.stderr.write(f"mpifl: error: {full.strerror}\n")
         return STORAGE_EXIT
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mpifl.runtime.launch import JobOptions, run_job
+
+    return run_job(args.config, args.overrides, args.out, JobOptions(
+        quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
+        heartbeat_s=args.heartbeat, force_start=args.force_start))
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpifl.report import aggregate, report
+
+    reader = aggregate if Path(args.results).is_dir() else report
+    summary = reader(args.results, args.select)
+    print(json.dumps(summary, indent=2) if args.json else summary["text"])
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mpifl.export import export
+
+    if not (args.csv or args.tensorboard or args.mlflow):
+        raise ConfigError("export: give --csv DIR, --tensorboard DIR and/or --mlflow DIR")
+    for path in export(args.results, args.csv, args.tensorboard, args.mlflow, args.experiment, args.overwrite):
+        print(f"wrote {path}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from mpifl.sweep import run_sweep
+
+    return run_sweep(args.sweep_file, args.slurm, args.dry_run, args.overrides, args.seeds, args.output_dir,
+                     args.overwrite, args.force_start)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from mpifl.report import plot
+
+    unfinished: list[str] = []
+    plot(args.results, args.output, args.metric, args.log, args.overwrite, unfinished)
+    for note in unfinished:
+        print(f"not completed: {note}")
+    print(f"wrote {args.output}")
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

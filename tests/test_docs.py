@@ -291,7 +291,7 @@ def test_every_page_says_who_it_is_for_and_marks_its_commands():
     for page in [*pages(), *sorted(EVIDENCE.glob("*.md"))]:
         text, name = page.read_text(), page.relative_to(REPO)
         lines = [line for line in text.splitlines() if line.strip()]
-        if page.parent != REPO and len(lines) > 1:  # one-line pages point to where a page moved
+        if page.parent != REPO:
             assert lines[0].startswith("# ") and lines[1].startswith("For "), f"{name}: title, then 'For ...'"
         if EVIDENCE in page.parents:
             continue

@@ -128,37 +128,82 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
     accuracy), the algorithm's diagnostics and the logical training MB at the ``select`` one; completed runs only
     (the others are listed under the table). Writes the table as ``summary.md``, and every number
     (:func:`_run_metrics`: plain names at ``select``) as ``summary.csv``."""
-    import csv
-
     writable_directory(directory, "report")
     md_path, csv_path = Path(directory) / "summary.md", Path(directory) / "summary.csv"
     refuse_unless_ours(md_path, SUMMARY_MARK)
     refuse_unless_ours(csv_path, SUMMARY_CSV_MARK)
     groups, varying = group_runs([directory])
-    unfinished = [(path, res) for group in groups for path, res in group.runs if not _completed(res)]
+    unfinished = [path for group in groups for path, res in group.runs if not _completed(res)]
     groups = [replace(group, runs=[run for run in group.runs if _completed(run[1])]) for group in groups]
     groups = [group for group in groups if group.runs]  # a variant none of whose runs has finished: no row yet
     per_group = [[_run_metrics(res, select) for _, res in group.runs] for group in groups]
-    names = set().union(*(m for runs in per_group for m in runs))
-    plain = sorted(n for n in names if "@" not in n and n not in ("round", "train_MB")) + ["round", "train_MB"]
-    accuracy = sorted((n for n in plain if n.endswith((".acc_pooled", ".acc_mean"))),
-                      key=lambda n: (n.split(".")[:2], not n.endswith("pooled")))  # pooled, then client mean
-    diagnostic_names = [n for n in plain if n not in accuracy and n not in ("round", "train_MB")]
-    order = (select, *(s for s in SELECTIONS if s != select))
-    both = [f"{n}@{s}" for n in (*accuracy, "round") for s in order]
-    rows = []
-    for group, runs in zip(groups, per_group):
-        row: dict[str, Any] = {k: group.name.get(k, "–") for k in varying}
-        row["seeds"] = len(runs)
-        row["files"] = [str(path) for path, _ in group.runs]
-        row["repeats"] = [str(path) for path in group.repeats]
-        values = {name: np.array([m.get(name, np.nan) for m in runs]) for name in (*plain, *both)}
-        row.update({name: mean_2se(v) for name, v in values.items()})
-        row["n"] = {name: int(np.isfinite(v).sum()) for name, v in values.items()}
-        rows.append(row)
-    accuracy_cells = [f"{n}@{s}" for n in accuracy for s in order]
-    shown = [*accuracy_cells, "round@best-val", *diagnostic_names, "train_MB"]
+    columns = _Columns.of(per_group, select)
+    rows = [_group_row(group, runs, varying, columns) for group, runs in zip(groups, per_group)]
+    text = _summary_text(rows, varying, columns, select, unfinished)
+    _write_summary(md_path, csv_path, text, rows, varying, columns)
+    return {"rows": rows, "text": text, "varying": varying, "selection": select}
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A sweep table's metrics, by name: ``plain`` ones, at the selection (``round`` and ``train_MB`` last), the
+    test ``accuracy`` ones among them (by model kind and client group: pooled, then the client mean) and the
+    ``diagnostics`` (the rest but ``round`` and ``train_MB``); ``order``: the selections, the chosen one first."""
+
+    plain: list[str]
+    accuracy: list[str]
+    diagnostics: list[str]
+    order: tuple[str, ...]
+
+    @classmethod
+    def of(cls, per_group: list[list[dict[str, float]]], select: str) -> _Columns:
+        """The columns of every run's :func:`_run_metrics` (``per_group``: each group's runs)."""
+        names = set().union(*(m for runs in per_group for m in runs))
+        plain = sorted(n for n in names if "@" not in n and n not in ("round", "train_MB")) + ["round", "train_MB"]
+        accuracy = sorted((n for n in plain if n.endswith((".acc_pooled", ".acc_mean"))),
+                          key=lambda n: (n.split(".")[:2], not n.endswith("pooled")))  # pooled, then client mean
+        diagnostics = [n for n in plain if n not in accuracy and n not in ("round", "train_MB")]
+        return cls(plain, accuracy, diagnostics, (select, *(s for s in SELECTIONS if s != select)))
+
+    @property
+    def both(self) -> list[str]:
+        """The accuracies and their round at every selection, as ``NAME@SELECTION``."""
+        return [f"{n}@{s}" for n in (*self.accuracy, "round") for s in self.order]
+
+    @property
+    def every(self) -> list[str]:
+        """Every metric a row holds (and summary.csv lists), in order."""
+        return [*self.plain, *self.both]
+
+    @property
+    def accuracy_cells(self) -> list[str]:
+        """The accuracies at every selection, as ``NAME@SELECTION``."""
+        return [f"{n}@{s}" for n in self.accuracy for s in self.order]
+
+    @property
+    def shown(self) -> list[str]:
+        """The metrics summary.md shows, in order."""
+        return [*self.accuracy_cells, "round@best-val", *self.diagnostics, "train_MB"]
+
+
+def _group_row(group: RunGroup, runs: list[dict[str, float]], varying: list[str], columns: _Columns) -> dict[str, Any]:
+    """One group's row: its values of the ``varying`` keys, its seed count and files (kept, and repeats), and of
+    each metric the mean ± 2·SE over ``runs`` (:func:`_run_metrics` of each) and, under ``n``, how many had one."""
+    row: dict[str, Any] = {k: group.name.get(k, "–") for k in varying}
+    row["seeds"] = len(runs)
+    row["files"] = [str(path) for path, _ in group.runs]
+    row["repeats"] = [str(path) for path in group.repeats]
+    values = {name: np.array([m.get(name, np.nan) for m in runs]) for name in columns.every}
+    row.update({name: mean_2se(v) for name, v in values.items()})
+    row["n"] = {name: int(np.isfinite(v).sum()) for name, v in values.items()}
+    return row
+
+
+def _summary_text(rows: list[dict[str, Any]], varying: list[str], columns: _Columns, select: str,
+                  unfinished: list[Path]) -> str:
+    """summary.md's text: what the numbers are, the table, and the files left out (repeats, unfinished runs)."""
     how = "final evaluation" if select == "final" else "evaluation with the best validation accuracy"
+    shown, accuracy_cells = columns.shown, columns.accuracy_cells
     md = [f"Test metrics at each run's evaluation with the best validation accuracy of the seen clients (`@best-val`)"
           f" and at its final one (`@final`); diagnostics and train_MB at its {how}. Mean ± 2·SE over seeds (sample "
           "standard deviation); (n=k): only k seeds had a value; n/a: none had (best-val needs data.val_fraction > 0).",
@@ -168,20 +213,27 @@ def aggregate(directory: str, select: str = "final") -> dict[str, Any]:
         cells += [_mean_2se_cell(row[m], ".4f" if m in accuracy_cells else ".4g", row["n"][m], row["seeds"])
                   for m in shown]
         md.append("| " + " | ".join(cells) + " |")
-    repeats = [str(path) for group in groups for path in group.repeats]
+    repeats = [path for row in rows for path in row["repeats"]]
     if repeats:
         md += ["", f"Left out, as repeats of a seed already counted (same config and seed): {', '.join(repeats)}."]
     if unfinished:
-        md += ["", f"Left out, as not finished: {'; '.join(_unfinished(path) for path, _ in unfinished)}."]
-    text = "\n".join(md)
+        md += ["", f"Left out, as not finished: {'; '.join(_unfinished(path) for path in unfinished)}."]
+    return "\n".join(md)
+
+
+def _write_summary(md_path: Path, csv_path: Path, text: str, rows: list[dict[str, Any]], varying: list[str],
+                   columns: _Columns) -> None:
+    """summary.md (``text``, after the mark that makes it a report's) and summary.csv (every number of ``rows``:
+    each metric's mean and 2·SE), each written whole or not at all."""
+    import csv
+
     with written_whole(md_path, "the summary") as tmp:
         tmp.write_text(f"{SUMMARY_MARK}\n{text}\n")
     with written_whole(csv_path, "the summary") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([SUMMARY_CSV_MARK, *varying, *(f"{m}_{s}" for m in (*plain, *both) for s in ("mean", "2se"))])
+        writer.writerow([SUMMARY_CSV_MARK, *varying, *(f"{m}_{s}" for m in columns.every for s in ("mean", "2se"))])
         for row in rows:
-            writer.writerow([row[k] for k in ("seeds", *varying)] + [v for m in (*plain, *both) for v in row[m]])
-    return {"rows": rows, "text": text, "varying": varying, "selection": select}
+            writer.writerow([row[k] for k in ("seeds", *varying)] + [v for m in columns.every for v in row[m]])
 
 
 def _unfinished(path: Path) -> str:

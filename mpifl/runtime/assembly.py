@@ -7,7 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mpifl.algorithms.base import AsynchronousProtocol, EvalLayout, Protocol, RunContext
+from mpifl.algorithms.base import (
+    AsynchronousProtocol,
+    ClientAlgorithm,
+    EvalLayout,
+    Protocol,
+    RunContext,
+    ServerAlgorithm,
+    check_handlers,
+)
 from mpifl.algorithms.state import ClientState
 from mpifl.comm import Placement
 from mpifl.comm.availability import Availability
@@ -15,7 +23,7 @@ from mpifl.comm.network import NetworkModel
 from mpifl.comm.privacy import PrivacyAccountant, check_privacy
 from mpifl.comm.wire import WireFormat
 from mpifl.config import RunConfig
-from mpifl.data import FederatedLayout
+from mpifl.data import FederatedDataset, FederatedLayout
 from mpifl.registry import get_algorithm
 from mpifl.runtime.asynchronous import AsynchronousRounds
 from mpifl.runtime.checkpointer import Checkpointer
@@ -26,6 +34,7 @@ from mpifl.runtime.rank import RankContext
 from mpifl.runtime.recorder import Recorder
 from mpifl.runtime.roundlog import RoundLog
 from mpifl.runtime.simtime import SimulatedTime
+from mpifl.runtime.store import ClientStore
 from mpifl.runtime.synchronous import SynchronousRounds
 from mpifl.runtime.visits import Visits
 from mpifl.runtime.walker import PlanWalker
@@ -105,6 +114,21 @@ def availability(cfg: RunConfig, layout: FederatedLayout) -> Availability:
 def wire_format(cfg: RunConfig) -> WireFormat:
     """How this run's messages travel: codecs, differential privacy, secure aggregation."""
     return WireFormat(cfg.compression, cfg.privacy, cfg.secure_aggregation, cfg.secagg, cfg.seed)
+
+
+def algorithm_sides(cfg: RunConfig, ctx: RunContext, dataset: FederatedDataset, placement: Placement, rank: int,
+                    size: int) -> tuple[ServerAlgorithm | None, ClientAlgorithm | None, ClientStore | None]:
+    """This rank's sides of the algorithm, their handlers checked against each other: the server on rank 0, and
+    the clients placed on it with their data (the store) on a worker, or on rank 0 when it is alone."""
+    entry = get_algorithm(cfg.algorithm)
+    server = entry.server(ctx) if rank == 0 else None
+    client, store = None, None
+    if size == 1 or rank > 0:
+        store = ClientStore(dataset, placement.clients_of(rank), ctx.device, cfg.data_memory_gb * 2**30,
+                            up_front=True)
+        client = entry.client(ctx, store, client_state(cfg))
+    check_handlers(server, client)
+    return server, client, store
 
 
 def assemble(cfg: RunConfig, ctx: RunContext, rank: RankContext, protocol: Protocol, placement: Placement,

@@ -17,27 +17,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpifl.algorithms.base import (
-    ClientAlgorithm,
-    ServerAlgorithm,
-    check_handlers,
-)
 from mpifl.comm import Ledger, Placement, Transport
 from mpifl.comm.messages import require
 from mpifl.comm.transport import arrive_together, wait_without_spinning
 from mpifl.config import RunConfig
 from mpifl.data import build_federated_dataset
-from mpifl.registry import get_algorithm
 from mpifl.results.guard import ResultsClaim, claim_results
 from mpifl.results.writing import prune_checkpoints
-from mpifl.runtime.assembly import assemble, check_run, client_state, wire_format
+from mpifl.runtime.assembly import algorithm_sides, assemble, check_run, wire_format
 from mpifl.runtime.faults import inject_fault
 from mpifl.runtime.footprint import check_room
 from mpifl.runtime.progress import Heartbeat
 from mpifl.runtime.rank import RankContext
+from mpifl.runtime.rankreport import rank_summary
 from mpifl.runtime.stopping import StopRequest
-from mpifl.runtime.store import ClientStore
-from mpifl.runtime.timing import Profile, RankTimes, rank_summary
+from mpifl.runtime.timing import Profile, RankTimes
 from mpifl.training.device import rank_devices
 
 
@@ -73,15 +67,7 @@ class Engine:
         ctx = dataclasses.replace(check_run(cfg, layout), device=device, server_device=devices.server)
         self.seen = np.flatnonzero(~layout.unseen)
         self.placement = Placement.balanced(layout.train_sizes, self.size)
-        entry = get_algorithm(cfg.algorithm)
-        self.server: ServerAlgorithm | None = entry.server(ctx) if self.rank == 0 else None
-        self.client: ClientAlgorithm | None = None
-        store = None
-        if self.size == 1 or self.rank > 0:
-            store = ClientStore(dataset, self.placement.clients_of(self.rank), device, cfg.data_memory_gb * 2**30,
-                                up_front=True)
-            self.client = entry.client(ctx, store, client_state(cfg))
-        check_handlers(self.server, self.client)
+        self.server, self.client, store = algorithm_sides(cfg, ctx, dataset, self.placement, self.rank, self.size)
         self.protocol = self.server.protocol if self.server is not None else require(self.client, "a side").protocol
         self.parts = RankContext(Transport(self.comm, self.placement), Ledger(), wire_format(cfg), self.server,
                                  self.client, store, self.times)

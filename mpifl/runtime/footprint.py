@@ -22,11 +22,12 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-from mpifl.algorithms.base import AsynchronousProtocol
+from mpifl.algorithms.base import AsynchronousProtocol, ServerAlgorithm
+from mpifl.algorithms.base import Protocol as AlgorithmProtocol
 from mpifl.comm import Message, Step
 from mpifl.results.layout import shard_dir
 from mpifl.results.space import StorageFull, arrays_bytes, ensure_room, readable_bytes
@@ -35,8 +36,25 @@ from mpifl.runtime.faults import selection_size
 from mpifl.schema import ConfigError
 from mpifl.state_io import state_size
 
-if TYPE_CHECKING:
-    from mpifl.runtime.engine import Engine
+
+class SetUp(Protocol):
+    """What the estimate reads of a run once set up (an :class:`~mpifl.runtime.engine.Engine` after ``prepare``;
+    named here, not imported, as the engine calls the estimate)."""
+
+    cfg: Any  # RunConfig
+    layout: Any  # FederatedLayout
+    protocol: AlgorithmProtocol
+    size: int
+    server: ServerAlgorithm | None
+    visits: Any  # Visits: whether clients move between ranks
+    parts: Any  # RankContext: the wire format
+    recorder: Any  # Recorder: the evaluation layout
+    rounds: Any  # the rounds' own checkpointed state
+    profile: Any
+    output: Path
+    start_round: int
+    resume: bool
+    overwrite: bool
 
 COLUMN_BYTES = {"rounds": 8, "eval": 8, "ledger": 8 + 8 + 4 + 1 + 8, "ledger_totals": 8 + 1 + 4 + 8,
                 "ledger_clients": 8 + 1 + 1 + 4 * 8, "physical": 8 + 64 + 64 + 8 + 8}
@@ -113,73 +131,17 @@ def _state_file(obj: object) -> int:
     return STATE_FILE + data + objects * STATE_OBJECT if objects else EMPTY_FILE
 
 
-def estimate(engine: Engine) -> Footprint:
+def estimate(engine: SetUp) -> Footprint:
     """What the run set up in ``engine`` (rank 0, after set-up) writes from round 1 to its last: see the module."""
-    cfg, layout, protocol, size = engine.cfg, engine.layout, engine.protocol, engine.size
-    rounds = cfg.rounds
-    evaluations = rounds // cfg.eval_every + (rounds % cfg.eval_every != 0)
-    clients = layout.num_clients
-    unseen = int(layout.unseen.sum())
-    seen = clients - unseen
-    if isinstance(protocol, AsynchronousProtocol):
-        cohort = float(min(seen, protocol.arrivals_per_step))
+    cfg, layout = engine.cfg, engine.layout
+    evaluations = cfg.rounds // cfg.eval_every + (cfg.rounds % cfg.eval_every != 0)
+    seen = layout.num_clients - int(layout.unseen.sum())
+    if isinstance(engine.protocol, AsynchronousProtocol):
+        cohort = float(min(seen, engine.protocol.arrivals_per_step))
     else:
         cohort = float(min(seen, selection_size(cfg.clients_per_round, cfg.faults)))
-    sampled = [list(protocol.train_plan(r)) for r in range(1, min(rounds, 8) + 1)]
-    train = _Traffic()
-    for plan in sampled:
-        train.add(plan, cohort, seen, 1 / len(sampled))
-    train.collectives += 3  # the uploads' screening, the verdict, the clients' telemetry
-    if engine.visits.dynamic:
-        train.collectives += 1  # visitors' state sizes and state, there and back (4), in some rounds
-    wire = engine.parts.wire
-    if wire.masks:
-        numel = max((m.numel for plan in sampled for m in plan if isinstance(m, Message) and m.update), default=0)
-        train.add([m for m, _ in wire.secagg_round(int(cohort), int(cohort), numel)], cohort, seen)
-    train = train.scaled(rounds)
-    evaluation = _Traffic()
-    evaluation.add(list(protocol.eval_prelude()), seen, seen)
-    evaluation.add(list(protocol.newcomer_plan()), unseen, unseen)
-    evaluation.add(list(protocol.eval_plan()), clients, clients)
-    evaluation.collectives += 1  # the clients' metrics
-    if cfg.eval_chunk:
-        evaluation.collectives *= math.ceil(clients / cfg.eval_chunk)
-    traffic = evaluation.scaled(evaluations)
-    setup = _Traffic()
-    setup.add(list(protocol.setup_plan()), clients if protocol.setup_includes_unseen else seen,
-              clients if protocol.setup_includes_unseen else seen)
-    appended = {"ledger": (train.ledger, traffic.ledger, setup.ledger),
-                "ledger_totals": (train.totals, traffic.totals, setup.totals),
-                "ledger_clients": (train.directions, traffic.directions, setup.directions),
-                "physical": (train.collectives, traffic.collectives, setup.collectives) if size > 1 else (0, 0, 0)}
-    kinds = len(engine.recorder.eval_layout.kinds)
-    splits = len(engine.recorder.eval_layout.splits)
-    groups = (seen > 0) + (unseen > 0)
-    round_columns = ROUND_COLUMNS + (cfg.privacy.mode != "off") + (
-        1 if isinstance(protocol, AsynchronousProtocol) else 0 if cfg.network.availability.mode == "always" else 2)
-    eval_columns = 2 + kinds * splits * groups * 3
-    tables = {"rounds": _chunked(rounds, 8 * round_columns, round_columns, CHUNK),
-              "eval": _chunked(evaluations, 8 * eval_columns, eval_columns, CHUNK)}
-    by_rounds, by_evaluations = float(tables["rounds"]), float(tables["eval"])  # what each cadence makes grow
-    grown = rounds > CHUNK  # a table past its first chunk
-    for name, (of_rounds, of_evaluations, once) in appended.items():
-        tables[name] = _chunked(of_rounds + of_evaluations + once, COLUMN_BYTES[name], COLUMNS[name],
-                                LEDGER_CHUNK if name == "ledger" else CHUNK)
-        total = of_rounds + of_evaluations + once
-        grown |= total > (LEDGER_CHUNK if name == "ledger" else CHUNK)
-        if total:
-            by_rounds += tables[name] * of_rounds / total
-            by_evaluations += tables[name] * of_evaluations / total
-    classification = layout.task != "regression"
-    client_columns = 4 + kinds * (2 + classification)
-    final: dict[str, np.ndarray] = {}
-    with contextlib.suppress(Exception):  # an algorithm whose final state needs a round first: counted as none
-        final = engine.server.final_state() if engine.server is not None else {}
-    tables["clients"] = clients * (8 * client_columns - 7)
-    tables["ranks"] = size * 8 * RANK_COLUMNS
-    tables["model"] = arrays_bytes(final.values())
-    if engine.profile is not None:
-        tables["profile"] = rounds * size * 8 * 10
+    appended = _appended(engine, cohort, seen, evaluations)
+    tables, by_rounds, by_evaluations, grown = _tables(engine, appended, evaluations)
     checkpoint, kept, at_once, written = _checkpoints(engine, cohort, seen)
     results = FILE_OVERHEAD + WRITE_OVERHEAD * (evaluations + written + 1) + sum(tables.values())
     peak = results + at_once * checkpoint
@@ -193,7 +155,74 @@ def estimate(engine: Engine) -> Footprint:
     return Footprint(results, checkpoint, kept, at_once, tables, tuple(shrink))
 
 
-def _checkpoints(engine: Engine, cohort: float, seen: int) -> tuple[int, int, int, int]:
+def _appended(engine: SetUp, cohort: float, seen: int, evaluations: int) -> dict[str, tuple[float, float, float]]:
+    """The rows each appended table gets from the training rounds, from the evaluations and once at set-up."""
+    cfg, protocol, clients = engine.cfg, engine.protocol, engine.layout.num_clients
+    unseen = clients - seen
+    sampled = [list(protocol.train_plan(r)) for r in range(1, min(cfg.rounds, 8) + 1)]
+    train = _Traffic()
+    for plan in sampled:
+        train.add(plan, cohort, seen, 1 / len(sampled))
+    train.collectives += 3  # the uploads' screening, the verdict, the clients' telemetry
+    if engine.visits.dynamic:
+        train.collectives += 1  # visitors' state sizes and state, there and back (4), in some rounds
+    wire = engine.parts.wire
+    if wire.masks:
+        numel = max((m.numel for plan in sampled for m in plan if isinstance(m, Message) and m.update), default=0)
+        train.add([m for m, _ in wire.secagg_round(int(cohort), int(cohort), numel)], cohort, seen)
+    train = train.scaled(cfg.rounds)
+    evaluation = _Traffic()
+    evaluation.add(list(protocol.eval_prelude()), seen, seen)
+    evaluation.add(list(protocol.newcomer_plan()), unseen, unseen)
+    evaluation.add(list(protocol.eval_plan()), clients, clients)
+    evaluation.collectives += 1  # the clients' metrics
+    if cfg.eval_chunk:
+        evaluation.collectives *= math.ceil(clients / cfg.eval_chunk)
+    traffic = evaluation.scaled(evaluations)
+    setup = _Traffic()
+    at_setup = clients if protocol.setup_includes_unseen else seen
+    setup.add(list(protocol.setup_plan()), at_setup, at_setup)
+    return {"ledger": (train.ledger, traffic.ledger, setup.ledger),
+            "ledger_totals": (train.totals, traffic.totals, setup.totals),
+            "ledger_clients": (train.directions, traffic.directions, setup.directions),
+            "physical": (train.collectives, traffic.collectives, setup.collectives) if engine.size > 1 else (0, 0, 0)}
+
+
+def _tables(engine: SetUp, appended: dict[str, tuple[float, float, float]], evaluations: int
+            ) -> tuple[dict[str, int], float, float, bool]:
+    """Each table's bytes, how many of them grow with the rounds and with the evaluations, and whether any table
+    grows past its first chunk."""
+    cfg, layout, protocol, size = engine.cfg, engine.layout, engine.protocol, engine.size
+    rounds, clients = cfg.rounds, layout.num_clients
+    kinds, splits = len(engine.recorder.eval_layout.kinds), len(engine.recorder.eval_layout.splits)
+    groups = (clients > int(layout.unseen.sum())) + bool(layout.unseen.any())
+    round_columns = ROUND_COLUMNS + (cfg.privacy.mode != "off") + (
+        1 if isinstance(protocol, AsynchronousProtocol) else 0 if cfg.network.availability.mode == "always" else 2)
+    eval_columns = 2 + kinds * splits * groups * 3
+    tables = {"rounds": _chunked(rounds, 8 * round_columns, round_columns, CHUNK),
+              "eval": _chunked(evaluations, 8 * eval_columns, eval_columns, CHUNK)}
+    by_rounds, by_evaluations = float(tables["rounds"]), float(tables["eval"])  # what each cadence makes grow
+    grown = rounds > CHUNK  # a table past its first chunk
+    for name, (of_rounds, of_evaluations, once) in appended.items():
+        chunk = LEDGER_CHUNK if name == "ledger" else CHUNK
+        total = of_rounds + of_evaluations + once
+        tables[name] = _chunked(total, COLUMN_BYTES[name], COLUMNS[name], chunk)
+        grown |= total > chunk
+        if total:
+            by_rounds += tables[name] * of_rounds / total
+            by_evaluations += tables[name] * of_evaluations / total
+    final: dict[str, np.ndarray] = {}
+    with contextlib.suppress(Exception):  # an algorithm whose final state needs a round first: counted as none
+        final = engine.server.final_state() if engine.server is not None else {}
+    tables["clients"] = clients * (8 * (4 + kinds * (2 + (layout.task != "regression"))) - 7)
+    tables["ranks"] = size * 8 * RANK_COLUMNS
+    tables["model"] = arrays_bytes(final.values())
+    if engine.profile is not None:
+        tables["profile"] = rounds * size * 8 * 10
+    return tables, by_rounds, by_evaluations, grown
+
+
+def _checkpoints(engine: SetUp, cohort: float, seen: int) -> tuple[int, int, int, int]:
     """One checkpoint's bytes (at the run's last), how many the folder keeps at the end and at most at once, and
     how many ``checkpoint_every`` writes."""
     cfg, protocol = engine.cfg, engine.protocol
@@ -231,7 +260,7 @@ def _on_disk(path: Path) -> int:
     return total
 
 
-def check_room(engine: Engine) -> None:
+def check_room(engine: SetUp) -> None:
     """Rank 0, once set-up is done and before round 1: refuse the run (:class:`ConfigError`: one line, exit code
     2) when the file system of its results file lacks room for what it will write (its :class:`Footprint` at its
     peak, less what is there already: a resumed run's file and checkpoints, or the run ``--overwrite`` replaces),

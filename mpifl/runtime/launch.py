@@ -112,10 +112,16 @@ def _clients_at_once(protocol: Protocol, cfg: RunConfig) -> int:
     return selection_size(cfg.clients_per_round, cfg.faults)
 
 
-def _stopped_line(stop: StopRequest, output: Path, size: int, round_: int, rounds: int) -> str:
+def _say_stopped(stop: StopRequest, output: Path, size: int, round_: int, rounds: int) -> None:
+    """Rank 0's last line after a stop asked by a signal: where the run stopped and the command that continues it."""
     asked = "Ctrl-C or SIGTERM to mpirun" if stop.launcher_ending else stop.signal_name
-    return (f"{asked}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
+    line = (f"mpifl: {asked}: stopped after round {round_} of {rounds} and saved a checkpoint; continue with: "
             f"{resume_command(output, launcher_prefix(size))} (any rank count)")
+    if stop.launcher_ending:  # mpirun forwards no output any more: straight to the terminal
+        to_terminal(line)
+    with contextlib.suppress(OSError):  # mpirun may have closed the pipe
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
 
 
 def _ending_note(output: Path, peers: list[tuple[str, int]]) -> str:
@@ -224,23 +230,17 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     from mpifl.runtime.engine import Engine
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    resume = options.resume
     try:
-        if not options.heartbeat_s > 0:  # NaN too
-            raise ConfigError(f"--heartbeat: expected a positive number of seconds, not {options.heartbeat_s:g} "
-                              "(--quiet prints no progress)")
-        cfg = job_config(config_path, overrides, resume)
-        if resume and output and Path(output) != Path(resume):
-            raise ConfigError("--resume continues writing the file it resumes from; drop --out or make them equal")
+        cfg = _checked_job(config_path, overrides, output, options)
     except ConfigError as exc:  # identical on every rank: only rank 0 speaks
         if rank == 0:
             _error(str(exc))
         return EXIT_BAD_INPUT
-    path = Path(resume or output or cfg.output)
+    path = Path(options.resume or output or cfg.output)
     if rank == 0 and size > 1:
         stop.terminal_note = lambda: _ending_note(path, [])
-    engine = Engine(cfg, comm, path, resume=bool(resume), profile=options.profile, overwrite=options.overwrite,
-                    force_start=options.force_start)
+    engine = Engine(cfg, comm, path, resume=bool(options.resume), profile=options.profile,
+                    overwrite=options.overwrite, force_start=options.force_start)
     failed = _prepare_everywhere(engine, comm)
     if failed is not None:
         engine.release_output()
@@ -250,24 +250,37 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
         if rank == 0:
             stop.terminal_note = lambda: _ending_note(path, peers)
     if rank == 0 and not options.quiet:
-        start = f"from round {engine.start_round}, " if resume else ""
-        print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "
-              f"{size} rank(s), {start}{cfg.rounds} rounds -> {path}", flush=True)
-        busy = _clients_at_once(engine.protocol, cfg)
-        if size - 1 > busy:
-            print(f"mpifl: note: {size - 1} worker ranks, but at most {busy} clients train at once: {size - 1 - busy} "
-                  f"rank(s) idle every round (at most {busy + 1} ranks keep every worker busy)", flush=True)
+        _announce(engine, cfg, size, path, bool(options.resume))
     try:
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         return _failed(exc, engine, comm, path)
-    if stopped_at is not None:
-        if rank == 0:
-            line = f"mpifl: {_stopped_line(stop, path, size, stopped_at, cfg.rounds)}"
-            if stop.launcher_ending:  # mpirun forwards no output any more: straight to the terminal
-                to_terminal(line)
-            with contextlib.suppress(OSError):  # mpirun may have closed the pipe
-                sys.stderr.write(f"{line}\n")
-                sys.stderr.flush()
-        return 128 + stop.signum
-    return 0
+    if stopped_at is None:
+        return 0
+    if rank == 0:
+        _say_stopped(stop, path, size, stopped_at, cfg.rounds)
+    return 128 + stop.signum
+
+
+def _checked_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> RunConfig:
+    """The job's config (:func:`job_config`), its options checked too: a ConfigError, the same on every rank, for a
+    bad one."""
+    if not options.heartbeat_s > 0:  # NaN too
+        raise ConfigError(f"--heartbeat: expected a positive number of seconds, not {options.heartbeat_s:g} "
+                          "(--quiet prints no progress)")
+    cfg = job_config(config_path, overrides, options.resume)
+    if options.resume and output and Path(output) != Path(options.resume):
+        raise ConfigError("--resume continues writing the file it resumes from; drop --out or make them equal")
+    return cfg
+
+
+def _announce(engine, cfg: RunConfig, size: int, path: Path, resumed: bool) -> None:  # noqa: ANN001 - an Engine
+    """Rank 0's first line: what runs, on how many ranks, into which file; and a note where some worker ranks have
+    no client to train in any round."""
+    start = f"from round {engine.start_round}, " if resumed else ""
+    print(f"mpifl: {cfg.algorithm} on {cfg.data.source}, {engine.layout.num_clients} clients, "
+          f"{size} rank(s), {start}{cfg.rounds} rounds -> {path}", flush=True)
+    busy = _clients_at_once(engine.protocol, cfg)
+    if size - 1 > busy:
+        print(f"mpifl: note: {size - 1} worker ranks, but at most {busy} clients train at once: {size - 1 - busy} "
+              f"rank(s) idle every round (at most {busy + 1} ranks keep every worker busy)", flush=True)

@@ -59,60 +59,87 @@ def host_reads() -> Iterator[Counter[str]]:
     copies: a CPU tensor that is not pinned, or is copied without ``non_blocking``, moved to a device by ``to``,
     ``cuda`` or ``copy_``, and host data given to ``torch.tensor`` or ``torch.as_tensor`` with a ``device`` (on the
     CPU too: the copy it would make on a GPU, as a read of a CPU tensor counts)."""
-    counts: Counter[str] = Counter()
-    depth = [0]
+    counter = _ReadCounter()
+    with _patched(counter.patches()):
+        yield counter.counts
 
-    def once(name: str, work: Callable[[], Any]) -> Any:
+
+class _ReadCounter:
+    """:func:`host_reads`' counts, and the counting stand-ins for the methods and functions it watches."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.depth = 0  # counted calls under way: a read made inside one is that call's, not counted again
+
+    def patches(self) -> list[tuple[Any, str, Callable[..., Any]]]:
+        """(owner, name, stand-in) for every method of :data:`READS` and :data:`UPLOADS` and every function of
+        :data:`CONSTRUCTORS`."""
+        patches: list[tuple[Any, str, Callable[..., Any]]] = [
+            (torch.Tensor, name, self.read(name, getattr(torch.Tensor, name))) for name in READS]
+        patches += [(torch.Tensor, name, self.moved(getattr(torch.Tensor, name))) for name in UPLOADS]
+        patches += [(torch, name, self.built(getattr(torch, name))) for name in CONSTRUCTORS]
+        return patches
+
+    def once(self, name: str, work: Callable[[], Any]) -> Any:
         """``work()``, counted under ``name`` unless a counted call made it."""
-        if depth[0] == 0 and name:
-            counts[name] += 1
-        depth[0] += 1
+        if self.depth == 0 and name:
+            self.counts[name] += 1
+        self.depth += 1
         try:
             return work()
         finally:
-            depth[0] -= 1
+            self.depth -= 1
 
-    def read(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def read(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method``, a read of the tensor to the host, counted as ``name``."""
+
         @functools.wraps(method)
-        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            return once(name, lambda: method(self, *args, **kwargs))
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return self.once(name, lambda: method(tensor, *args, **kwargs))
 
         return counted
 
-    def moved(method: Callable[..., Any]) -> Callable[..., Any]:
+    def moved(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (``to``, ``cuda``, ``copy_``), counted as :data:`UPLOAD` where it copies host memory to a
+        device with a wait."""
+
         @functools.wraps(method)
-        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             flags = [a for a in args if isinstance(a, bool)]  # the first positional bool is non_blocking
             waits = not kwargs.get("non_blocking", flags[0] if flags else False)
             if method.__name__ == "copy_":
-                source, target = args[0] if args else kwargs["src"], self
+                source, target = args[0] if args else kwargs["src"], tensor
             else:
-                source, target = self, None
-            result = once("", lambda: method(self, *args, **kwargs))
+                source, target = tensor, None
+            result = self.once("", lambda: method(tensor, *args, **kwargs))
             target = result if target is None else target
             if _blocking_upload(source, target, waits):
-                counts[UPLOAD] += depth[0] == 0
+                self.counts[UPLOAD] += self.depth == 0
             return result
 
         return counted
 
-    def built(function: Callable[..., Any]) -> Callable[..., Any]:
+    def built(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` (``torch.tensor``, ``torch.as_tensor``), counted as :data:`UPLOAD` where it is given host
+        data and a ``device``."""
+
         @functools.wraps(function)
         def counted(data: Any, *args: Any, **kwargs: Any) -> Any:
             host = not isinstance(data, torch.Tensor) and kwargs.get("device") is not None
-            return once(UPLOAD if host else "", lambda: function(data, *args, **kwargs))
+            return self.once(UPLOAD if host else "", lambda: function(data, *args, **kwargs))
 
         return counted
 
-    patches: list[tuple[Any, str, Callable[..., Any]]] = [
-        (torch.Tensor, name, read(name, getattr(torch.Tensor, name))) for name in READS]
-    patches += [(torch.Tensor, name, moved(getattr(torch.Tensor, name))) for name in UPLOADS]
-    patches += [(torch, name, built(getattr(torch, name))) for name in CONSTRUCTORS]
+
+@contextlib.contextmanager
+def _patched(patches: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[None]:
+    """Each (owner, name, stand-in) of ``patches`` set in the block; after it, each owner as it was (an attribute
+    the owner only inherited is deleted again, not set to the inherited one)."""
     saved = [(owner, name, name in vars(owner), getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, patched in patches:
         setattr(owner, name, patched)
     try:
-        yield counts
+        yield
     finally:
         for owner, name, own, original in saved:
             if own:
