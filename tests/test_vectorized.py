@@ -28,9 +28,9 @@ from mpifl.training.executor import (
     LocalSGD,
     LocalStep,
     auto_chunk,
-    kernel_wanted,
     local_sgd,
     padded_work,
+    vectorize_wanted,
 )
 from mpifl.training.sgd import client_generator
 from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, run_engine, run_mpifl
@@ -74,7 +74,7 @@ def test_a_cnn_clients_update_is_the_same_in_any_group_and_within_rounding_of_th
     xs, ys = clients(shape)
     cfg = ClientConfig(lr=0.05, epochs=1, batch_size=8, momentum=0.9, weight_decay=1e-3, clip_norm=5.0,
                        augment="crop_flip", vectorize=True, vectorize_chunk=4)
-    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
+    trainer = LocalSGD(flat, loss_fn, vectorized=True, chunk=4)
     assert trainer.chunk == 4
     updates: dict[int, list[torch.Tensor]] = {}
     for group in (range(7), range(2, 5), [4], [5, 1]):
@@ -108,7 +108,7 @@ def test_dense_groups_train_bitwise_as_one_client_at_a_time(hidden, options):
     loss_fn = torch.nn.CrossEntropyLoss()
     xs, ys = clients(shape, sizes)
     cfg = ClientConfig(lr=0.1, epochs=2, batch_size=8, **options)
-    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
+    trainer = LocalSGD(flat, loss_fn, vectorized=True, chunk=4)
     assert trainer.chunk is None  # a dense model's rows are computed alone on the CPU: no padding needed
     for group in (range(7), range(2, 5)):
         result = train(trainer, start, xs, ys, list(group), cfg)
@@ -161,7 +161,7 @@ def test_clients_with_unequal_step_counts_train_in_separate_groups():
     loss_fn = torch.nn.CrossEntropyLoss()
     xs, ys = clients((6,), (8, 16, 16))
     cfg = ClientConfig(lr=0.1, batch_size=8)
-    trainer = LocalSGD(flat, loss_fn, batched=True, chunk=4)
+    trainer = LocalSGD(flat, loss_fn, vectorized=True, chunk=4)
     result = train(trainer, start, xs, ys, [0, 1, 2], cfg)
     assert result.steps.tolist() == [1, 2, 2]
     assert result.seconds.shape == (3,) and result.seconds[1] == result.seconds[2]
@@ -184,7 +184,7 @@ from tests.test_models import layout
 flat = FlatModel(build_model(ModelConfig(name="cnn", channels=(2,), fc_hidden=4), layout((1, 6, 6)), seed=0))
 runs = [ClientRun(ClientStart(flat.numpy().copy()), torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8,)),
                   client_generator(3, 1, c)) for c in range(3)]
-trained = LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched=True, chunk=4).train(runs, LocalStep(),
+trained = LocalSGD(flat, torch.nn.CrossEntropyLoss(), vectorized=True, chunk=4).train(runs, LocalStep(),
                                                                                      ClientConfig(batch_size=4))
 assert trained.steps.tolist() == [2, 2, 2], trained.steps
 print(sorted(name for name in sys.modules if name.startswith("torch._dynamo")))
@@ -214,7 +214,7 @@ def test_a_clients_update_does_not_depend_on_its_group_even_on_two_threads():
         flat = FlatModel(build_model(cfg.model, data.layout, 0))
         start = flat.numpy().copy()
         client_cfg = ClientConfig(lr=0.1, epochs=1, batch_size=32, momentum=0.9)
-        trainer = LocalSGD(flat, loss_function(data.layout), batched=True, chunk=4)
+        trainer = LocalSGD(flat, loss_function(data.layout), vectorized=True, chunk=4)
         xs = [torch.from_numpy(splits[c].x_train) for c in range(5)]
         ys = [torch.from_numpy(splits[c].y_train) for c in range(5)]
         updates: dict[int, list[torch.Tensor]] = {}
@@ -235,12 +235,12 @@ def test_auto_is_the_kernel_on_a_gpu_and_on_the_cpu_only_where_it_was_measured_f
     assert auto.vectorize == "auto"
     for model in VECTORIZABLE_MODELS:
         dense = model in ("linear", "logistic", "mlp")
-        assert kernel_wanted(auto, model, cpu, cpu_default=True) == dense
-        assert not kernel_wanted(auto, model, cpu, cpu_default=False)
-        assert kernel_wanted(auto, model, gpu, cpu_default=False)
-        assert kernel_wanted(on, model, cpu, cpu_default=False)
-        assert not kernel_wanted(off, model, gpu, cpu_default=True)
-    assert not kernel_wanted(on, "char_lstm", cpu, cpu_default=True)
+        assert vectorize_wanted(auto, model, cpu, cpu_default=True) == dense
+        assert not vectorize_wanted(auto, model, cpu, cpu_default=False)
+        assert vectorize_wanted(auto, model, gpu, cpu_default=False)
+        assert vectorize_wanted(on, model, cpu, cpu_default=False)
+        assert not vectorize_wanted(off, model, gpu, cpu_default=True)
+    assert not vectorize_wanted(on, "char_lstm", cpu, cpu_default=True)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, "Auto"])
@@ -384,7 +384,7 @@ def test_a_start_may_be_a_tensor(batched):
     own = shared + np.float32(0.01)
     xs, ys = clients((20,))
     cfg = ClientConfig(lr=0.1, epochs=1, batch_size=8, momentum=0.9)
-    trainer = LocalSGD(flat, torch.nn.CrossEntropyLoss(), batched=batched, chunk=4)
+    trainer = LocalSGD(flat, torch.nn.CrossEntropyLoss(), vectorized=batched, chunk=4)
     starts = [shared, shared, own, shared, own.copy(), shared, shared]
     results = []
     for as_tensor in (False, True):
@@ -425,7 +425,7 @@ def test_the_batched_step_keeps_its_storage_across_steps_and_rounds_and_reads_no
     monkeypatch.setattr(executor.LocalSGD, "_call_step", recorded)
     results = []
     for cuda_graph in (False, True):
-        trainer = LocalSGD(flat, loss_function(layout(shape)), batched=True, chunk=4, cuda_graph=cuda_graph)
+        trainer = LocalSGD(flat, loss_function(layout(shape)), vectorized=True, chunk=4, cuda_graph=cuda_graph)
         assert trainer.cuda_graph is False  # on the CPU: eager
         for round_ in (1, 2):
             runs = [ClientRun(ClientStart(start), x, y, client_generator(3, round_, c))
@@ -450,6 +450,6 @@ def test_a_captured_step_is_bitwise_the_eager_step_on_cuda():
         runs = [ClientRun(ClientStart(flat.numpy().copy()), x.to(device), y.to(device), client_generator(3, 1, c))
                 for c, (x, y) in enumerate(zip(xs, ys))]
         cfg = ClientConfig(lr=0.05, epochs=2, batch_size=8, momentum=0.9, clip_norm=5.0)
-        trainer = LocalSGD(flat, loss_function(layout(shape)), batched=True, chunk=4, cuda_graph=cuda_graph)
+        trainer = LocalSGD(flat, loss_function(layout(shape)), vectorized=True, chunk=4, cuda_graph=cuda_graph)
         results.append(trainer.train(runs, LocalStep(delta=True), cfg).params.cpu())
     assert torch.equal(results[0], results[1])

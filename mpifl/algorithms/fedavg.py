@@ -175,7 +175,7 @@ class FedAvgClient(DeltaClient):
     A variant changes the step's gradient (:meth:`local_step`: FedProx, SCAFFOLD) and what it keeps
     (:meth:`local_end`)."""
 
-    kernel_on_cpu = True
+    vectorized_on_cpu = True
 
     def local_step(self, step: StepContext) -> LocalStep | None:
         return LocalStep(delta=True)

@@ -25,7 +25,7 @@ class FedProxOptions:
 
 
 class FedProxClient(FedAvgClient):
-    kernel_on_cpu = False  # the loop under auto on the CPU, as before
+    vectorized_on_cpu = False  # the loop under auto on the CPU, as before
 
     def local_step(self, step: StepContext) -> LocalStep | None:
         return LocalStep(proximal(self.ctx.options.mu), delta=True)

@@ -43,9 +43,9 @@ class FedSGDServer(FedAvgServer):
 
 class FedSGDClient(FedAvgClient):
     """FedAvg's client whose local step is one full-batch gradient (:attr:`LocalStep.gradient`), kept as its
-    delta: the loop or the batch, as the executor chooses."""
+    delta: the loop or the vectorized path, as the executor chooses."""
 
-    kernel_on_cpu = False  # the loop under auto on the CPU, as before
+    vectorized_on_cpu = False  # the loop under auto on the CPU, as before
     protocol_type: type[FedSGDProtocol] = FedSGDProtocol
     protocol: FedSGDProtocol
 

@@ -120,7 +120,7 @@ class ScaffoldClient(FedAvgClient):
     protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
     protocol: ScaffoldProtocol
     scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas", "uploaded")
-    kernel_on_cpu = False  # the loop under auto on the CPU, as before
+    vectorized_on_cpu = False  # the loop under auto on the CPU, as before
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

@@ -25,14 +25,14 @@ from mpifl.training.executor import (
     Rows,
     TrainedRows,
     auto_chunk,
-    kernel_wanted,
     read_together,
+    vectorize_wanted,
 )
 from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.tensors import TensorSplit
 
 DEVICE_ROUND_BYTES = 2 << 30
-"""Device memory the batch's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
+"""Device memory the vectorized path's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,
 momentum, delta)."""
 
 
@@ -52,25 +52,26 @@ class ClientToolkit(ClientAlgorithm):
     either way. An algorithm whose local step is something else overrides :meth:`compute` instead.
     """
 
-    kernel_on_cpu = False
-    """Under ``client.vectorize: auto`` on the CPU, dense models train in the batch (FedAvg's untransformed step,
-    measured faster there; see ``kernel_wanted``); otherwise the loop, as before."""
+    vectorized_on_cpu = False
+    """Under ``client.vectorize: auto`` on the CPU, dense models train in the vectorized path (FedAvg's untransformed
+    step, measured faster there; see ``vectorize_wanted``); otherwise the loop, as before."""
 
     def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
         super().__init__(ctx, data, state)
         self.workspace = ctx.new_model(ctx.device)
         self.loss_fn = loss_function(ctx.layout)
         self.round_losses: dict[int, float] = {}
-        self.trained_together = 0  # clients trained in the batch
+        self.trained_vectorized = 0  # clients trained in the vectorized path
         cfg = ctx.cfg
-        batched = self.takes_batch() and kernel_wanted(cfg.client, cfg.model.name, self.device, self.kernel_on_cpu)
+        vectorized = (self.can_vectorize()
+                      and vectorize_wanted(cfg.client, cfg.model.name, self.device, self.vectorized_on_cpu))
         chunk = cfg.client.vectorize_chunk
-        self.executor = LocalSGD(self.workspace, self.loss_fn, batched,
+        self.executor = LocalSGD(self.workspace, self.loss_fn, vectorized,
                                  auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk,
                                  cuda_graph=cfg.client.cuda_graph)
 
-    def takes_batch(self) -> bool:
-        """Whether this algorithm's clients can train in the batch: those whose local step is stated as
+    def can_vectorize(self) -> bool:
+        """Whether this algorithm's clients can train in the vectorized path: those whose local step is stated as
         :meth:`local_step`, and not replaced by an override of :meth:`compute` (:meth:`computes_alone`)."""
         return type(self).local_step is not ClientToolkit.local_step and not self.computes_alone()
 
@@ -78,8 +79,8 @@ class ClientToolkit(ClientAlgorithm):
     def computes_alone(cls) -> bool:
         """Whether a subclass overrides :meth:`compute` below the class that states :meth:`local_step` (a plug-in
         that records or alters what a client trains): then every client goes through that override, one at a time,
-        so it is honoured, never bypassed by the batch. Overriding :meth:`local_start`, :meth:`local_step` or
-        :meth:`local_end` instead keeps the batch."""
+        so it is honoured, never bypassed by the vectorized path. Overriding :meth:`local_start`, :meth:`local_step` or
+        :meth:`local_end` instead keeps the vectorized path."""
         def position(name: str) -> int:  # of the class whose definition of ``name`` this one uses
             return next(k for k, klass in enumerate(cls.__mro__) if name in vars(klass))
 
@@ -93,11 +94,11 @@ class ClientToolkit(ClientAlgorithm):
         return self.workspace.device
 
     def clients_per_upload(self) -> int:
-        """In the batch, a round's clients as one batched program: as many at a time as keep their parameters,
+        """In the vectorized path, a round's clients as one program: as many at a time as keep their parameters,
         gradients, momentum and deltas within ``DEVICE_ROUND_BYTES`` (W2: about 80), a whole number of calls, so a
         cohort is one chunk, on a GPU screened with one read and folded with one more; otherwise the default few.
-        (A client's update does not depend on its company in the batch, so the chunk changes no bit.)"""
-        if not self.executor.batched:
+        (A client's update does not depend on its company in the vectorized path, so the chunk changes no bit.)"""
+        if not self.executor.vectorized:
             return super().clients_per_upload()
         most = max(super().clients_per_upload(), DEVICE_ROUND_BYTES // (4 * 4 * self.workspace.numel))
         call = self.executor.chunk or 1
@@ -127,8 +128,8 @@ class ClientToolkit(ClientAlgorithm):
 
     def compute_clients(self, step: StepContext, clients: np.ndarray) -> np.ndarray:
         """The local step of ``clients``: the stated local SGD of all of them through the executor (each one's
-        seconds: its :meth:`local_start` plus its compute, an equal share of its group's in the batch); one at a
-        time through :meth:`compute` where that is overridden (:meth:`computes_alone`) or nothing is stated."""
+        seconds: its :meth:`local_start` plus its compute, an equal share of its group's in the vectorized path); one
+        at a time through :meth:`compute` where that is overridden (:meth:`computes_alone`) or nothing is stated."""
         spec = self.local_step(step)
         if spec is None or self.computes_alone():
             return super().compute_clients(step, clients)
@@ -167,15 +168,15 @@ class ClientToolkit(ClientAlgorithm):
                 runs = [dataclasses.replace(run, start=ClientStart(phases[-1].params[k])) for k, run in enumerate(runs)]
             phases.append(self.executor.train(runs, phase, self.ctx.cfg.client))
         self.round_losses.update(zip(clients, _mean_losses(phases).tolist()))
-        if self.executor.batched:
-            self.trained_together += len(clients)
+        if self.executor.vectorized:
+            self.trained_vectorized += len(clients)
         trained = phases[-1]
         for earlier in phases[:-1]:
             trained.timer.spans.extend(earlier.timer.spans)
         return trained
 
     def rank_stats(self) -> dict[str, float]:
-        return {"clients_trained_vectorized": self.trained_together}
+        return {"clients_trained_vectorized": self.trained_vectorized}
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         """The model to evaluate ``client`` with for ``kind`` (one of :attr:`eval_kinds`); it is used

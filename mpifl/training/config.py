@@ -27,7 +27,7 @@ class ClientConfig:
     # crop_flip: each training batch randomly cropped from a 4-pixel zero-padded copy and flipped horizontally with
     # probability ½ (the FedALS authors' CIFAR/SVHN transform; images only)
     augment: Literal["none", "crop_flip"] = "none"
-    # train clients through the batch (mpifl.training.executor), a rank's clients with equally many
+    # train clients through the vectorized path (mpifl.training.executor), a rank's clients with equally many
     # local steps as one computation: fedavg, fedprox, scaffold, fedsgd, knnper, fedbuff, fedasync, local, ifca,
     # pefll, pfedhn with linear, logistic, mlp, cnn, lenet, convnet, resnet20 or simple_cnn; false: one at a time;
     # auto: the kernel on a GPU, and on the CPU where it is faster and was the default (dense models with FedAvg's

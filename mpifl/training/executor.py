@@ -8,19 +8,20 @@ executor (:class:`LocalSGD`) then runs every client's local SGD through one step
 (:func:`_step_block`: the transform, clipping, weight decay, momentum and the SGD update, elementwise on the
 block), with one of two engines computing the block's gradients:
 
-* the **loop** (``batched=False``): one row at a time on the shared workspace model with plain autograd, whose
+* the **loop** (``vectorized=False``): one row at a time on the shared workspace model with plain autograd, whose
   bits are the CPU's results of record (a row's block is ``[1, numel]``, the elementwise step the same bits as
   on a vector);
-* the **batch** (``batched=True``): clients whose batch sizes agree at every step as rows of one parameter
-  matrix on the device, one gradient per call of rows (autograd over a ``torch.func.vmap``-ped forward pass);
-  their data concatenated on the device, one index tensor for all their steps' batches (each client's batch order
-  and augmentation drawn on the host from its own generator, in the loop's order, so schedules stay bitwise), the
-  start copied up once however many clients share it, the losses summed on the device and the results left there
-  (:class:`TrainedRows`), so nothing is read per client or per step.
+* the **vectorized path** (``vectorized=True``, ``client.vectorize``): clients whose batch sizes agree at every
+  step as rows of one parameter matrix on the device, one gradient per call of rows (autograd over a
+  ``torch.func.vmap``-ped forward pass); their data concatenated on the device, one index tensor for all their
+  steps' batches (each client's batch order and augmentation drawn on the host from its own generator, in the
+  loop's order, so schedules stay bitwise), the start copied up once however many clients share it, the losses
+  summed on the device and the results left there (:class:`TrainedRows`), so nothing is read per client or per
+  step.
 
 A client's update must not depend on which clients share its rank, or results would change with the rank
-count. So with the batch on, every client goes through it, a group of one included, and on the CPU it runs on
-one intra-op thread: a batched matrix product then computes each client's rows alone, the same for any number
+count. So with the vectorized path on, every client goes through it, a group of one included, and on the CPU it
+runs on one intra-op thread: a batched matrix product then computes each client's rows alone, the same for any number
 of rows (tests check it at two threads). A batched convolution is different: vmap runs it as one grouped
 convolution, whose algorithm, and rounding, may change with the number of groups (on this CPU it does for one or
 two clients), and so may a GPU's batched kernels. For convolutional models, and for every model on a GPU, each
@@ -28,8 +29,8 @@ call therefore gets exactly :attr:`LocalSGD.chunk` rows, the last call padded wi
 whose results are dropped (tests check that a client's update is then the same in any company and at any
 position). The chunk is fixed by the config (:func:`auto_chunk`) so that padding stays small on any rank count.
 
-The two engines agree bitwise for dense models of any width, on any CPU path (the batch's linear layers multiply in
-the loop's order: :mod:`mpifl.training.rounding`; tests check it), but round differently for convolutions:
+The two engines agree bitwise for dense models of any width, on any CPU path (the vectorized path's linear layers
+multiply in the loop's order: :mod:`mpifl.training.rounding`; tests check it), but round differently for convolutions:
 ``client.vectorize`` is a setting of the results, like ``threads_per_rank``.
 """
 
@@ -68,7 +69,7 @@ parameters) to the block's rows of it. An accumulator is a view: adding to it in
 
 @dataclass(frozen=True)
 class LocalStep:
-    """An algorithm's local SGD, stated once for the loop and the batch (see the module's docstring)."""
+    """An algorithm's local SGD, stated once for the loop and the vectorized path (see the module's docstring)."""
 
     transform: GradTransform | None = None  # the gradient's change before each step; None: plain gradients
     sums: tuple[str, ...] = ()  # float64 accumulators, one row per client, zero at the start (SCAFFOLD's Σ gₖ)
@@ -89,7 +90,8 @@ device, copied nowhere)."""
 
 @dataclass(frozen=True)
 class ClientStart:
-    """Where one client's local SGD starts and what its step reads: the one start of the loop and the batch."""
+    """Where one client's local SGD starts and what its step reads: the one start of the loop and the vectorized
+    path."""
 
     params: Rows  # the workspace's own parameters are trained in place (:func:`local_sgd`)
     values: Mapping[str, Rows] = field(default_factory=dict)  # per-client values the transform reads
@@ -122,8 +124,8 @@ class TrainedRows:
 
     @property
     def seconds(self) -> np.ndarray:
-        """Each run's compute seconds: its own in the loop, an equal share of its group's in the batch; on a GPU
-        measured by device events (read after :meth:`mean_losses`, when the work is done)."""
+        """Each run's compute seconds: its own in the loop, an equal share of its group's in the vectorized path; on a
+        GPU measured by device events (read after :meth:`mean_losses`, when the work is done)."""
         return self.timer.seconds()
 
     def mean_losses(self) -> np.ndarray:
@@ -183,13 +185,13 @@ class _Timer:
         return seconds
 
 
-def kernel_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_default: bool) -> bool:
-    """Whether a rank's clients train in the batch. ``client.vectorize`` true or false decides for every
-    vectorizable model. ``auto`` is the batch on a GPU, where one launch for many clients should beat one per
+def vectorize_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_default: bool) -> bool:
+    """Whether a rank's clients train in the vectorized path. ``client.vectorize`` true or false decides for every
+    vectorizable model. ``auto`` is the vectorized path on a GPU, where one launch for many clients should beat one per
     client; that default awaits a measurement on a GPU (benchmarks/bench_w2.py --device cuda). On the CPU
     ``auto`` keeps what was measured faster and was the default before, so CPU results stay as they were: the
     batch for dense models when the algorithm's step is FedAvg's without a transform (``cpu_default``;
-    0.5–0.9× the loop's time, bench_vectorize.py), the loop for convolutional models (the batch took 1.2–1.3×
+    0.5–0.9× the loop's time, bench_vectorize.py), the loop for convolutional models (the vectorized path took 1.2–1.3×
     the loop's time for B1 unpadded, 1.5–2.4× padded, 2.0–2.9× for W2: RESULTS.md) and for the other
     algorithms."""
     if model_name not in VECTORIZABLE_MODELS or cfg.vectorize is False:
@@ -231,12 +233,14 @@ def auto_chunk(cohort: int, device: torch.device) -> int:
 
 
 class LocalSGD:
-    """Runs :class:`LocalStep` for many clients on one flat model, through the loop or the batch."""
+    """Runs :class:`LocalStep` for many clients on one flat model, through the loop or the vectorized path."""
 
-    def __init__(self, model: FlatModel, loss_fn: nn.Module, batched: bool, chunk: int, cuda_graph: bool = False):
-        """``batched``: the batch, else the loop; ``chunk``: the rows of every call where their count matters;
-        ``cuda_graph``: on CUDA, the batch's step captured once per call and replayed (``client.cuda_graph``)."""
-        self.model, self.loss_fn, self.batched = model, loss_fn, batched
+    def __init__(self, model: FlatModel, loss_fn: nn.Module, vectorized: bool, chunk: int, cuda_graph: bool = False):
+        """``vectorized``: the vectorized path, else the loop; ``chunk``: the rows of every call where their count
+        matters;
+        ``cuda_graph``: on CUDA, the vectorized path's step captured once per call and replayed
+        (``client.cuda_graph``)."""
+        self.model, self.loss_fn, self.vectorized = model, loss_fn, vectorized
         self.buffers = StepBuffers(model.device)
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
         module, names, shapes = model.module, model.names, model.shapes
@@ -252,17 +256,17 @@ class LocalSGD:
 
         self._rows_forward: Callable = vmap(forward)
 
-    def kernel(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    def row_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Each row's gradient of its loss on its batch (``params`` ``[rows, numel]``, ``x`` and ``y`` one batch
         per row), with each row's loss and outputs: plain autograd over the rows' vmapped forward pass. A row's loss
         depends on its own parameters alone, so the gradient of the losses' sum is every row's own gradient,
         without ``torch.func.grad``'s import of ``torch._dynamo`` on its first call: a second of CPU in every
-        process that trains with the batch (docs/how-to/tests.md). Linear layers run as
+        process that trains with the vectorized path (docs/how-to/tests.md). Linear layers run as
         :class:`~mpifl.training.rounding.LoopRounding` says, so their weight gradients round as the loop's on every
         CPU (autograd's batched product alone swaps their operands)."""
         # on the CPU, linear layers' products in the loop's order (MKL's rounding; a GPU's batched products are
-        # another matter, not measured: there the batch stays as it was)
+        # another matter, not measured: there the vectorized path stays as it was)
         rounding = LoopRounding() if params.device.type == "cpu" else contextlib.nullcontext()
         with torch.enable_grad(), rounding:
             rows = params.detach().requires_grad_()
@@ -276,14 +280,14 @@ class LocalSGD:
         plans = [_plan(run, step, cfg) for run in runs]
         timer = _Timer(len(runs), self.model.device)
         pieces = []
-        if self.batched:
+        if self.vectorized:
             groups: dict[tuple[int, ...], list[int]] = {}
             for k, plan in enumerate(plans):
                 groups.setdefault(plan.sizes, []).append(k)
             with self._threads():
                 for members in groups.values():
                     began = timer.start()
-                    pieces.append(self._train_group(members, runs, plans, step, cfg))
+                    pieces.append(self._train_vectorized(members, runs, plans, step, cfg))
                     timer.stop(members, began)
         else:
             for k in range(len(runs)):
@@ -327,9 +331,9 @@ class LocalSGD:
             block.params = block.params.clone()
         return _Piece.of([k], block, 1, step, loss_sum[None])
 
-    def _train_group(self, members: list[int], runs: Sequence[ClientRun], plans: Sequence[BatchPlan],
+    def _train_vectorized(self, members: list[int], runs: Sequence[ClientRun], plans: Sequence[BatchPlan],
                      step: LocalStep, cfg: ClientConfig) -> _Piece:
-        """The batch: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
+        """The vectorized path: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
         calls. The block's parameters and momentum, and each call's sample indices, inputs and gradients, live in
         :class:`StepBuffers` (the same storage step after step and round after round); with ``cuda_graph`` each
         call's step is captured once (per batch size) and replayed (:class:`_Graphs`)."""
@@ -366,7 +370,7 @@ class LocalSGD:
                    loss_sums: torch.Tensor, real: int, step: LocalStep, cfg: ClientConfig) -> None:
         """One call's step: its rows' gradients on their batches (into ``grads``), their losses added to
         ``loss_sums``, then the step; nothing allocated by mpifl, nothing read (a CUDA graph captures it)."""
-        g, (loss, outputs) = self.kernel(block.params[call], xb, yb)
+        g, (loss, outputs) = self.row_gradients(block.params[call], xb, yb)
         with torch.no_grad():
             grads.copy_(g)  # a copy keeps every bit (−0 included)
             loss_sums[call] += self._losses(loss, outputs, yb, real)
@@ -426,7 +430,7 @@ class LocalSGD:
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
-        """One intra-op thread on the CPU while the batch runs (see the module's docstring)."""
+        """One intra-op thread on the CPU while the vectorized path runs (see the module's docstring)."""
         threads = torch.get_num_threads()
         if threads == 1 or self.model.device.type != "cpu":
             yield
@@ -439,7 +443,7 @@ class LocalSGD:
 
 
 class StepBuffers:
-    """The batch's step tensors (the block's parameters and momentum; each call's sample indices, inputs and
+    """The vectorized path's step tensors (the block's parameters and momentum; each call's sample indices, inputs and
     gradients), allocated once per name and shape and reused across steps and rounds: fixed storage, which a
     captured CUDA graph reads and writes, and no allocation per step. A few shapes a name are kept (a full and a
     last partial batch; groups of other sizes), the oldest dropped beyond that."""
@@ -510,7 +514,7 @@ def _step_block(block: _Block, grads: torch.Tensor, call: slice, step: LocalStep
                 ) -> None:
     """The local step on rows ``call`` of ``block`` given their gradients: the algorithm's transform, then
     clipping, weight decay, momentum and params −= lr·update on ``step.part`` (elementwise, so each row's bits are
-    those of the step on that row alone). The one step function of the loop and the batch."""
+    those of the step on that row alone). The one step function of the loop and the vectorized path."""
     params = block.params[call]
     if step.transform is not None:
         step.transform(params, grads, block.rows(call))
@@ -628,7 +632,7 @@ def local_sgd(model: FlatModel, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Mo
               generator: torch.Generator, steps: int | None = None, part: slice = slice(None)) -> TrainStats:
     """One client's local SGD on ``model`` in place, through the executor's loop (the one step): for an
     algorithm's own phases (FedRep's head then body, with one generator; a personalization before evaluation)."""
-    executor = LocalSGD(model, loss_fn, batched=False, chunk=1)
+    executor = LocalSGD(model, loss_fn, vectorized=False, chunk=1)
     trained = executor.train([ClientRun(ClientStart(model.params), x, y, generator)], LocalStep(steps=steps, part=part),
                              cfg)
     return TrainStats(int(trained.steps[0]), trained.loss_sums[0])

@@ -258,7 +258,7 @@ def _kernel_failure(model: FlatModel, loss_fn: torch.nn.Module, x: torch.Tensor,
                     cfg: ClientConfig) -> str | None:
     """Three clients (two of one size, one of another: two groups) through the batched kernel, deltas kept on
     the device: nothing may be read."""
-    kernel = LocalSGD(model, loss_fn, batched=True, chunk=2)
+    kernel = LocalSGD(model, loss_fn, vectorized=True, chunk=2)
     start = model.numpy().copy()
     runs = [ClientRun(ClientStart(start), x[a:b], y[a:b], client_generator(0, 1, k)) for k, (a, b) in
             enumerate([(0, 8), (8, 16), (4, SAMPLES)])]
