@@ -13,7 +13,7 @@ import yaml
 
 from mpifl.algorithms.state import ClientState
 from mpifl.cli import main
-from tests.conftest import _merge, assert_same, deterministic, run_config, run_mpifl_batch
+from tests.conftest import _merge, assert_same, deterministic, needs_cuda, run_config, run_mpifl_batch
 from tests.test_checkpoint import CONFIGS
 
 KB = 2**10
@@ -133,7 +133,7 @@ def test_a_tensor_entry_on_the_cpu_is_kept_as_its_array():
     assert state.export_states()[3]["control"].tobytes() == row.numpy().tobytes()
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA: the state's device tier")
+@needs_cuda
 def test_tensor_entries_stay_on_the_gpu_within_the_budget_and_come_to_the_host_beyond_it():
     import torch
 

@@ -33,7 +33,17 @@ from mpifl.training.executor import (
     vectorize_wanted,
 )
 from mpifl.training.sgd import client_generator
-from tests.conftest import HANG_S, REPO, _merge, assert_same, deterministic, mpi_env, run_engine, run_mpifl
+from tests.conftest import (
+    HANG_S,
+    REPO,
+    _merge,
+    assert_same,
+    deterministic,
+    mpi_env,
+    needs_cuda,
+    run_engine,
+    run_mpifl,
+)
 from tests.test_checkpoint import CONFIGS
 from tests.test_models import layout
 
@@ -438,7 +448,7 @@ def test_the_batched_step_keeps_its_storage_across_steps_and_rounds_and_reads_no
     assert not torch.equal(results[0], results[1])  # the rounds drew other batches
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: client.cuda_graph captures the step there")
+@needs_cuda
 def test_a_captured_step_is_bitwise_the_eager_step_on_cuda():
     """``client.cuda_graph`` on a GPU: the captured and replayed step gives the eager step's bits."""
     model_cfg, shape = CNNS["cnn"]
