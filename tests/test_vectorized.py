@@ -407,7 +407,7 @@ def test_a_start_may_be_a_tensor(batched):
 
 def test_the_batched_step_keeps_its_storage_across_steps_and_rounds_and_reads_nothing(monkeypatch):
     """Every call's step (two calls of 4 rows, ragged last batches, momentum, FedProx-like transform) reads and
-    writes the same parameters, gradients, momentum, sample indices, inputs and targets step after step and round
+    writes the same parameters, momentum, sample indices, inputs and targets step after step and round
     after round: what a CUDA graph captures; and nothing inside it is read on the host. ``cuda_graph`` on the CPU is
     the same eager code, bitwise."""
     from mpifl.training import executor
@@ -424,12 +424,12 @@ def test_the_batched_step_keeps_its_storage_across_steps_and_rounds_and_reads_no
     reads: list[dict] = []
     call_step = executor.LocalSGD._call_step
 
-    def recorded(self, block, call, xb, yb, grads, loss_sums, real, step, cfg):  # noqa: ANN001, ANN202
+    def recorded(self, block, call, xb, yb, loss_sums, real, step, cfg):  # noqa: ANN001, ANN202
         index = self.buffers.held["index"][(tuple(yb.shape), torch.int64)]
-        storage = tuple(t.untyped_storage().data_ptr() for t in (block.params, block.momentum, grads, index, xb, yb))
+        storage = tuple(t.untyped_storage().data_ptr() for t in (block.params, block.momentum, index, xb, yb))
         seen.setdefault((id(self), call.start, tuple(yb.shape)), set()).add(storage)
         with host_reads() as counts:
-            call_step(self, block, call, xb, yb, grads, loss_sums, real, step, cfg)
+            call_step(self, block, call, xb, yb, loss_sums, real, step, cfg)
         reads.append(dict(counts))
 
     monkeypatch.setattr(executor.LocalSGD, "_call_step", recorded)

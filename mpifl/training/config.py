@@ -39,7 +39,7 @@ class ClientConfig:
     # cohort spread over 1, 2 or 4 workers (W2's 50 clients: 13), from the config alone
     vectorize_chunk: int | Literal["auto"] = field(default="auto", metadata=limits(ge=1))
     # on CUDA, each batched call's local step captured as a CUDA graph once per group and batch size, then replayed
-    # (one launch a step instead of one per operation); its parameters, gradients, momentum, sample indices and
+    # (one launch a step instead of one per operation); its parameters, momentum, sample indices and
     # inputs live in buffers reused across steps and rounds either way. On the CPU the same code runs eagerly:
     # the same bits as false. Untested on a GPU so far (docs/how-to/gpus.md)
     cuda_graph: bool = False

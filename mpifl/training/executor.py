@@ -334,7 +334,7 @@ class LocalSGD:
     def _train_vectorized(self, members: list[int], runs: Sequence[ClientRun], plans: Sequence[BatchPlan],
                      step: LocalStep, cfg: ClientConfig) -> _Piece:
         """The vectorized path: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
-        calls. The block's parameters and momentum, and each call's sample indices, inputs and gradients, live in
+        calls. The block's parameters and momentum, and each call's sample indices, inputs and targets, live in
         :class:`StepBuffers` (the same storage step after step and round after round); with ``cuda_graph`` each
         call's step is captured once (per batch size) and replayed (:class:`_Graphs`)."""
         device = self.model.device
@@ -357,22 +357,21 @@ class LocalSGD:
                 into = (self.buffers.get("index", size, torch.int64),
                         self.buffers.get("x", (*size, *x.shape[1:]), x.dtype), self.buffers.get("y", size, y.dtype))
                 xb, yb = plan.batch(x, y, index, call, into)
-                grads = self.buffers.get("grads", (size[0], self.model.numel), params.dtype)
-                one_step = functools.partial(self._call_step, block, call, xb, yb, grads, loss_sums,
-                                             len(group) - call.start, step, cfg)
+                one_step = functools.partial(self._call_step, block, call, xb, yb, loss_sums, len(group) - call.start,
+                                             step, cfg)
                 if graphs is None:
                     one_step()
                 else:
                     graphs.run((slot, size), one_step)
         return _Piece.of(members, block, len(group), step, loss_sums[: len(group)])
 
-    def _call_step(self, block: _Block, call: slice, xb: torch.Tensor, yb: torch.Tensor, grads: torch.Tensor,
-                   loss_sums: torch.Tensor, real: int, step: LocalStep, cfg: ClientConfig) -> None:
-        """One call's step: its rows' gradients on their batches (into ``grads``), their losses added to
-        ``loss_sums``, then the step; nothing allocated by mpifl, nothing read (a CUDA graph captures it)."""
-        g, (loss, outputs) = self.row_gradients(block.params[call], xb, yb)
+    def _call_step(self, block: _Block, call: slice, xb: torch.Tensor, yb: torch.Tensor, loss_sums: torch.Tensor,
+                   real: int, step: LocalStep, cfg: ClientConfig) -> None:
+        """One call's step: its rows' gradients on their batches, their losses added to ``loss_sums``, then the
+        step; nothing read (a CUDA graph captures it). The gradients are autograd's own tensor, which a captured
+        graph keeps at one address of its private pool from replay to replay: no copy into a buffer of ours."""
+        grads, (loss, outputs) = self.row_gradients(block.params[call], xb, yb)
         with torch.no_grad():
-            grads.copy_(g)  # a copy keeps every bit (−0 included)
             loss_sums[call] += self._losses(loss, outputs, yb, real)
             if step.gradient:  # one step, each call its own rows: the gradient takes the start's place
                 block.params[call] = _with_decay(grads, block.params[call], cfg)
@@ -443,8 +442,8 @@ class LocalSGD:
 
 
 class StepBuffers:
-    """The vectorized path's step tensors (the block's parameters and momentum; each call's sample indices, inputs and
-    gradients), allocated once per name and shape and reused across steps and rounds: fixed storage, which a
+    """The vectorized path's step tensors (the block's parameters and momentum; each call's sample indices, inputs
+    and targets), allocated once per name and shape and reused across steps and rounds: fixed storage, which a
     captured CUDA graph reads and writes, and no allocation per step. A few shapes a name are kept (a full and a
     last partial batch; groups of other sizes), the oldest dropped beyond that."""
 
@@ -469,7 +468,7 @@ class _Graphs:
     """A group's steps as CUDA graphs (``client.cuda_graph``), one per call and batch size: the first such step
     runs eagerly on a side stream (the warm-up capture needs), the second is captured and every one from then on
     is a replay, one launch for the whole step. Graphs live for one group: its block, values and accumulators are
-    its own tensors; the inputs and gradients are :class:`StepBuffers`, written before each replay."""
+    its own tensors; the inputs are :class:`StepBuffers`, written before each replay."""
 
     def __init__(self) -> None:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
