@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mpifl.training.executor import WORKER_COUNTS, auto_chunk, padded_work  # noqa: E402
+from mpifl.training.vectorizing import WORKER_COUNTS, auto_chunk, padded_work  # noqa: E402
 
 OPTIONS = (64, 32, 16, 13, 8, 7, 5, 4)
 

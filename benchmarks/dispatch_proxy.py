@@ -236,7 +236,7 @@ def gpu_chunk(cohort: int) -> int:
     import torch
 
     try:
-        from mpifl.training.executor import auto_chunk  # type: ignore[import-not-found, unused-ignore]
+        from mpifl.training.vectorizing import auto_chunk  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return 64
     return int(auto_chunk(cohort, torch.device("cuda")))  # only the device's type is read: no GPU needed

@@ -20,7 +20,7 @@ from mpifl.comm.exactsum.distributed import DistributedSum
 from mpifl.registry import get_algorithm
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import VECTORIZABLE_MODELS, local_sgd
+from mpifl.training.executor import local_sgd
 from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.syncdebug import (
     CASES,
@@ -34,6 +34,7 @@ from mpifl.training.syncdebug import (
     refusing_host_syncs,
     step_configs,
 )
+from mpifl.training.vectorizing import VECTORIZABLE_MODELS
 from tests.conftest import CUDA_ONLY, _merge, run_engine
 from tests.test_checkpoint import CONFIGS
 

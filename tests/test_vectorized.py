@@ -20,19 +20,10 @@ from mpifl.models.config import ModelConfig
 from mpifl.registry import parse_config
 from mpifl.schema import ConfigError
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import (
-    PADDING_BOUND,
-    VECTORIZABLE_MODELS,
-    ClientRun,
-    ClientStart,
-    LocalSGD,
-    LocalStep,
-    auto_chunk,
-    local_sgd,
-    padded_work,
-    vectorize_wanted,
-)
+from mpifl.training.executor import LocalSGD, local_sgd
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep
 from mpifl.training.sgd import client_generator
+from mpifl.training.vectorizing import PADDING_BOUND, VECTORIZABLE_MODELS, auto_chunk, padded_work, vectorize_wanted
 from tests.conftest import (
     HANG_S,
     REPO,
@@ -134,7 +125,8 @@ import sys, torch
 from mpifl.models import FlatModel, build_model
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import ClientRun, ClientStart, LocalSGD, LocalStep
+from mpifl.training.executor import LocalSGD
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep
 from mpifl.training.sgd import client_generator
 from tests.test_models import layout
 from tests.test_vectorized import clients
@@ -188,7 +180,8 @@ import sys, torch
 from mpifl.models import FlatModel, build_model
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import ClientRun, ClientStart, LocalSGD, LocalStep
+from mpifl.training.executor import LocalSGD
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep
 from mpifl.training.sgd import client_generator
 from tests.test_models import layout
 flat = FlatModel(build_model(ModelConfig(name="cnn", channels=(2,), fc_hidden=4), layout((1, 6, 6)), seed=0))

@@ -47,7 +47,7 @@ from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models.flat import layer_groups
 from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.schema import ConfigError, limits
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 from mpifl.training.sgd import planned_samples
 
 

@@ -33,7 +33,7 @@ from mpifl.algorithms.state import ClientState
 from mpifl.algorithms.toolkit import ClientStart, ClientToolkit, send_from
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.schema import limits
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm
 from mpifl.algorithms.state import ClientState
 from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 
 
 class FedAvgProtocol(Protocol):

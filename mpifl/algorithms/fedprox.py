@@ -14,7 +14,7 @@ import torch
 from mpifl.algorithms.base import StepContext
 from mpifl.algorithms.fedavg import FedAvgClient
 from mpifl.schema import limits
-from mpifl.training.executor import GradTransform, LocalStep
+from mpifl.training.localstep import GradTransform, LocalStep
 
 
 @dataclass(frozen=True)

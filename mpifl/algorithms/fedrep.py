@@ -32,7 +32,8 @@ from mpifl.algorithms.fedavg import DeltaClient, FedAvgProtocol, GlobalModel
 from mpifl.comm.messages import Message, require
 from mpifl.models.flat import layer_groups
 from mpifl.schema import ConfigError, limits
-from mpifl.training.executor import ClientStart, LocalStep, TrainedRows, TrainStats, local_sgd
+from mpifl.training.executor import local_sgd
+from mpifl.training.localstep import ClientStart, LocalStep, TrainedRows, TrainStats
 from mpifl.training.sgd import client_generator, planned_samples
 
 NEW_HEAD_PURPOSE = 4  # client_generator purpose of an unseen client's head training

@@ -15,7 +15,7 @@ import numpy as np
 from mpifl.algorithms.base import Handler, RunContext, StepContext
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.executor import LocalStep
+from mpifl.training.localstep import LocalStep
 
 
 class FedSGDProtocol(FedAvgProtocol):

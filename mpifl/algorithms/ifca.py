@@ -22,7 +22,7 @@ from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 from mpifl.training.sgd import to_device
 
 

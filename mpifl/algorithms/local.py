@@ -24,7 +24,7 @@ from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Step
 from mpifl.schema import limits
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, defa
 from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_numpy
-from mpifl.training.executor import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, TrainedRows
 from mpifl.training.sgd import client_generator, clip_factor
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights

@@ -35,7 +35,7 @@ from mpifl.models import FlatModel
 from mpifl.models.hyper import seeded
 from mpifl.schema import limits
 from mpifl.training.device import host_numpy
-from mpifl.training.executor import TrainedRows
+from mpifl.training.localstep import TrainedRows
 
 TABLE_STREAM, NEWCOMER_STREAM = 0x5441424C45, 0x4E4557  # seed streams of the embedding table, new embeddings
 NEWCOMER_PURPOSE = 2  # client_generator purposes from here on: a new client's adaptation steps

@@ -30,7 +30,7 @@ from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.algorithms.state import ClientState
 from mpifl.algorithms.toolkit import ClientStart
 from mpifl.comm.messages import LOCAL, Message, Step
-from mpifl.training.executor import GradTransform, LocalStep, TrainedRows
+from mpifl.training.localstep import GradTransform, LocalStep, TrainedRows
 from mpifl.training.sgd import to_device
 
 

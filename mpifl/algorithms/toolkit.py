@@ -17,19 +17,11 @@ from mpifl.algorithms.context import EvalLayout, RunContext, StepContext
 from mpifl.algorithms.state import ClientState
 from mpifl.models import loss_function
 from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
-from mpifl.training.executor import (
-    ClientRun,
-    ClientStart,
-    LocalSGD,
-    LocalStep,
-    Rows,
-    TrainedRows,
-    auto_chunk,
-    read_together,
-    vectorize_wanted,
-)
+from mpifl.training.executor import LocalSGD
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep, Rows, TrainedRows, read_together
 from mpifl.training.sgd import client_generator, evaluate
 from mpifl.training.tensors import TensorSplit
+from mpifl.training.vectorizing import auto_chunk, vectorize_wanted
 
 DEVICE_ROUND_BYTES = 2 << 30
 """Device memory the vectorized path's clients of one upload chunk may take (4 float32 rows each: parameters, gradients,

@@ -1,10 +1,10 @@
 """One executor for every algorithm's local SGD: the step is stated once, the executor chooses how to run it.
 
-An algorithm says what its local step is (:class:`LocalStep`): the configuration, learning rate and step count,
-and how it changes a gradient, as one operation on a block of client rows (:data:`GradTransform`: FedProx's
-μ(P − A), SCAFFOLD's correction and its running gradient sum, each a whole-block tensor operation), with the
-per-client values that operation reads (:class:`ClientRun`: SCAFFOLD's c − cᵢ, FedALS's carried momentum). The
-executor (:class:`LocalSGD`) then runs every client's local SGD through one step function
+An algorithm says what its local step is (:mod:`mpifl.training.localstep`'s ``LocalStep``): the configuration,
+learning rate and step count, and how it changes a gradient, as one operation on a block of client rows
+(``GradTransform``: FedProx's μ(P − A), SCAFFOLD's correction and its running gradient sum, each a whole-block
+tensor operation), with the per-client values that operation reads (``ClientStart``: SCAFFOLD's c − cᵢ, FedALS's
+carried momentum). The executor (:class:`LocalSGD`) then runs every client's local SGD through one step function
 (:func:`_step_block`: the transform, clipping, weight decay, momentum and the SGD update, elementwise on the
 block), with one of two engines computing the block's gradients:
 
@@ -27,7 +27,8 @@ convolution, whose algorithm, and rounding, may change with the number of groups
 two clients), and so may a GPU's batched kernels. For convolutional models, and for every model on a GPU, each
 call therefore gets exactly :attr:`LocalSGD.chunk` rows, the last call padded with copies of one of its clients
 whose results are dropped (tests check that a client's update is then the same in any company and at any
-position). The chunk is fixed by the config (:func:`auto_chunk`) so that padding stays small on any rank count.
+position). The chunk is fixed by the config
+(:func:`~mpifl.training.vectorizing.auto_chunk`) so that padding stays small on any rank count.
 
 The two engines agree bitwise for dense models of any width, on any CPU path (the vectorized path's linear layers
 multiply in the loop's order: :mod:`mpifl.training.rounding`; tests check it), but round differently for convolutions:
@@ -38,10 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,186 +49,13 @@ from torch.func import functional_call, vmap
 
 from mpifl.models.flat import FlatModel
 from mpifl.training.config import ClientConfig
-from mpifl.training.device import host_numpy
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep, Rows, Timer, TrainedRows, TrainStats
 from mpifl.training.rounding import LoopRounding
 from mpifl.training.sgd import BatchPlan, batch_plan, sgd_update, to_device
+from mpifl.training.stepbuffers import StepBuffers, StepGraphs
+from mpifl.training.vectorizing import call_slices, padded_rows
 
-CPU_CHUNK, GPU_CHUNK = 16, 64
-"""``client.vectorize_chunk: auto``'s rows per call on the CPU, and the most on a GPU (:func:`auto_chunk`)."""
-DENSE_MODELS = ("linear", "logistic", "mlp")
-# no buffers (BatchNorm keeps no running statistics) and no randomness in the forward pass
-VECTORIZABLE_MODELS = (*DENSE_MODELS, "cnn", "lenet", "convnet", "resnet20", "simple_cnn")
-
-GradTransform = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], None]
-"""``transform(params, grads, rows)``: an algorithm's change of a block's gradients before the SGD step, in place,
-as whole-block tensor operations. ``params`` and ``grads`` are ``[rows, numel]``; ``rows`` maps each per-client
-value (:attr:`ClientRun.values`), each accumulator (:attr:`LocalStep.sums`) and ``"start"`` (the rows' start
-parameters) to the block's rows of it. An accumulator is a view: adding to it in place accumulates."""
-
-
-@dataclass(frozen=True)
-class LocalStep:
-    """An algorithm's local SGD, stated once for the loop and the vectorized path (see the module's docstring)."""
-
-    transform: GradTransform | None = None  # the gradient's change before each step; None: plain gradients
-    sums: tuple[str, ...] = ()  # float64 accumulators, one row per client, zero at the start (SCAFFOLD's Σ gₖ)
-    carries_momentum: bool = False  # each client brings its momentum and takes it back (FedALS), else it starts at 0
-    config: ClientConfig | None = None  # the client's SGD settings; None: ``client.*``
-    lr: float | None = None  # None: the config's
-    steps: int | None = None  # local steps; None: the config's steps or epochs
-    part: slice = field(default_factory=lambda: slice(None))  # only this span trains, the rest stays frozen
-    delta: bool = False  # give final − start (computed where the rows are: same float32 bits anywhere)
-    gradient: bool = False  # no SGD: each run's gradient of its mean loss over all its samples at its start, plus
     # weight decay, is the row it leaves (FedSGD's full gradients, Karula's gradient queries)
-
-
-Rows = np.ndarray | torch.Tensor
-"""A client's row: a host array (read-only views of received rows are fine) or a tensor (a state kept on the
-device, copied nowhere)."""
-
-
-@dataclass(frozen=True)
-class ClientStart:
-    """Where one client's local SGD starts and what its step reads: the one start of the loop and the vectorized
-    path."""
-
-    params: Rows  # the workspace's own parameters are trained in place (:func:`local_sgd`)
-    values: Mapping[str, Rows] = field(default_factory=dict)  # per-client values the transform reads
-    momentum: Rows | None = None  # the carried momentum, with ``LocalStep.carries_momentum``
-    purpose: int = 0  # the client's generator is keyed by (seed, round, client, purpose)
-
-
-@dataclass(frozen=True)
-class ClientRun:
-    """One client's local SGD: its start, its training data and the generator of its batches (none for
-    :attr:`LocalStep.gradient`, which draws nothing)."""
-
-    start: ClientStart
-    x: torch.Tensor
-    y: torch.Tensor
-    generator: torch.Generator | None = None
-
-
-@dataclass(frozen=True)
-class TrainedRows:
-    """What :meth:`LocalSGD.train` leaves, on the training device, one row per run in the order given: nothing here
-    has been read."""
-
-    params: torch.Tensor  # final parameters, or final − start with ``LocalStep.delta``
-    loss_sums: torch.Tensor  # float64: each run's Σ of its steps' losses
-    steps: np.ndarray  # int64: the local steps each run took
-    sums: dict[str, torch.Tensor]  # float64 accumulators of ``LocalStep.sums``
-    momentum: torch.Tensor | None  # the momentum each run ends with (``LocalStep.carries_momentum``)
-    timer: _Timer
-
-    @property
-    def seconds(self) -> np.ndarray:
-        """Each run's compute seconds: its own in the loop, an equal share of its group's in the vectorized path; on a
-        GPU measured by device events (read after :meth:`mean_losses`, when the work is done)."""
-        return self.timer.seconds()
-
-    def mean_losses(self) -> np.ndarray:
-        """Every run's mean training loss, in one device→host copy."""
-        return host_numpy(self.loss_sums) / np.maximum(self.steps, 1)
-
-    def host(self, *names: str) -> list[np.ndarray]:
-        """The named results (``params``, ``momentum`` or an accumulator) in host memory, in one device→host copy
-        where they live on a GPU (views on the CPU)."""
-        tensors = [getattr(self, name) if name in ("params", "momentum") else self.sums[name] for name in names]
-        return read_together(tensors)
-
-
-def read_together(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """``tensors`` in host memory with one device→host copy for all of them (their bytes packed on the device
-    first); on the CPU their own memory."""
-    if not tensors or tensors[0].device.type == "cpu":
-        return [host_numpy(t) for t in tensors]
-    packed = host_numpy(torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors]))
-    out, offset = [], 0
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-        out.append(packed[offset : offset + size].view(dtype).reshape(t.shape))
-        offset += size
-    return out
-
-
-class _Timer:
-    """Compute seconds of groups of runs: wall time on the CPU, device events on a GPU (asynchronous launches make
-    the host's clock measure only their enqueueing)."""
-
-    def __init__(self, runs: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list[tuple[list[int], object, object]] = []
-        self.runs = runs
-
-    def start(self) -> object:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def stop(self, members: list[int], began: object) -> None:
-        self.spans.append((members, began, self.start()))
-
-    def seconds(self) -> np.ndarray:
-        seconds = np.zeros(self.runs)
-        for members, began, ended in self.spans:
-            if self.cuda:
-                ended.synchronize()  # type: ignore[attr-defined]  # done already once the losses were read
-                span = began.elapsed_time(ended) / 1e3  # type: ignore[attr-defined]
-            else:
-                span = ended - began  # type: ignore[operator]
-            seconds[members] += span / len(members)  # a run in several spans (phases) takes each share
-        return seconds
-
-
-def vectorize_wanted(cfg: ClientConfig, model_name: str, device: torch.device, cpu_default: bool) -> bool:
-    """Whether a rank's clients train in the vectorized path. ``client.vectorize`` true or false decides for every
-    vectorizable model. ``auto`` is the vectorized path on a GPU, where one launch for many clients should beat one per
-    client; that default awaits a measurement on a GPU (benchmarks/bench_w2.py --device cuda). On the CPU
-    ``auto`` keeps what was measured faster and was the default before, so CPU results stay as they were: the
-    batch for dense models when the algorithm's step is FedAvg's without a transform (``cpu_default``;
-    0.5–0.9× the loop's time, bench_vectorize.py), the loop for convolutional models (the vectorized path took 1.2–1.3×
-    the loop's time for B1 unpadded, 1.5–2.4× padded, 2.0–2.9× for W2: RESULTS.md) and for the other
-    algorithms."""
-    if model_name not in VECTORIZABLE_MODELS or cfg.vectorize is False:
-        return False
-    if cfg.vectorize is True or device.type != "cpu":
-        return True
-    return cpu_default and model_name in DENSE_MODELS
-
-
-PADDING_BOUND = 1.25
-"""The most rows a GPU's calls may compute per real client row, for a round's cohort spread evenly over any of
-:data:`WORKER_COUNTS` worker ranks (padding copies are work whose results are dropped)."""
-WORKER_COUNTS = (1, 2, 4)
-
-
-def padded_work(cohort: int, workers: int, chunk: int) -> float:
-    """Rows computed per real row when ``cohort`` clients are spread evenly over ``workers`` ranks, each rank's
-    clients in calls of exactly ``chunk`` rows."""
-    sizes = [cohort // workers + (w < cohort % workers) for w in range(workers)]
-    return sum(math.ceil(n / chunk) * chunk for n in sizes) / cohort
-
-
-def auto_chunk(cohort: int, device: torch.device) -> int:
-    """``client.vectorize_chunk: auto``: the rows of every call. A client's bits may depend on the call's size (a
-    grouped convolution's algorithm may change with it), never on its company, so the size is fixed for a run by
-    its config alone, never by the rank count. On the CPU 16, as before (CPU results keep their bits); on a GPU the
-    size up to 64 whose padding stays within :data:`PADDING_BOUND` for the round's ``cohort`` on each of
-    :data:`WORKER_COUNTS` worker ranks that makes the fewest calls, the least padded of those (W2's 50 clients a
-    round: 13, 4 calls a step, 1.04× on 1, 2 and 4 workers, where 64 rows were 1.28×, 2.56× and 5.1×; 1,000 clients
-    a round: 64, 1.02×). Fewest calls first, because every call is a launch of the whole step: a smaller chunk pads
-    less on more workers (7 rows: 1.12× on 8 too) but takes twice the calls (bench_padding.py)."""
-    if device.type == "cpu":
-        return CPU_CHUNK
-    cohort = max(cohort, 1)
-    counts = [w for w in WORKER_COUNTS if w <= cohort]
-    padding = {chunk: max(padded_work(cohort, w, chunk) for w in counts) for chunk in range(1, GPU_CHUNK + 1)}
-    return min((chunk for chunk, worst in padding.items() if worst <= PADDING_BOUND),
-               key=lambda chunk: (math.ceil(cohort / chunk), padding[chunk]))
 
 
 class LocalSGD:
@@ -278,7 +104,7 @@ class LocalSGD:
         """Local SGD of every run as ``step`` says (``cfg``: ``client.*``, unless ``step`` names its own)."""
         cfg = step.config or cfg
         plans = [_plan(run, step, cfg) for run in runs]
-        timer = _Timer(len(runs), self.model.device)
+        timer = Timer(len(runs), self.model.device)
         pieces = []
         if self.vectorized:
             groups: dict[tuple[int, ...], list[int]] = {}
@@ -336,10 +162,10 @@ class LocalSGD:
         """The vectorized path: ``members`` (the same batch sizes at every step) as rows of one block, padded to whole
         calls. The block's parameters and momentum, and each call's sample indices, inputs and targets, live in
         :class:`StepBuffers` (the same storage step after step and round after round); with ``cuda_graph`` each
-        call's step is captured once (per batch size) and replayed (:class:`_Graphs`)."""
+        call's step is captured once (per batch size) and replayed (:class:`StepGraphs`)."""
         device = self.model.device
         group = [runs[k] for k in members]
-        order = _padded(len(members), self.chunk)  # the rows: the runs, then copies that pad the last call
+        order = padded_rows(len(members), self.chunk)  # the rows: the runs, then copies that pad the last call
         x = torch.cat([run.x for run in group]) if len(group) > 1 else group[0].x
         y = torch.cat([run.y for run in group]) if len(group) > 1 else group[0].y
         offsets = np.cumsum([0] + [len(run.x) for run in group])
@@ -350,9 +176,9 @@ class LocalSGD:
                 for name in step.sums}
         block = _Block(params, self._momentum(group, order, step, cfg), values, sums, starts)
         loss_sums = torch.zeros(len(order), dtype=torch.float64, device=device)
-        graphs = _Graphs() if self.cuda_graph else None
+        graphs = StepGraphs() if self.cuda_graph else None
         for index in range(len(plan)):
-            for slot, call in enumerate(_calls(len(order), self.chunk)):
+            for slot, call in enumerate(call_slices(len(order), self.chunk)):
                 size = call.stop - call.start, plan.bounds[index + 1] - plan.bounds[index]
                 into = (self.buffers.get("index", size, torch.int64),
                         self.buffers.get("x", (*size, *x.shape[1:]), x.dtype), self.buffers.get("y", size, y.dtype))
@@ -441,57 +267,6 @@ class LocalSGD:
             torch.set_num_threads(threads)
 
 
-class StepBuffers:
-    """The vectorized path's step tensors (the block's parameters and momentum; each call's sample indices, inputs
-    and targets), allocated once per name and shape and reused across steps and rounds: fixed storage, which a
-    captured CUDA graph reads and writes, and no allocation per step. A few shapes a name are kept (a full and a
-    last partial batch; groups of other sizes), the oldest dropped beyond that."""
-
-    KEPT = 4
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.held: dict[str, dict[tuple, torch.Tensor]] = {}
-
-    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The buffer ``name`` of ``shape`` and ``dtype`` (its contents are what the last user left)."""
-        shapes = self.held.setdefault(name, {})
-        key = (tuple(shape), dtype)
-        if key not in shapes:
-            if len(shapes) == self.KEPT:
-                del shapes[next(iter(shapes))]
-            shapes[key] = torch.empty(key[0], dtype=dtype, device=self.device)
-        return shapes[key]
-
-
-class _Graphs:
-    """A group's steps as CUDA graphs (``client.cuda_graph``), one per call and batch size: the first such step
-    runs eagerly on a side stream (the warm-up capture needs), the second is captured and every one from then on
-    is a replay, one launch for the whole step. Graphs live for one group: its block, values and accumulators are
-    its own tensors; the inputs are :class:`StepBuffers`, written before each replay."""
-
-    def __init__(self) -> None:
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.warm: set[tuple] = set()
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def run(self, key: tuple, step: Callable[[], None]) -> None:
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.warm:
-                self.warm.add(key)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step()
-                torch.cuda.current_stream().wait_stream(side)
-                return
-            graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step()  # recorded, not run: the replay below runs it
-        graph.replay()
-
-
 @dataclass
 class _Block:
     """The rows being trained: parameters, momentum (None without), per-client values, accumulators, starts."""
@@ -566,13 +341,13 @@ class _Piece:
                    None if block.momentum is None or not step.carries_momentum else block.momentum[:real].clone())
 
 
-def _nothing_trained(model: FlatModel, step: LocalStep, timer: _Timer) -> TrainedRows:
+def _nothing_trained(model: FlatModel, step: LocalStep, timer: Timer) -> TrainedRows:
     empty = torch.zeros(0, model.numel, device=model.device)
     return TrainedRows(empty, torch.zeros(0, dtype=torch.float64, device=model.device), np.zeros(0, np.int64),
                        {name: empty.double() for name in step.sums}, empty if step.carries_momentum else None, timer)
 
 
-def _assemble(pieces: list[_Piece], count: int, steps: np.ndarray, timer: _Timer) -> TrainedRows:
+def _assemble(pieces: list[_Piece], count: int, steps: np.ndarray, timer: Timer) -> TrainedRows:
     """The groups' rows in the runs' order: one group's own tensors as they are (no copy, and no fresh buffer
     that deterministic mode would fill with NaN first), else gathered into new ones."""
 
@@ -597,34 +372,6 @@ def _scatter(into: torch.Tensor, members: list[int], rows: torch.Tensor) -> None
         into[members[0] : members[0] + len(members)] = rows
     else:
         into.index_copy_(0, to_device(torch.tensor(members), into.device), rows)
-
-
-def _padded(count: int, chunk: int | None) -> list[int]:
-    """Which run each row trains: every run once, then, with a fixed chunk, copies of the last call's first run up
-    to a whole number of chunks (their results are dropped)."""
-    if chunk is None or count % chunk == 0:
-        return list(range(count))
-    last = count - count % chunk
-    return list(range(count)) + [last] * (chunk - count % chunk)
-
-
-def _calls(rows: int, chunk: int | None) -> list[slice]:
-    """The rows of each call: all at once, or consecutive blocks of exactly ``chunk``."""
-    step = chunk or rows
-    return [slice(start, start + step) for start in range(0, rows, step)]
-
-
-@dataclass(frozen=True)
-class TrainStats:
-    """What one client's :func:`local_sgd` reports. The loss stays on the device until :attr:`mean_loss` reads it:
-    one device→host copy per client, never one per step."""
-
-    steps: int
-    loss_sum: torch.Tensor  # Σ of the steps' losses, a float64 scalar on the training device
-
-    @property
-    def mean_loss(self) -> float:
-        return float(self.loss_sum) / max(self.steps, 1)
 
 
 def local_sgd(model: FlatModel, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, cfg: ClientConfig,

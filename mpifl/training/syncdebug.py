@@ -35,8 +35,10 @@ from mpifl.data import FederatedLayout
 from mpifl.models import FlatModel, build_model, loss_function
 from mpifl.models.config import ModelConfig
 from mpifl.training.config import ClientConfig
-from mpifl.training.executor import VECTORIZABLE_MODELS, ClientRun, ClientStart, LocalSGD, LocalStep, local_sgd
+from mpifl.training.executor import LocalSGD, local_sgd
+from mpifl.training.localstep import ClientRun, ClientStart, LocalStep
 from mpifl.training.sgd import client_generator, evaluation_sums
+from mpifl.training.vectorizing import VECTORIZABLE_MODELS
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
 """The ``torch.Tensor`` methods that hand a value to the host (on a GPU: wait for the device, then copy)."""
