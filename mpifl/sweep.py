@@ -315,8 +315,9 @@ def execute(base: Path, ranks: int, steps: list[Step], dry_run: bool = False, ag
                 done = i - 1 - len(failed)
                 print(f"mpifl: the file system stopped run {i} of {len(steps)} ({step.run.name}; what its file keeps: "
                       f"the line above); {done} run{'s' * (done != 1)} before it completed"
-                      f"{f', {len(failed)} failed' if failed else ''}; free space, then continue with: {again} "
-                      "(completed runs are skipped, a stopped one resumes from its checkpoint)", file=sys.stderr)
+                      f"{f', {len(failed)} failed' if failed else ''}; free space (or mend what the line above "
+                      f"names), then continue with: {again} (completed runs are skipped, a stopped one resumes from "
+                      "its checkpoint)", file=sys.stderr)
                 return STORAGE_EXIT
             if proc.returncode != 0:
                 failed.append(step.run.name)

@@ -16,8 +16,8 @@ phase() { echo "== $* [$(date -u +%T), +$((SECONDS - began)) s]"; }
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 # Debian's Fashion-MNIST lets the IDX loader be tested on the real files, Debian's Slurm lets the batch scripts be
-# tested on a real local Slurm, and qemu-user runs a job on an emulated CPU (each skipped with the reason if
-# unavailable).
+# tested on a real local Slurm, qemu-user runs a job on an emulated CPU and btrfs-progs makes a file system with
+# a quota (each skipped with the reason if unavailable).
 apt=""
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   wanted=()
@@ -25,6 +25,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v slurmctld >/dev/null || wanted+=(slurmctld slurmd slurm-client munge libpmix-dev)
   # qemu's user-mode emulator runs a job on another vendor's CPU: the same bits on every node (test_cpu_kernels.py)
   command -v qemu-x86_64 >/dev/null || [ "$(uname -m)" != x86_64 ] || wanted+=(qemu-user)
+  # btrfs's quotas give a real "Disk quota exceeded" in the middle of a run (test_storage_faults.py)
+  command -v mkfs.btrfs >/dev/null || wanted+=(btrfs-progs)
+  command -v mkfs.ext4 >/dev/null || wanted+=(e2fsprogs)  # and ext4 one that goes read-only, or fails (EIO)
   if [ ${#wanted[@]} -gt 0 ]; then
     phase "installing ${wanted[*]} (apt-get, beside the set-up)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null) \

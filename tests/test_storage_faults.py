@@ -6,11 +6,16 @@ resumed run is bitwise the uninterrupted one."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -152,8 +157,9 @@ def test_a_sweep_whose_file_system_fills_stops_with_what_is_complete_and_how_to_
     assert len(started) == 2 and len(err) == 2, err
     assert err[0].startswith("mpifl: error: the file system at ") and "creating seed=1.h5 needs about" in err[0]
     assert err[1] == ("mpifl: the file system stopped run 2 of 3 (seed=1; what its file keeps: the line above); 1 run "
-                      f"before it completed; free space, then continue with: python -m mpifl sweep {sweep} "
-                      "--force-start (completed runs are skipped, a stopped one resumes from its checkpoint)")
+                      "before it completed; free space (or mend what the line above names), then continue with: "
+                      f"python -m mpifl sweep {sweep} --force-start (completed runs are skipped, a stopped one "
+                      "resumes from its checkpoint)")
     fillers[0].unlink()
     assert main(["sweep", str(sweep), "--force-start"]) == 0
     assert "3 runs: 1 completed already (skipped), 2 new" in capsys.readouterr().out
@@ -242,3 +248,148 @@ def test_a_plot_or_an_export_that_does_not_fit_leaves_no_part(small_fs, write_co
         assert not list(folder.rglob(".*.tmp-*")) and not (folder / "r.png").exists()
     # what the export did write is whole: the tables it finished before the space ran out
     assert all(path.read_text().endswith("\n") for path in (folder / "csv").glob("*.csv"))
+
+
+class FaultyFs:
+    """A real file system on a loop device in a file of the test's folder, that a test makes fail in the middle of
+    a run the way a cluster's do: btrfs with a quota (``EDQUOT``: ``statvfs`` shows the disk's free space, not the
+    quota's), ext4 that the kernel remounts read-only after an error (``errors=remount-ro``, the error raised
+    through ext4's own ``trigger_fs_error``: ``EROFS``), ext4 shut down as after a failing disk (``EIO`` on every
+    call; ext4's ``EXT4_IOC_SHUTDOWN``, as xfs_io's ``shutdown`` does: this kernel has no device-mapper for dm-error
+    or dm-flakey). Each ext4 fault comes with the file system frozen, so that what was written before it is on the
+    disk (a journal aborted on an error drops what the page cache had not written yet, as a power cut does: mpifl
+    does not sync its results file, and the test checks mpifl's part). ``mend()`` undoes the fault."""
+
+    MAKE = {"EDQUOT": ("mkfs.btrfs", "-q", "-f"), "EROFS": ("mkfs.ext4", "-q", "-F", "-m", "0"),
+            "EIO": ("mkfs.ext4", "-q", "-F", "-m", "0")}
+    SIZE = {"EDQUOT": 128 << 20, "EROFS": 16 << 20, "EIO": 16 << 20}  # sparse; btrfs's least is 114 MB
+
+    def __init__(self, fault: str, folder: Path):
+        self.fault, self.image, self.point = fault, folder / "fs.img", folder / "fs"
+        self.point.mkdir()
+        tool = shutil.which(self.MAKE[fault][0])
+        if tool is None:
+            pytest.skip(f"{self.MAKE[fault][0]} is not installed (scripts/test.sh installs it with apt-get)")
+        with open(self.image, "wb") as image:
+            image.truncate(self.SIZE[fault])
+        subprocess.run([tool, *self.MAKE[fault][1:], str(self.image)], check=True, capture_output=True)
+        self.mount()
+        self.folder = self.point
+        if fault == "EDQUOT":  # a subvolume of its own, whose quota group the test limits
+            for cmd in (["quota", "enable", str(self.point)], ["subvolume", "create", str(self.point / "q")]):
+                self._btrfs(cmd)
+            self.folder = self.point / "q"
+            self.qgroup = "0/" + self._btrfs(["inspect-internal", "rootid", str(self.folder)]).strip()
+
+    def mount(self) -> None:
+        options = "loop" + (",errors=remount-ro" if self.fault == "EROFS" else "")
+        done = subprocess.run(["mount", "-o", options, str(self.image), str(self.point)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a loop device here ({done.stderr.strip() or 'not root'})")
+
+    def _btrfs(self, cmd: list[str]) -> str:
+        done = subprocess.run(["btrfs", *cmd], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"btrfs {cmd[0]}: {done.stderr.strip()}")
+        return done.stdout
+
+    def fail(self) -> None:
+        if self.fault == "EDQUOT":  # less than it holds already: its next write is refused (set from the top
+            self._btrfs(["qgroup", "limit", "8k", self.qgroup, str(self.point)])  # level: the limit's own
+            return  # transaction would be refused in the subvolume once it is over the limit)
+        folder = os.open(self.point, os.O_RDONLY)
+        try:
+            if self.fault == "EIO":  # 0: frozen (synced, writers held), shut down, thawed: each call fails
+                fcntl.ioctl(folder, EXT4_IOC_SHUTDOWN, struct.pack("I", 0))
+                return
+            fcntl.ioctl(folder, FIFREEZE, struct.pack("i", 0))
+            try:
+                device = os.stat(self.point).st_dev
+                name = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve().name
+                Path(f"/sys/fs/ext4/{name}/trigger_fs_error").write_text("a test's file system error\n")
+            finally:
+                fcntl.ioctl(folder, FITHAW, struct.pack("i", 0))
+        finally:
+            os.close(folder)
+
+    def mend(self) -> None:
+        if self.fault == "EDQUOT":
+            self._btrfs(["qgroup", "limit", "none", self.qgroup, str(self.point)])
+            return
+        subprocess.run(["umount", str(self.point)], check=True)  # what a user does: unmount, check, mount again
+        if self.fault == "EROFS":  # fsck mends the error the kernel recorded (exit 1: errors corrected)
+            assert subprocess.run(["fsck.ext4", "-p", str(self.image)], capture_output=True).returncode in (0, 1)
+        self.mount()
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "--lazy", str(self.point)], capture_output=True)
+
+
+def first_rounds(run: dict[str, np.ndarray], rounds: int) -> dict[str, np.ndarray]:
+    """What ``run`` (:func:`~tests.conftest.deterministic`) computed in its first ``rounds`` rounds: the rows of
+    its evaluations, rounds and ledger (its final state is another round's)."""
+    keep = {table: run[f"{table}/round"] <= rounds for table in ("eval", "rounds", "ledger")}
+    return {key: values[keep[key.split("/")[0]]] for key, values in run.items() if key.split("/")[0] in keep}
+
+
+EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # _IOWR('X', 119 and 120, int)
+FAULTS = {  # what the line says happened, and what to do before the command that continues
+    "EDQUOT": ("Disk quota exceeded (a quota: the file system has ",
+               "free space within your quota (or have it raised)"),
+    "EROFS": ("Read-only file system", "make the file system writable again (the kernel's log, dmesg, says why it "
+                                       "went read-only)"),
+    "EIO": ("Input/output error", "mend the file system (the kernel's log, dmesg, says what failed)"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_quota_a_read_only_or_a_failing_file_system_mid_run_ends_as_a_full_one(tmp_path, long_run, fault):
+    """The row "EDQUOT, EROFS, EIO: the same as ENOSPC", on real file systems failing after the run committed a
+    checkpoint: one line naming what the file system said, what the file keeps (the committed checkpoint) and what
+    to do before the command that continues, exit 75, no temporary file, no crash; once mended, --resume gives the
+    bits of a run that never failed. (A read-only or failing file system keeps the lock's file: nothing can remove
+    it there; no process holds it, and the resume takes it over. 1 rank: its clients' checkpoint file fails as a
+    worker's does, and the cause goes through the same gather to rank 0's line; the 3-rank ENOSPC case above holds
+    the line on several ranks.)"""
+    config, whole = long_run
+    fs = FaultyFs(fault, tmp_path)
+    try:
+        out = fs.folder / "q.h5"
+        job = start([str(config), "--out", str(out), "--quiet"])
+        try:
+            wait_for_checkpoint(job, out, at_least=5)
+            fs.fail()
+            _, stderr = job.communicate(timeout=HANG_S)
+        finally:
+            if job.poll() is None:
+                kill_job(job)
+        assert job.returncode == STORAGE_EXIT, stderr
+        assert "Segmentation" not in stderr and "Traceback" not in stderr
+        lines = error_lines(stderr)
+        assert len(lines) == 1, stderr
+        said, cure = FAULTS[fault]
+        line = lines[0]
+        assert line.startswith(f"mpifl: error: the file system at {fs.folder} could not take ") and f": {said}" in line
+        kept = re.search(rf"; {out} keeps (\d+) round\(s\) and the checkpoint of round (\d+); ", line)
+        assert kept and int(kept.group(2)) >= 5, line
+        assert line.endswith(f"; {cure}, then continue with: python -m mpifl run --resume {out}")
+        def leftovers() -> list[Path]:
+            return [*fs.folder.glob(".q.h5.tmp-*"), *fs.folder.glob("q.h5.ckpt/.*.tmp")]
+
+        if fault == "EDQUOT":  # (a read-only or failing one keeps a checkpoint file begun before: the resume
+            assert not leftovers()  # removes it)
+        fs.mend()
+        state = inspect_output(out)  # what the line said the file keeps
+        assert (state.rounds_completed, state.checkpoint_round) == tuple(map(int, kept.groups()))
+        if fault == "EDQUOT":
+            assert not (fs.folder / ".q.h5.lock").exists()
+        # to the evaluation after the checkpoint, in this process (no second start-up; the ENOSPC test above
+        # resumes to the end)
+        upto = state.checkpoint_round + 5
+        assert main(["run", "--resume", str(out), "--quiet", "--set", f"rounds={upto}"]) == 0
+        assert_same(first_rounds(whole, upto), first_rounds(deterministic(out), upto))
+        assert not leftovers()
+    finally:
+        fs.unmount()

@@ -227,7 +227,9 @@ class OutputLock:
 
     def release(self) -> None:
         if self.fd >= 0:
-            with contextlib.suppress(FileNotFoundError):
+            # (a read-only or failing file system keeps the file; closing below frees the lock all the same, and
+            # a lock file no process holds is taken over by the next run)
+            with contextlib.suppress(OSError):
                 self.lock_path.unlink()
             os.close(self.fd)
             self.fd = -1

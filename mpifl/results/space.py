@@ -97,8 +97,35 @@ def storage_errno(exc: BaseException) -> int | None:
 def storage_full(exc: BaseException, path: str | Path, what: str) -> StorageFull:
     """``exc`` (a storage error) as one line: which file system, what failed, why."""
     code = storage_errno(exc) or errno.EIO
-    return StorageFull(code, f"the file system at {mount_point(path)} could not take {what}: {os.strerror(code)} "
-                       f"({readable_bytes(free_bytes(path))} free)")
+    return StorageFull(code, f"the file system at {mount_point(path)} could not take {what}: {cause(code, path)}")
+
+
+def cause(code: int, path: str | Path) -> str:
+    """What the file system of ``path`` said (``code``, one of :data:`STORAGE_ERRNOS`), with its free space where
+    that tells something: not for a read-only or failing one, and for a quota, that it is not the disk that is
+    full (``statvfs`` does not show a quota)."""
+    said = os.strerror(code)
+    if code not in (errno.ENOSPC, errno.EDQUOT):
+        return said
+    try:
+        free = readable_bytes(free_bytes(path))
+    except OSError:  # a file system that has gone on failing
+        return said
+    return f"{said} ({free} free)" if code == errno.ENOSPC else f"{said} (a quota: the file system has {free} free)"
+
+
+CURES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space within your quota (or have it raised)",
+    errno.EROFS: "make the file system writable again (the kernel's log, dmesg, says why it went read-only)",
+    errno.EIO: "mend the file system (the kernel's log, dmesg, says what failed)",
+}
+"""What a user does about each storage error before the command that continues."""
+
+
+def cure(code: int | None) -> str:
+    """What to do about storage error ``code`` before running the command again (a full disk's, where unknown)."""
+    return CURES.get(code or errno.ENOSPC, CURES[errno.ENOSPC])
 
 
 @contextlib.contextmanager
@@ -114,7 +141,8 @@ def written_whole(path: str | Path, what: str, temporary: Path | None = None,
         yield tmp
         os.replace(tmp, path)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a read-only or failing file system keeps it: nothing removes it)
+            tmp.unlink(missing_ok=True)
         if storage_errno(exc) in storage:
             raise storage_full(exc, path, f"{what} {path.name}") from None
         raise

@@ -134,7 +134,8 @@ class AppendOnlyFile:
                 self.file[COMMITTED].attrs["tables"] = np.array(APPENDED, dtype=h5py.string_dtype())
         except OSError as exc:  # the file system filled under it: no half-made file left
             if self.creating is not None:
-                self.creating.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (one read-only or failing keeps it)
+                    self.creating.unlink(missing_ok=True)
             if storage_errno(exc) is None:
                 raise
             raise storage_full(exc, self.path, f"creating {self.path.name}") from None
@@ -279,7 +280,8 @@ class AppendOnlyFile:
         if not self.broken:  # a file whose write failed is left to the process's end (see write)
             self.file.close()
         if self.creating is not None:  # closed before its first write (a failure): nothing to keep
-            self.creating.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a read-only or failing file system keeps it)
+                self.creating.unlink(missing_ok=True)
 
 
 def prune_checkpoints(path: Path, blobs: dict[str, np.ndarray] | None, up_to: int | None = None) -> None:

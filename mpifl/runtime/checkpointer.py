@@ -24,7 +24,7 @@ from mpifl.comm import Transport
 from mpifl.config import RESULT_NEUTRAL, RunConfig, config_differences, config_to_dict
 from mpifl.registry import parse_config
 from mpifl.results import KEPT, SHARDS, Results, shard_dir
-from mpifl.results.space import StorageFull, free_bytes, mount_point, readable_bytes
+from mpifl.results.space import StorageFull, cause, mount_point
 from mpifl.runtime.timing import RankTimes
 from mpifl.schema import ConfigError
 from mpifl.state_io import (
@@ -41,7 +41,9 @@ RUNTIME = "runtime"  # marks the manifest entry of the rounds' own state (rank 0
 
 
 SHARD_FAILED = -2
-"""The size a rank reports for a checkpoint file the file system could not take (-1: it holds no client state)."""
+"""The size a rank reports for a checkpoint file the file system could not take, less the error's number
+(``SHARD_FAILED - errno``: rank 0 names the cause, a full disk, a quota, a read-only or failing file system; -1: the
+rank holds no client state)."""
 
 
 def shard_name(round_: int, rank: int) -> str:
@@ -76,17 +78,18 @@ class Checkpointer:
         if state is not None:
             try:
                 nbytes = write_client_shard(folder / shard_name(round_, self.transport.rank), state)
-            except StorageFull:  # said once, by rank 0, for every rank it happened to (the gather below)
-                nbytes = SHARD_FAILED
+            except StorageFull as exc:  # said once, by rank 0, for every rank it happened to (the gather below)
+                nbytes = SHARD_FAILED - (exc.errno or errno.ENOSPC)
         self.times.serialization += time.perf_counter() - start
         sizes = self.transport.gather_bytes(round_, "checkpoint", np.array([nbytes], dtype=np.int64).view(np.uint8))
         if server is None:
             return
-        failed = [rank for rank, size in enumerate(sizes) if size.view(np.int64)[0] == SHARD_FAILED]
-        if failed:
-            raise StorageFull(errno.ENOSPC, f"the file system at {mount_point(folder)} could not take round {round_}'s "
-                              f"checkpoint files of rank(s) {', '.join(map(str, failed))} "
-                              f"({readable_bytes(free_bytes(folder))} free)")
+        codes = {rank: SHARD_FAILED - int(size.view(np.int64)[0]) for rank, size in enumerate(sizes)
+                 if size.view(np.int64)[0] <= SHARD_FAILED}
+        if codes:
+            code = next(iter(codes.values()))
+            raise StorageFull(code, f"the file system at {mount_point(folder)} could not take round {round_}'s "
+                              f"checkpoint files of rank(s) {', '.join(map(str, codes))}: {cause(code, folder)}")
         start = time.perf_counter()
         server_bytes = write_server_shard(folder / server_shard_name(round_), server)
         manifest = [{"rank": 0, "file": server_shard_name(round_), "bytes": server_bytes, "server": True}]

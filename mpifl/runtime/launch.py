@@ -31,8 +31,8 @@ from mpifl.comm.transport import arrive_together
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, results_names, resume_command
-from mpifl.results.space import STORAGE_EXIT, StorageFull
-from mpifl.results.writing import check_names
+from mpifl.results.space import STORAGE_EXIT, StorageFull, cure
+from mpifl.results.writing import BROKEN_FILES, check_names
 from mpifl.runtime.faults import selection_size
 from mpifl.runtime.launcher import launcher_prefix
 from mpifl.runtime.stopping import StopRequest, to_terminal
@@ -162,7 +162,12 @@ def _failed_hint(output: Path, size: int, rank: int, cure: str = "",
         return (f"; python -m mpifl report {shlex.quote(str(output))} says what the results file keeps; {then}"
                 f"continue from its last checkpoint, if it holds one, with: {resume}")
     if kept is None:
-        state = inspect_output(output)
+        try:
+            state = inspect_output(output)
+        except OSError:  # a file system that fails reads too (EIO)
+            return (f"; {output} could not be read now: python -m mpifl report {shlex.quote(str(output))} says "
+                    f"what it keeps once it can be; {then}continue from its last checkpoint, if it holds one, with: "
+                    f"{resume}")
         if state.kind == "absent":
             return f"; nothing was kept: {then}run it again"
         if state.kind != "results":
@@ -182,7 +187,10 @@ def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN00
     engine.settle()
     if isinstance(exc, StorageFull):  # the machine's fault, not the run's
         where = f"rank {rank} of {size}: " if size > 1 else ""
-        _error(f"{where}{exc.strerror}{_failed_hint(path, size, rank, 'free space', exc.kept)}")
+        # what the file held at its last completed write, as the writer knew it (a failing file system may not
+        # even be read again), else read from the file
+        kept = exc.kept if exc.kept is not None else getattr(getattr(engine, "recorder", None), "committed", None)
+        _error(f"{where}{exc.strerror}{_failed_hint(path, size, rank, cure(exc.errno), kept)}")
     else:
         _error(f"rank {rank} of {size} failed: {_describe(exc)}{_failed_hint(path, size, rank)}")
     if os.environ.get("MPIFL_DEBUG"):
@@ -191,7 +199,9 @@ def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN00
     engine.release_output()  # before an abort ends this process: no lock left behind
     if size > 1:
         comm.Abort(code)
-    if isinstance(exc, StorageFull) and exc.hdf5_unsafe:  # HDF5 would crash freeing the file at exit
+    # HDF5 would crash freeing the file at exit: this failure's write, or the results write in flight beside it
+    # (the writer thread's, failed in HDF5 while a checkpoint file failed here: settled above)
+    if (isinstance(exc, StorageFull) and exc.hdf5_unsafe) or BROKEN_FILES:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

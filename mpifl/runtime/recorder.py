@@ -47,6 +47,7 @@ class Recorder:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpifl-results")
         self.pending_write: Future | None = None
         self.file: AppendOnlyFile | None = None  # opened by the first write (in the writer thread)
+        self.committed: tuple[int, int | None] | None = None  # the file's (rounds, checkpoint round), once closed
         self.opening = True  # the next write is the first: it opens the file and writes the run's attributes
         self.resumed = False  # continue the file a checkpoint was read from, rather than create it
         self.written = dict.fromkeys(APPENDED, 0)  # rows of each appended table in the file
@@ -178,6 +179,7 @@ class Recorder:
 
     def close(self) -> None:
         if self.file is not None:
+            self.committed = self.file.kept  # what its last completed write left on disk (None: not yet created)
             self.file.close()
             self.file = None
 
