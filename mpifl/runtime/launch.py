@@ -35,6 +35,7 @@ from mpifl.results.space import STORAGE_EXIT, StorageFull, cure
 from mpifl.results.writing import BROKEN_FILES, check_names
 from mpifl.runtime.faults import selection_size
 from mpifl.runtime.launcher import launcher_prefix
+from mpifl.runtime.lifeline import Lifeline
 from mpifl.runtime.stopping import StopRequest, to_terminal
 from mpifl.schema import ConfigError
 
@@ -130,15 +131,25 @@ def _ending_note(output: Path, peers: list[tuple[str, int]]) -> str:
     otherwise what is true however the job ends (Ctrl-C or SIGTERM to mpirun, or a rank dying on another node)."""
     report = f"python -m mpifl report {shlex.quote(str(output))}"
     here = platform.node()
-    dead = [(rank, pid) for rank, (host, pid) in enumerate(peers) if rank and host == here and not _alive(pid)]
+    dead = [rank for rank, (host, pid) in enumerate(peers) if rank and host == here and not _alive(pid)]
     if dead:
-        rank, pid = dead[0]
-        return (f"mpifl: rank {rank} of {len(peers)} (pid {pid}) has died, so mpirun ends the job: it kills the other "
-                f"ranks half a second later; {report} says where the run stands, and "
-                f"{resume_command(output, launcher_prefix(len(peers)))} continues it from its last checkpoint")
+        return _died(output, peers, dead[0])
     return ("mpifl: Ctrl-C or SIGTERM to mpirun (or a rank that died on another node): it kills the ranks half a "
             f"second later; saving a checkpoint after the round under way if there is time; then {report} says "
             "where the run stands and how to continue it (kill -USR1 <mpirun's pid> stops with time to save)")
+
+
+def _died(output: Path, peers: list[tuple[str, int]], rank: int) -> str:
+    """The line that names a rank that has died (``peers``: every rank's host and process id), where the run
+    stands and how to continue it; one on another node than rank 0's is said to be there (Open MPI's lines that
+    follow blame a rank its TCP transport ended for losing the connection to it: see :mod:`.lifeline`)."""
+    host, pid = peers[rank]
+    there, ends = (f"pid {pid} on {host}, another node", "Open MPI ends the job (its lines below may blame a rank "
+                   "that lost its connection to it)") if host != peers[0][0] else (
+        f"pid {pid}", "mpirun ends the job: it kills the other ranks half a second later")
+    return (f"mpifl: rank {rank} of {len(peers)} ({there}) has died, so {ends}; python -m mpifl report "
+            f"{shlex.quote(str(output))} says where the run stands, and "
+            f"{resume_command(output, launcher_prefix(len(peers)))} continues it from its last checkpoint")
 
 
 def _alive(pid: int) -> bool:
@@ -180,10 +191,13 @@ def _failed_hint(output: Path, size: int, rank: int, cure: str = "",
     return f"; {output} keeps {rounds} round(s) and the checkpoint of round {checkpoint}; {then}continue with: {resume}"
 
 
-def _failed(exc: BaseException, engine, comm, path: Path) -> int:  # noqa: ANN001 - an Engine, a Comm
+def _failed(exc: BaseException, engine, comm, path: Path,  # noqa: ANN001 - an Engine, a Comm
+            lifeline: Lifeline | None = None) -> int:
     """After a failure during training on this rank: the write in flight settled, one line (a full file system's
     says where, what and what was kept), the lock released, the whole job aborted; returns the exit code."""
     rank, size = comm.Get_rank(), comm.Get_size()
+    if lifeline is not None:  # before the abort kills the other ranks: no line names them as dead
+        lifeline.close()
     engine.settle()
     if isinstance(exc, StorageFull):  # the machine's fault, not the run's
         where = f"rank {rank} of {size}: " if size > 1 else ""
@@ -255,21 +269,29 @@ def _run_job(comm, config_path: str | None, overrides: list[str], output: str | 
     if failed is not None:
         engine.release_output()
         return failed
-    if size > 1:  # which process each rank is, so that rank 0 can name one that dies
-        peers = comm.allgather((platform.node(), os.getpid()))
-        if rank == 0:
-            stop.terminal_note = lambda: _ending_note(path, peers)
+    lifeline = _watch_peers(comm, path, stop) if size > 1 else None
     if rank == 0 and not options.quiet:
         _announce(engine, cfg, size, path, bool(options.resume))
     try:
         stopped_at = engine.run(progress=not options.quiet, heartbeat_s=options.heartbeat_s, stop=stop)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
-        return _failed(exc, engine, comm, path)
+        return _failed(exc, engine, comm, path, lifeline)
+    if lifeline is not None:  # the end, or a stop: on purpose
+        lifeline.close()
     if stopped_at is None:
         return 0
     if rank == 0:
         _say_stopped(stop, path, size, stopped_at, cfg.rounds)
     return 128 + stop.signum
+
+
+def _watch_peers(comm, path: Path, stop: StopRequest) -> Lifeline:  # noqa: ANN001 - a Comm
+    """Which process each rank is, so that rank 0 can name one that dies: of its node when mpirun ends the job
+    (:func:`_ending_note`), of another node as it dies (:mod:`.lifeline`). A collective."""
+    peers = comm.allgather((platform.node(), os.getpid()))
+    if comm.Get_rank() == 0:
+        stop.terminal_note = lambda: _ending_note(path, peers)
+    return Lifeline.open(comm, peers, lambda dead: _died(path, peers, dead), lambda: stop.requested)
 
 
 def _checked_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> RunConfig:

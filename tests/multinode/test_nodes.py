@@ -3,6 +3,7 @@ nodes 2 and 3, talking over TCP through real links, shaped links and a link that
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import yaml
 from mpifl.results import read_results
 from tests.conftest import HANG_S, REPO, TINY, _merge, assert_same, deterministic, run_config
 from tests.multinode.netns import Nodes, make_nodes, peek
+from tests.test_stop_standing import _rank_pid
 
 # A model of 1 MB (a wide hidden layer costs bytes, hardly any compute): MPI traffic dwarfs the launcher's
 # control messages, and a 20 Mbit/s link adds seconds to a round.
@@ -135,3 +137,34 @@ def test_a_cut_link_ends_the_job_within_the_keepalive_bound_and_keeps_the_last_e
     rounds = res.table("eval")["round"]
     assert list(rounds) == list(range(1, res.attrs["rounds_completed"] + 1))  # every evaluation, up to the last
 
+
+
+def test_a_worker_killed_on_another_node_is_named_by_rank_0(nodes: Nodes, tmp_path):
+    """kill -9 of rank 1 on node 2: Open MPI's TCP transport ends a survivor at once, in C, and its lines blame
+    that survivor; rank 0's lifeline to the worker (mpifl/runtime/lifeline.py) breaks first, and rank 0 names the
+    rank, its node, where to see the run's standing and the command that continues it. (Nodes 1 and 2: the cut
+    link's test leaves node 3 cut.)"""
+    out = tmp_path / "killed.h5"
+    config = write(tmp_path, _merge(TINY, {"rounds": 100_000, "eval_every": 1000, "checkpoint_every": 5,
+                                           "model": {"name": "logistic"}}))
+    job = subprocess.Popen(nodes.mpirun([1, 2], mpifl_run(config, out)), env=nodes.env(), cwd=REPO,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not peek(out)[1]:
+            assert job.poll() is None and time.monotonic() < deadline, "the job committed no checkpoint"
+            time.sleep(0.1)
+        worker = _rank_pid(1, out)
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=HANG_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    lines = [line.lstrip(" \0") for line in stderr.splitlines() if line.lstrip(" \0").startswith("mpifl: ")]
+    resume = f"mpirun -n 2 --oversubscribe --host {nodes.addr[0]},{nodes.addr[1]} --map-by node"  # as launched
+    assert lines == [f"mpifl: rank 1 of 2 (pid {worker} on node2, another node) has died, so Open MPI ends the job "
+                     "(its lines below may blame a rank that lost its connection to it); python -m mpifl report "
+                     f"{out} says where the run stands, and {resume} python -m mpifl run --resume {out} continues "
+                     "it from its last checkpoint"], stderr
+    assert peek(out)[1]
