@@ -276,10 +276,14 @@ class FaultyFs:
         self.mount()
         self.folder = self.point
         if fault == "EDQUOT":  # a subvolume of its own, whose quota group the test limits
-            for cmd in (["quota", "enable", str(self.point)], ["subvolume", "create", str(self.point / "q")]):
-                self._btrfs(cmd)
-            self.folder = self.point / "q"
-            self.qgroup = "0/" + self._btrfs(["inspect-internal", "rootid", str(self.folder)]).strip()
+            try:
+                for cmd in (["quota", "enable", str(self.point)], ["subvolume", "create", str(self.point / "q")]):
+                    self._btrfs(cmd)
+                self.folder = self.point / "q"
+                self.qgroup = "0/" + self._btrfs(["inspect-internal", "rootid", str(self.folder)]).strip()
+            except BaseException:  # a skip too: nothing left mounted
+                self.unmount()
+                raise
 
     def mount(self) -> None:
         options = "loop" + (",errors=remount-ro" if self.fault == "EROFS" else "")
