@@ -1,7 +1,7 @@
 """Workload W2's floor: the same FedAvg rounds in plain PyTorch, one process, one thread, no mpifl runtime.
 
-    python benchmarks/bare_w2.py [--rounds 1500] [--device cpu|cuda] [--batched [--graph]] [--set KEY=VALUE ...]
-                                 [--write]
+    python benchmarks/bare_w2.py [--rounds 1500] [--device cpu|cuda] [--batched [--graph]] [--torch-defaults]
+                                 [--set KEY=VALUE ...] [--write]
 
 What a round of W2 cannot do without (configs/w2.yaml, as benchmarks/bench_w2.py and benchmarks/pfl_w2.py run
 it): the same clients, built by mpifl's data code from the same config and seed and put on the device once
@@ -27,6 +27,17 @@ hundred-odd kernels of a vmapped forward and backward. An experiment of the floo
 step would save mpifl's kernel. On the CPU there is nothing to capture: the same fixed-buffer step runs eagerly
 (the same bits as ``--batched``, printed as the final weights' digest) and the line says why it was not captured.
 
+Precision, by default mpifl's own, so that the floor is like for like with the mpifl rounds it is the floor of:
+the config's ``allow_tf32`` (``false`` in W2: float32 products, ``torch.backends.cuda.matmul.allow_tf32`` and
+``torch.backends.cudnn.allow_tf32`` off, ``float32_matmul_precision("highest")``) set as mpifl's ranks set it
+(``mpifl.training.device.set_tf32``), and on a GPU mpifl's deterministic kernels
+(``mpifl.training.device.make_deterministic``: cuDNN deterministic, no cuDNN benchmark, deterministic algorithms,
+cuBLAS's workspace). ``--set allow_tf32=true`` is the TF32 floor, as mpifl with ``allow_tf32: true`` (still
+deterministic): the second row, what a user who accepts TF32 (about 1e-3 relative error a product, other bits)
+would be compared with. ``--torch-defaults`` leaves PyTorch's own settings (cuDNN TF32 on, nondeterministic
+algorithms allowed): the floor as it was measured before issue 59. On the CPU none of these change a bit (the
+final weights' digest is the same).
+
 Reported, as bench_w2.py: the median seconds of a round over rounds 2..R, and the run's seconds per round with
 the set-up (building the clients' data) included. ``benchmarks/compare_w2.py`` runs it between mpifl and
 pfl-research.
@@ -49,6 +60,7 @@ from mpifl.data import build_federated_dataset
 from mpifl.models import build_model
 from mpifl.registry import load_config
 from mpifl.runtime.sampling import sample_clients
+from mpifl.training.device import make_deterministic, set_tf32
 
 CONFIG = REPO / "configs" / "w2.yaml"
 
@@ -188,6 +200,18 @@ def batched_rounds(cfg, device: torch.device, graph: bool = False) -> tuple[list
     return times, global_, how
 
 
+def precision(cfg, device: torch.device, torch_defaults: bool = False) -> str:  # noqa: ANN001 - a RunConfig
+    """Set the floor's numeric settings as mpifl's ranks set them for ``cfg`` on ``device`` (or, with
+    ``torch_defaults``, leave PyTorch's); what they are, in words."""
+    if torch_defaults:
+        return "PyTorch's defaults (cuDNN TF32, nondeterministic algorithms allowed)"
+    set_tf32(cfg.allow_tf32)
+    if device.type == "cuda":
+        make_deterministic()
+    return f"mpifl's: {'TF32 allowed' if cfg.allow_tf32 else 'float32 (TF32 off)'}" + (
+        ", deterministic kernels" if device.type == "cuda" else "")
+
+
 def digest(tensor: torch.Tensor) -> str:
     """The first 12 hex digits of the sha256 of ``tensor``'s bytes: the same weights, the same digest."""
     return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
@@ -199,12 +223,15 @@ def main() -> None:
     parser.add_argument("--batched", action="store_true", help="the batched floor (all clients as one vmap)")
     parser.add_argument("--graph", action="store_true",
                         help="with --batched: one local step captured as a CUDA graph and replayed (eager on the CPU)")
-    job_options(parser, "config overrides of configs/w2.yaml, as mpifl run --set")
+    parser.add_argument("--torch-defaults", action="store_true",
+                        help="PyTorch's own precision settings (cuDNN TF32, nondeterministic), not mpifl's")
+    job_options(parser, "config overrides of configs/w2.yaml, as mpifl run --set (allow_tf32=true: the TF32 floor)")
     args = parser.parse_args()
     if args.graph and not args.batched:
         parser.error("--graph captures the batched step: give --batched too")
     cfg = load_config(CONFIG, [f"rounds={args.rounds}", *args.overrides])
     device = torch.device(args.device)
+    numerics = precision(cfg, device, args.torch_defaults)
     began = time.perf_counter()
     if args.batched:
         times, final, how = batched_rounds(cfg, device, args.graph)
@@ -215,7 +242,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     name = "loop" if not args.batched else "batched, graph" if args.graph else "batched"
     print(f"bare {name}: {median:.3f} s/round (median), {run:.3f} s/round for the whole run, load average "
-          f"{load:.1f}, final weights {digest(final)}" + (f"; graph {how}" if how else ""), flush=True)
+          f"{load:.1f}, final weights {digest(final)}; precision {numerics}" + (f"; graph {how}" if how else ""),
+          flush=True)
     record([
         heading(f"W2 floor: bare PyTorch FedAvg {'batched round' if args.batched else 'loop'}"
                 + (" (a CUDA graph a step)" if args.graph else "") + f", 1 process, 1 thread, {cfg.model.name}, "
@@ -223,7 +251,8 @@ def main() -> None:
         "",
         f"`python benchmarks/bare_w2.py --rounds {args.rounds} --device {args.device}"
         + (" --batched" if args.batched else "") + (" --graph" if args.graph else "")
-        + "".join(f" --set {o}" for o in args.overrides) + "`",
+        + (" --torch-defaults" if args.torch_defaults else "") + "".join(f" --set {o}" for o in args.overrides)
+        + f"`; precision {numerics}",
         "",
         "| median s/round (rounds 2..R) | run s/round (set-up included) | load average (1 min) at the end |",
         "|---|---|---|",

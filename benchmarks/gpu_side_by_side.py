@@ -139,11 +139,13 @@ def outcome(setting: Setting, stdout: str, scratch: Path, cohort: int) -> tuple[
         note = f"every process on {found.group(1)}, backend {found.group(2)}" if found else ""
         return float(json.loads((scratch / f"{setting.slug}.json").read_text())["median"]), note
     if setting.kind == "floor":
-        found = re.search(r"bare [\w, ]+: ([0-9.]+) s/round.*final weights (\w+)(?:; graph (.*))?", stdout)
+        found = re.search(r"bare [\w, ]+: ([0-9.]+) s/round.*final weights (\w+)(?:; precision ([^;]*))?"
+                          r"(?:; graph (.*))?", stdout)
         if not found:
             return None, ""
-        return float(found.group(1)), f"final weights {found.group(2)}" + (f"; {found.group(3)}" if found.group(3)
-                                                                             else "")
+        notes = [f"final weights {found.group(2)}"] + [f"precision {found.group(3)}"] * bool(found.group(3)) + [
+            found.group(4)] * bool(found.group(4))
+        return float(found.group(1)), "; ".join(notes)
     return None, ""
 
 

@@ -17,6 +17,7 @@ from mpifl.algorithms.base import ClientAlgorithm
 from mpifl.comm import Message, Placement, Transport
 from mpifl.comm.exactsum import ExactSum, _backends
 from mpifl.comm.exactsum.distributed import DistributedSum
+from mpifl.models import FlatModel
 from mpifl.registry import get_algorithm
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
@@ -30,12 +31,13 @@ from mpifl.training.syncdebug import (
     example,
     host_reads,
     host_syncs,
+    host_traffic,
     main,
     refusing_host_syncs,
     step_configs,
 )
 from mpifl.training.vectorizing import VECTORIZABLE_MODELS
-from tests.conftest import CUDA_ONLY, _merge, run_engine
+from tests.conftest import CUDA_ONLY, _merge, needs_cuda, run_engine
 from tests.test_checkpoint import CONFIGS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
@@ -67,6 +69,41 @@ def test_the_counter_sees_blocking_uploads_and_not_the_others():
             t.to("cuda"), t.cuda(), torch.zeros(3, device="cuda").copy_(t), t.pin_memory().to("cuda")
             t.pin_memory().to("cuda", non_blocking=True), torch.zeros(3, device="cuda").copy_(t.pin_memory(), True)
         assert counts == Counter({UPLOAD: 4})
+
+
+def test_the_traffic_counts_the_bytes_a_gpu_would_copy_each_way():
+    """On the CPU nothing is copied, so the counter counts what a GPU rank would copy: a read copies what it reads
+    (one element for a scalar; ``cpu().numpy()`` once), a door of ``DOORS`` its host data (a model loaded from a
+    tensor nothing), host data built on a device or a host-made tensor moved to one its bytes; a dtype change, the
+    host named as ``"cpu"`` and a tensor not made from host data inside the block (a device tensor, for the
+    counter) copy nothing."""
+    t = torch.arange(6.0)  # 24 bytes
+    model = FlatModel(torch.nn.Linear(2, 1))  # 3 parameters: 12 bytes
+    plan = sgd.BatchPlan(torch.arange(5), [0, 5], None)  # 40 bytes of int64 indices
+    with host_traffic(sites=True) as traffic:
+        float(t[1]), t[2].item(), t.numpy(), t.cpu().numpy(), t.tolist()
+        assert traffic.to_host == 4 + 4 + 24 + 24 + 24 and traffic.to_device == 0
+        sgd.to_device(t, "cpu"), executor.to_device(t, "cpu"), plan.to("cpu")
+        model.load(np.zeros(3, np.float32)), model.load(torch.zeros(3))
+        torch.tensor([1.0, 2.0], device="cpu"), torch.from_numpy(np.ones(2)).to(torch.device("cpu"))
+        t.to(torch.float64), t.to("cpu"), t.to(torch.device("cpu")), torch.from_numpy(np.ones(2)).to("cpu")
+    assert traffic.to_device == 24 + 24 + 40 + 12 + 8 + 16
+    assert traffic.reads["numpy"] == 3  # the load's copy on the host is a read of the counter's, as before
+    assert sum(traffic.sites.values()) == traffic.to_device + traffic.to_host  # type: ignore[union-attr]
+    assert all(where.startswith("tests/test_syncs.py:") for _, where in traffic.sites)  # type: ignore[union-attr]
+    assert sgd.to_device is executor.to_device and "counted" not in sgd.to_device.__code__.co_name  # the originals
+    assert "to" not in vars(sgd.BatchPlan) or sgd.BatchPlan.to.__code__.co_name == "to"
+
+
+@needs_cuda
+def test_the_traffic_counts_a_real_copy_once():
+    """On a GPU a door's copy is counted once, by the door, not again by the copy it makes."""
+    t = torch.arange(6.0)
+    with host_traffic() as traffic:
+        device = sgd.to_device(t, "cuda")
+        FlatModel(torch.nn.Linear(2, 1).cuda()).load(np.zeros(3, np.float32))
+        t.to("cuda"), device.cpu()
+    assert (traffic.to_device, traffic.to_host) == (24 + 12 + 24, 24)
 
 
 def syncs_do_not_grow(work, sizes=(2, 6)) -> list[int]:  # noqa: ANN001 - a callable of a batch size

@@ -1,4 +1,5 @@
-"""Host reads during a client's local computation: counted anywhere, refused where they must not be.
+"""Host reads during a client's local computation: counted anywhere, refused where they must not be; and the
+bytes that cross between host and device, counted anywhere.
 
 A GPU runs ahead of the host until the host asks for a value (``.item()``, ``float(t)``, ``if t > c``,
 ``.cpu()``, ``.numpy()``, ``.tolist()``): then the host waits for every queued kernel, and a small model's
@@ -7,8 +8,10 @@ and the evaluation sums read nothing, and an algorithm reads a client's results 
 per step (tests/test_syncs.py holds every algorithm to that).
 
 :func:`host_reads` counts those reads on any device (on the CPU they cost nothing, but each would be a wait on a
-GPU). :func:`refusing_host_syncs` fails on any, and on a GPU also switches on CUDA's own detector
-(``torch.cuda.set_sync_debug_mode("error")``), which also sees synchronizing copies. The GPU check runs
+GPU); :func:`host_traffic` counts them too, and the bytes a GPU rank copies each way (on the CPU, the bytes it
+would copy: the rules are in its docstring). :func:`refusing_host_syncs` fails on any read, and on a GPU also
+switches on CUDA's own detector (``torch.cuda.set_sync_debug_mode("error")``), which also sees synchronizing
+copies. The GPU check runs
 
     python -m mpifl.training.syncdebug --device cuda
 
@@ -22,9 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,7 +48,8 @@ from mpifl.training.vectorizing import VECTORIZABLE_MODELS
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
 """The ``torch.Tensor`` methods that hand a value to the host (on a GPU: wait for the device, then copy)."""
-
+SCALAR_READS = ("item", "__bool__", "__float__", "__int__", "__index__")
+"""The reads of :data:`READS` that copy one element (the others copy the whole tensor)."""
 
 UPLOADS = ("to", "cuda", "copy_")
 """The ``torch.Tensor`` methods that may copy host memory to a device: from pageable memory (or without
@@ -54,6 +61,38 @@ UPLOAD = "upload"
 """The count of blocking host→device copies in :func:`host_reads`' counter."""
 
 
+def _plan_bytes(plan: Any, *_: Any) -> int:  # noqa: ANN401 - a BatchPlan
+    return _nbytes(plan.rows) + _nbytes(plan.crops)
+
+
+DOORS: dict[tuple[str, str], Callable[..., int]] = {
+    ("mpifl.training.sgd", "to_device"): lambda tensor, *_: _nbytes(tensor),
+    ("mpifl.training.sgd", "BatchPlan.to"): _plan_bytes,
+    ("mpifl.models.flat", "FlatModel.load"): lambda _, flat: _nbytes(flat) if isinstance(flat, np.ndarray) else 0,
+    ("mpifl.comm.exactsum._backends", "TorchOps.upload"): lambda _, array: _nbytes(array),
+}
+"""mpifl's host→device doors that make no ``Tensor.to`` call on the CPU (each returns its input there, or copies
+it on the host), so that only the door shows the copy it makes on a GPU: (module, name) → the bytes a call copies
+(the one pinned upload; a client's batch plan; a host array loaded into a model, where a tensor copies nothing
+itself; a host array given to the exact sum's torch backend). A door missing (an older checkout) is skipped."""
+
+
+@dataclass
+class Traffic:
+    """What :func:`host_traffic` counted: the reads of :func:`host_reads` and the bytes each way."""
+
+    reads: Counter[str] = field(default_factory=Counter)
+    to_device: int = 0  # bytes host→device
+    to_host: int = 0  # bytes device→host
+    sites: Counter[tuple[str, str]] | None = None  # (direction, "file:line function") → bytes, if asked for
+
+    def add(self, direction: str, nbytes: int) -> None:
+        """``nbytes`` more ``direction`` (``to_device`` or ``to_host``), by caller where :attr:`sites` is kept."""
+        setattr(self, direction, getattr(self, direction) + nbytes)
+        if self.sites is not None:
+            self.sites[direction, _caller()] += nbytes
+
+
 @contextlib.contextmanager
 def host_reads() -> Iterator[Counter[str]]:
     """Count, by method name, the tensor reads of :data:`READS` made inside the block (a read made by another
@@ -61,26 +100,87 @@ def host_reads() -> Iterator[Counter[str]]:
     copies: a CPU tensor that is not pinned, or is copied without ``non_blocking``, moved to a device by ``to``,
     ``cuda`` or ``copy_``, and host data given to ``torch.tensor`` or ``torch.as_tensor`` with a ``device`` (on the
     CPU too: the copy it would make on a GPU, as a read of a CPU tensor counts)."""
-    counter = _ReadCounter()
-    with _patched(counter.patches()):
-        yield counter.counts
+    with host_traffic() as traffic:
+        yield traffic.reads
+
+
+@contextlib.contextmanager
+def host_traffic(sites: bool = False) -> Iterator[Traffic]:
+    """:func:`host_reads`' counts, and the bytes that cross between host and device as a GPU rank copies them:
+    on a GPU what is copied, on the CPU (where the host is the device and nothing is) what would be. Each copy
+    counts once, where it starts (a copy made inside a counted one is that one's):
+
+    * device→host: a read of :data:`READS` copies what it reads, the whole tensor or (``item``, ``float(t)``, ...)
+      one element; a read of the tensor that the previous read returned (``t.cpu().numpy()``) copies nothing more;
+    * host→device: a call of a door of :data:`DOORS`, the bytes the door names; ``torch.tensor`` and
+      ``torch.as_tensor`` of host data with a ``device``, the tensor made; ``Tensor.to``, ``cuda`` and ``copy_``
+      from host memory to a device, the tensor copied; and on the CPU a ``Tensor.to`` that names a device (not
+      ``"cpu"``, the host's name in mpifl) for a tensor made from host data (``torch.from_numpy``, or
+      ``torch.tensor`` and ``torch.as_tensor`` without a device) inside the block.
+
+    Reads of tensors that live on the host on a GPU too are counted, as :func:`host_reads` counts them. ``sites``:
+    the bytes by caller as well (:attr:`Traffic.sites`)."""
+    traffic = Traffic(sites=Counter() if sites else None)
+    counter = _ReadCounter(traffic)
+    try:
+        with _patched(counter.patches() + counter.doors()):
+            yield traffic
+    finally:
+        counter.active = False
+        counter.unbind()
 
 
 class _ReadCounter:
-    """:func:`host_reads`' counts, and the counting stand-ins for the methods and functions it watches."""
+    """:func:`host_traffic`'s counts, and the counting stand-ins for the methods, functions and doors it watches."""
 
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic, self.counts = traffic, traffic.reads
         self.depth = 0  # counted calls under way: a read made inside one is that call's, not counted again
+        self.crossing = 0  # doors under way: a copy made inside one is the door's
+        self.last: torch.Tensor | None = None  # what the last counted read returned
+        self.from_host: dict[int, weakref.ref[torch.Tensor]] = {}  # tensors made from host data, by id
+        self.active = True
+        self.bound: list[tuple[str, Callable[..., Any], Callable[..., Any]]] = []  # (name, original, stand-in)
 
     def patches(self) -> list[tuple[Any, str, Callable[..., Any]]]:
-        """(owner, name, stand-in) for every method of :data:`READS` and :data:`UPLOADS` and every function of
-        :data:`CONSTRUCTORS`."""
+        """(owner, name, stand-in) for every method of :data:`READS` and :data:`UPLOADS`, every function of
+        :data:`CONSTRUCTORS` and ``torch.from_numpy``."""
         patches: list[tuple[Any, str, Callable[..., Any]]] = [
             (torch.Tensor, name, self.read(name, getattr(torch.Tensor, name))) for name in READS]
         patches += [(torch.Tensor, name, self.moved(getattr(torch.Tensor, name))) for name in UPLOADS]
-        patches += [(torch, name, self.built(getattr(torch, name))) for name in CONSTRUCTORS]
+        patches += [(torch, name, self.built(getattr(torch, name))) for name in (*CONSTRUCTORS, "from_numpy")]
         return patches
+
+    def doors(self) -> list[tuple[Any, str, Callable[..., Any]]]:
+        """(owner, name, stand-in) for every door of :data:`DOORS` there is: a method on its class, a function in
+        every module that holds it by name (:meth:`unbind` then undoes a binding made inside the block)."""
+        patches: list[tuple[Any, str, Callable[..., Any]]] = []
+        for (module_name, path), size in DOORS.items():
+            owner: Any = sys.modules.get(module_name)
+            if owner is None:
+                with contextlib.suppress(ImportError):
+                    owner = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part, None)
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+            stand_in = self.door(original, size)
+            if outer:
+                patches.append((owner, name, stand_in))
+                continue
+            self.bound.append((name, original, stand_in))
+            patches += [(module, name, stand_in) for module in list(sys.modules.values())
+                        if getattr(module, "__dict__", {}).get(name) is original]
+        return patches
+
+    def unbind(self) -> None:
+        """A door's stand-in that a module imported inside the block bound by name: the original again."""
+        for name, original, stand_in in self.bound:
+            for module in list(sys.modules.values()):
+                if getattr(module, "__dict__", {}).get(name) is stand_in:
+                    setattr(module, name, original)
 
     def once(self, name: str, work: Callable[[], Any]) -> Any:
         """``work()``, counted under ``name`` unless a counted call made it."""
@@ -92,18 +192,29 @@ class _ReadCounter:
         finally:
             self.depth -= 1
 
+    def crossed(self, direction: str, nbytes: int) -> None:
+        """A copy of ``nbytes`` ``direction``, unless a door under way makes it."""
+        if self.crossing == 0 and self.active:
+            self.traffic.add(direction, nbytes)
+
     def read(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method``, a read of the tensor to the host, counted as ``name``."""
 
         @functools.wraps(method)
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            return self.once(name, lambda: method(tensor, *args, **kwargs))
+            outer = self.depth == 0
+            result = self.once(name, lambda: method(tensor, *args, **kwargs))
+            if outer:
+                if tensor is not self.last:
+                    self.crossed("to_host", tensor.element_size() if name in SCALAR_READS else _nbytes(tensor))
+                self.last = result if isinstance(result, torch.Tensor) else None
+            return result
 
         return counted
 
     def moved(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method`` (``to``, ``cuda``, ``copy_``), counted as :data:`UPLOAD` where it copies host memory to a
-        device with a wait."""
+        device with a wait, and its bytes where it copies host memory to a device (see :func:`host_traffic`)."""
 
         @functools.wraps(method)
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -113,24 +224,91 @@ class _ReadCounter:
                 source, target = args[0] if args else kwargs["src"], tensor
             else:
                 source, target = tensor, None
+            outer = self.depth == 0
             result = self.once("", lambda: method(tensor, *args, **kwargs))
             target = result if target is None else target
             if _blocking_upload(source, target, waits):
-                self.counts[UPLOAD] += self.depth == 0
+                self.counts[UPLOAD] += outer
+            emulated = method.__name__ == "to" and self.made_from_host(tensor) and _names_a_device(args, kwargs)
+            if outer and (emulated or _crosses(source, target)):
+                self.crossed("to_device", _nbytes(source))
             return result
 
         return counted
 
     def built(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """``function`` (``torch.tensor``, ``torch.as_tensor``), counted as :data:`UPLOAD` where it is given host
-        data and a ``device``."""
+        """``function`` (``torch.tensor``, ``torch.as_tensor``, ``torch.from_numpy``), counted as :data:`UPLOAD`
+        with the bytes of what it makes where it is given host data and a ``device``; a tensor it makes on the
+        host is noted as made from host data."""
 
         @functools.wraps(function)
-        def counted(data: Any, *args: Any, **kwargs: Any) -> Any:
-            host = not isinstance(data, torch.Tensor) and kwargs.get("device") is not None
-            return self.once(UPLOAD if host else "", lambda: function(data, *args, **kwargs))
+        def counted(data: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - host data or a tensor
+            from_host = not isinstance(data, torch.Tensor)
+            device = kwargs.get("device") is not None
+            outer = self.depth == 0
+            result = self.once(UPLOAD if from_host and device else "", lambda: function(data, *args, **kwargs))
+            if from_host and device and outer:
+                self.crossed("to_device", _nbytes(result))
+            elif from_host and isinstance(result, torch.Tensor):
+                self.note_from_host(result)
+            return result
 
         return counted
+
+    def note_from_host(self, tensor: torch.Tensor) -> None:
+        """Note ``tensor`` as made from host data, until it is freed."""
+        key = id(tensor)
+
+        def freed(ref: weakref.ref[torch.Tensor]) -> None:
+            if self.from_host.get(key) is ref:
+                del self.from_host[key]
+
+        self.from_host[key] = weakref.ref(tensor, freed)
+
+    def made_from_host(self, tensor: torch.Tensor) -> bool:
+        ref = self.from_host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def door(self, function: Callable[..., Any], size: Callable[..., int]) -> Callable[..., Any]:
+        """``function``, a door of :data:`DOORS`, copying ``size(*args)`` bytes to the device."""
+
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return function(*args, **kwargs)
+            self.crossed("to_device", size(*args, **kwargs))
+            self.crossing += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.crossing -= 1
+
+        return counted
+
+
+def _nbytes(value: object) -> int:
+    """The bytes of a tensor's or an array's elements (0 for anything else: None, a list)."""
+    if isinstance(value, torch.Tensor):
+        return value.element_size() * value.numel()
+    return value.nbytes if isinstance(value, np.ndarray) else 0
+
+
+def _names_a_device(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``Tensor.to`` call's arguments name a device other than ``"cpu"`` (a ``torch.device``, even the
+    CPU's: the rank's device, as mpifl names it)."""
+    named = [a for a in (*args, kwargs.get("device")) if isinstance(a, (torch.device, str))]
+    return any(isinstance(a, torch.device) or not a.startswith("cpu") for a in named)
+
+
+def _caller() -> str:
+    """``file:line function`` of the innermost frame outside this module, torch and the standard library."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and "/torch/" not in path and "/contextlib.py" not in path and "/functools" not in path:
+            return f"{'/'.join(path.split('/')[-2:])}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
 
 
 @contextlib.contextmanager
@@ -150,14 +328,16 @@ def _patched(patches: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[Non
                 delattr(owner, name)
 
 
+def _crosses(source: object, target: object) -> bool:
+    """Whether copying ``source`` to ``target`` (tensors) copies host memory to a device."""
+    return (isinstance(source, torch.Tensor) and isinstance(target, torch.Tensor) and source.device.type == "cpu"
+            and target.device.type != "cpu")
+
+
 def _blocking_upload(source: object, target: object, waits: bool) -> bool:
     """Whether copying ``source`` to ``target`` (tensors) copies host memory to a device with a wait: from pageable
     memory, or from pinned memory without ``non_blocking``."""
-    if not (isinstance(source, torch.Tensor) and isinstance(target, torch.Tensor)):
-        return False
-    if source.device.type != "cpu" or target.device.type == "cpu":
-        return False
-    return waits or not source.is_pinned()
+    return _crosses(source, target) and (waits or not source.is_pinned())  # type: ignore[attr-defined]
 
 
 class HostSyncError(RuntimeError):
