@@ -1,44 +1,59 @@
-"""A GPU's costs counted on the CPU: torch operations dispatched and host reads per W2 training round, for the
+"""A GPU's costs counted on the CPU: per W2 training round, torch operations dispatched, host reads, bytes each way
+between host and device, FLOPs and the host's own seconds, and from them a predicted GPU round time, for the
 algorithms that train through the batched kernel, beside the bare batched floor, in one table.
 
-On a GPU each dispatched operation is at least one kernel launch (a few microseconds of host time whatever its
-size) and each host read waits for the device, so for a launch-bound round these two counts are what its time
-follows. Both are counted here on any machine: every ATen operation that reaches PyTorch's dispatcher (a
-``TorchDispatchMode``, below autograd and ``vmap``: the operations a device would run), those of them that
-would launch a kernel (not views, which only make new tensor metadata), and every tensor read of
-:data:`mpifl.training.syncdebug.READS`. A round's count is (a 3-round job − a 1-round job) / 2, so set-up and
-the final evaluation cancel; W2 with 100 clients (50 a round, 5 local steps each), 1 rank, in process, the
-kernel's calls as a GPU makes them (``client.vectorize_chunk`` as ``auto`` sets it on a GPU: :func:`gpu_chunk`)::
+On a GPU each dispatched operation is at least one kernel launch (host time whatever its size), each host read
+waits for the device, and each copy crosses PCIe. All of it is counted here on any machine: every ATen operation
+that reaches PyTorch's dispatcher (a ``TorchDispatchMode``, below autograd and ``vmap``: the operations a device
+would run), those of them that would launch a kernel (not views, which only make new tensor metadata), the FLOPs of
+its products and convolutions (:func:`flops`), every tensor read of :data:`mpifl.training.syncdebug.READS`, the bytes
+that would cross (``syncdebug.host_traffic``: what a read copies to the host, what mpifl's upload doors and a
+host-made tensor's move to the device copy up), and the round's host CPU seconds outside the operations. A round's
+count is (a 3-round job − a 1-round job) / 2 after a dropped 1-round job (one-time costs), so set-up and the final
+evaluation cancel; W2 with 100 clients (50 a round, 5 local steps each), 1 rank, in process, the kernel's calls as a
+GPU makes them (``client.vectorize_chunk`` as ``auto`` sets it on a GPU: :func:`gpu_chunk`)::
 
     python benchmarks/dispatch_proxy.py                                  # the floor, then every algorithm below
-    python benchmarks/dispatch_proxy.py --algorithm fedavg --algorithm scaffold
+    python benchmarks/dispatch_proxy.py --algorithm fedavg --algorithm scaffold --sites
     python benchmarks/dispatch_proxy.py --cpu-path                       # the CPU's own path, not the GPU's
 
 The rows: the bare batched floor (``bare_w2.py --batched``: the round's clients' steps as one vmap each and the
 mean of their deltas, nothing else), counted the same way; then FedAvg, FedProx, SCAFFOLD, FedALS, IFCA, FedBuff
 and PeFLL on W2 with ``client.vectorize: true`` (each with its config section's defaults). An algorithm whose
 clients do not train through the kernel (the results file's ``clients_trained_vectorized`` is 0) or that does not
-run on W2 is reported as such, and the table goes on.
+run on W2 is reported as such, and the table goes on. Each row's bytes are also given in W2's models (6.5 MB, both
+ways together) and its predicted GPU milliseconds by ``benchmarks/gpu_model.py``'s fitted model; issue 59's targets:
+≤ 2 models a round for FedAvg, FedProx, SCAFFOLD, FedALS and IFCA, ≤ 2 reads for FedBuff and PeFLL. ``--sites``
+lists each row's largest copies by caller; ``--json FILE`` writes the rows' counts (``gpu_model.py --fit`` reads
+985a042's).
 
 The GPU's path, as far as the CPU can take it (the default; ``--cpu-path`` counts the CPU's own): on the CPU the
 kernel computes each client's reported loss alone (the loop's bits; on a GPU it comes out of the vmapped call, no
-operation more), so those operations are counted apart and left out of the GPU path's columns; and an upload that
-is a row of the kernel's result (a host view of it on the CPU: FedAvg's deltas; not a row computed on the host, as
-IFCA's and PeFLL's deltas, which a GPU copies out too) leaves the client as a tensor, as it would on a GPU, so the
-walker screens those rows with one read and folds them with ``ExactSum.add_rows`` through the exact sum's torch
-backend in whole-row passes (as on a GPU; on the CPU it would fold with numpy, which no dispatcher sees). Each
-row's "÷ floor" is the GPU path's count over the floor's; the issue's target is ≤ 1.25× and ≤ 2 host reads a
-round. Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are host-side draws on CPU
-tensors (no GPU launches), so the GPU path's count is an upper bound. The emulation patches private names of
-mpifl (``PlanWalker._leaving``, the exact sum's ``ops_for`` and ``TorchOps``, the kernel's ``_losses``:
-:data:`KERNELS`); where one is missing after a change the table's header says which part of the GPU's path was not
-emulated, and the counts are the CPU's there.
+operation more), so those operations are counted apart and left out of the GPU path's columns; FedAvg's deltas are
+rows of the kernel's result as on a GPU (``FedAvgClient.local_end``'s GPU branch: no host view of them, which on a
+GPU would be a copy), so the walker screens them with one read and folds them with ``ExactSum.add_rows`` through the
+exact sum's torch backend in whole-row passes (as on a GPU; on the CPU it would fold with numpy, which no dispatcher
+sees); client state that a GPU keeps on the device within ``state_device_gb`` (SCAFFOLD's controls) stays there (on
+the CPU, where the host is the device, it would come to the host: ``ClientState._device_budget``); and at 985a042 the
+loop's delta stays on the device (``FedAvgClient.compute``'s GPU branch there). Each row's "÷ floor" is the GPU
+path's count over the floor's. Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are
+host-side draws on CPU tensors (no GPU launches), so the GPU path's count is an upper bound. The emulation patches
+private names of mpifl (:data:`KERNELS`, :data:`BACKEND_USERS`, the two branches above); the table's header names
+those it applied, and where one is missing after a change the counts are the CPU's there.
+
+An older checkout (985a042, 4e3d78e) is traced with this script copied into it and ``--counter`` naming this
+checkout's ``mpifl/training/syncdebug.py``, whose byte counter that checkout's lacks (:func:`counter_module`).
 """
+
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
+import json
+import resource
 import sys
 import tempfile
 from collections import Counter
@@ -57,6 +72,9 @@ W2 = REPO / "configs" / "w2.yaml"
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedals", "ifca", "fedbuff", "pefll")
 KINDS = ("all", "launching", "cpu losses", "cpu losses launching")
 TARGET_RATIO, TARGET_READS = 1.25, 2
+TARGET_MODELS, BY_BYTES, BY_READS = 2, ("fedavg", "fedprox", "scaffold", "fedals", "ifca"), ("fedbuff", "pefll")
+"""Issue 59's targets on W2: at most 2 models' bytes a round (both ways) for :data:`BY_BYTES`, 2 reads for
+:data:`BY_READS`."""
 SETTINGS: dict[str, dict[str, Any]] = {
     "fedbuff": {"network": {"compute": "model"}, "fedbuff": {"buffer_size": 50}},
 }
@@ -75,13 +93,37 @@ class Counted:
     ops: Counter[str]
     reads: float
     kernel_clients: int | None = None
+    to_device: float = 0.0  # bytes host→device (syncdebug.host_traffic)
+    to_host: float = 0.0  # bytes device→host
+    flops: float = 0.0  # floating-point operations of the dispatched products and convolutions (FlopCounterMode)
+    sites: Counter | None = None  # (direction, caller) → bytes, with --sites
+    host_s: float = 0.0  # seconds outside the dispatched operations (this machine's host work)
+
+    def gpu_ops(self, gpu_path: bool = True) -> tuple[float, float]:
+        """(operations, launching) on the GPU's path: without the CPU-only per-client losses (``gpu_path``)."""
+        ops = self.ops
+        if not gpu_path:
+            return ops["all"], ops["launching"]
+        return ops["all"] - ops["cpu losses"], ops["launching"] - ops["cpu losses launching"]
+
+    def summary(self, gpu_path: bool = True) -> dict[str, float]:
+        """The numbers the time model reads (benchmarks/gpu_model.py's ``Counts``), as JSON writes them."""
+        ops, launching = self.gpu_ops(gpu_path)
+        return {"operations": ops, "launching": launching, "reads": self.reads, "to_device": self.to_device,
+                "to_host": self.to_host, "flops": self.flops, "host_s": self.host_s}
 
     def per_round(self, one: Counted) -> Counted:
         """(this 3-round job − ``one``, its 1-round twin) / 2: one round's counts."""
         ops = Counter(self.ops)
         ops.subtract(one.ops)
+        sites = None
+        if self.sites is not None and one.sites is not None:
+            sites = Counter(self.sites)
+            sites.subtract(one.sites)
+            sites = Counter({k: v / 2 for k, v in sites.items() if v})
         return Counted(Counter({name: count / 2 for name, count in ops.items()}), (self.reads - one.reads) / 2,
-                       self.kernel_clients)
+                       self.kernel_clients, (self.to_device - one.to_device) / 2, (self.to_host - one.to_host) / 2,
+                       (self.flops - one.flops) / 2, sites, (self.host_s - one.host_s) / 2)
 
 
 class Count:
@@ -95,21 +137,43 @@ class Count:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-                counter.add(func)
-                return func(*args, **(kwargs or {}))
+                began = user_seconds()
+                out = func(*args, **(kwargs or {}))
+                counter.inside += user_seconds() - began
+                counter.add(func, args, out)
+                return out
 
         self.mode = Mode()
         self.ops: Counter[str] = Counter()
         self.in_losses = False
+        self.flops = 0.0
+        self.inside = 0.0  # seconds inside the dispatched operations
 
-    def add(self, func: Any) -> None:  # noqa: ANN401 - an OpOverload
+    def add(self, func: Any, args: tuple = (), out: Any = None) -> None:  # noqa: ANN401 - an OpOverload, its output
         launching = not func.is_view
         self.ops["all"] += 1
         self.ops[str(func.overloadpacket)] += 1
         self.ops["launching"] += launching
+        self.flops += flops(str(func.overloadpacket), args, out)
         if self.in_losses:
             self.ops["cpu losses"] += 1
             self.ops["cpu losses launching"] += launching
+
+
+def flops(name: str, args: tuple, out: Any) -> float:  # noqa: ANN401 - an operation's output
+    """The floating-point operations of a product or a convolution (2 per multiply-add), 0 for any other operation:
+    a grouped convolution (vmap's) counted per group, which ``torch.utils.flop_counter`` (torch 2.13) does not do
+    for the backward pass (it counted 3× a 5-row step of W2's model)."""
+    import math
+
+    if name in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm"):
+        a, b = args[-2:] if name in ("aten.addmm", "aten.baddbmm") else args[:2]
+        return 2.0 * math.prod(a.shape) * b.shape[-1]
+    if name == "aten.convolution":  # out [N, C_out, *spatial]; weight [C_out, C_in / groups, *kernel]
+        return 2.0 * out.numel() * math.prod(args[1].shape[1:])
+    if name == "aten.convolution_backward":  # (grad_output, input, weight, ..., output_mask)
+        return 2.0 * args[0].numel() * math.prod(args[2].shape[1:]) * sum(args[-1][:2])
+    return 0.0
 
 
 @contextlib.contextmanager
@@ -130,15 +194,13 @@ def patched(owner: object, name: str, make: Callable[[Any], Any], applied: list[
 
 @contextlib.contextmanager
 def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[None]:
-    """The CPU-only losses marked in ``counter``; with ``gpu_path`` the deltas kept as tensors and folded by the
-    exact sum's torch backend in whole-row passes, as on a GPU (see the module's docstring)."""
+    """The CPU-only losses marked in ``counter``; with ``gpu_path`` the GPU's path emulated (see the module's
+    docstring): FedAvg's deltas left as rows of the kernel's tensor (and, at 985a042, the loop's delta on the
+    device), folded by the exact sum's torch backend in whole-row passes, and client state kept on the device."""
     import importlib
+    import math
 
-    import numpy as np
-    import torch
-
-    from mpifl.comm.exactsum import _accumulator, _backends, _wire
-    from mpifl.runtime.walker import PlanWalker
+    from mpifl.algorithms.fedavg import FedAvgClient
 
     def marking(losses: Callable) -> Callable:
         def counted_losses(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
@@ -150,32 +212,11 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
 
         return counted_losses
 
-    def as_tensors(leaving: Callable) -> Callable:
-        def kept_on_device(walker: Any, msg: Any, round_: int, client: int, sent: Any) -> Any:  # noqa: ANN401
-            if isinstance(sent, np.ndarray) and sent.ndim == 1 and getattr(sent.base, "ndim", 0) == 2:
-                sent = torch.from_numpy(sent)  # a row of the kernel's result: on a GPU, a row of a device tensor
-            return leaving(walker, msg, round_, client, sent)
+    def device_rows(local_end: Callable) -> Callable:
+        def kept_on_device(client: Any, step: Any, clients: list[int], trained: Any) -> None:  # noqa: ANN401
+            client.deltas.update((c, trained.params[k]) for k, c in enumerate(clients))  # the GPU's branch
 
         return kept_on_device
-
-    def whole_rows(ops_for: Callable) -> Callable:
-        torch_ops = getattr(_backends, "TorchOps", None)
-        if torch_ops is None:
-            return ops_for
-
-        class DeviceOps(torch_ops):  # type: ignore[misc, valid-type]
-            def span(self, size: int) -> int:
-                return max(size, 1)  # one pass over a whole row, as on a GPU (the CPU's chunks keep its cache)
-
-            def round_span(self, size: int) -> int:
-                return max(size, 1)  # the total rounded in one pass, as on a GPU (the CPU's spans keep its cache)
-
-        def device_ops(device: Any, row: object) -> Any:  # noqa: ANN401
-            if device is None and isinstance(row, torch.Tensor):
-                return DeviceOps(row.device)
-            return ops_for(device, row)
-
-        return device_ops
 
     with contextlib.ExitStack() as stack:
         for module, name in KERNELS:
@@ -183,11 +224,158 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
                 stack.enter_context(patched(getattr(importlib.import_module(module), name, None), "_losses", marking,
                                             applied))
         if gpu_path:
-            stack.enter_context(patched(PlanWalker, "_leaving", as_tensors, applied))
-            for user in (_accumulator, _wire):  # the modules that pick a backend: a total's fold, round_sum
-                stack.enter_context(patched(user, "ops_for", whole_rows, applied))
+            stack.enter_context(patched(FedAvgClient, "local_end", device_rows, applied))
+            stack.enter_context(patched(FedAvgClient, "compute", loop_delta_on_device, applied))
+            for module, name in BACKEND_USERS:
+                with contextlib.suppress(ImportError):
+                    stack.enter_context(patched(importlib.import_module(module), name, whole_rows, applied))
+            with contextlib.suppress(ImportError):
+                from mpifl.algorithms.state import ClientState
+
+                stack.enter_context(patched(ClientState, "_device_budget", lambda _: lambda *_: math.inf, applied))
+        yield
+
+
+BACKEND_USERS = (("mpifl.comm.exactsum._accumulator", "ops_for"), ("mpifl.comm.exactsum._wire", "ops_for"),
+                 ("mpifl.comm.exactsum", "_ops_for"))
+"""The exact sum's modules that pick a backend for a row (a total's fold, ``round_sum``): after issue 58's split
+into a package, and at 985a042."""
+
+
+def whole_rows(ops_for: Callable) -> Callable:
+    """``ops_for`` that gives a tensor row (a device row, on a GPU) the torch backend, in whole-row passes as on a
+    GPU (on the CPU its chunks and spans keep the cache)."""
+    import importlib
+
+    import torch
+
+    torch_ops = None
+    for module, name in (("mpifl.comm.exactsum._backends", "TorchOps"), ("mpifl.comm.exactsum", "_TorchOps")):
+        with contextlib.suppress(ImportError):
+            torch_ops = torch_ops or getattr(importlib.import_module(module), name, None)
+    if torch_ops is None:
+        return ops_for
+
+    class DeviceOps(torch_ops):  # type: ignore[misc, valid-type]
+        def span(self, size: int) -> int:
+            return max(size, 1)
+
+        def round_span(self, size: int) -> int:
+            return max(size, 1)
+
+    def device_ops(device: Any, row: object) -> Any:  # noqa: ANN401
+        if device is None and isinstance(row, torch.Tensor):
+            return DeviceOps(row.device)
+        return ops_for(device, row)
+
+    return device_ops
+
+
+def loop_delta_on_device(compute: Callable) -> Callable:
+    """985a042's ``FedAvgClient.compute`` (the loop) with its GPU branch: the delta kept on the device. Later
+    checkouts train the loop through ``local_step`` (``compute`` is the toolkit's): left as it is."""
+    if "origin" not in compute.__code__.co_varnames:
+        return compute
+
+    def on_device(client: Any, step: Any, c: int) -> None:  # noqa: ANN401
+        start = client.start.pop(c)
+        client.workspace.load(start)
+        origin = client.workspace.params.clone()
+        client.train_workspace(step, c, client.grad_hook(c, start))
+        client.deltas[c] = client.workspace.params - origin
+        client.after_training(c)
+
+    return on_device
+
+
+COUNTER: Path | None = None
+"""``--counter``: a syncdebug.py to count host↔device traffic with, for a checkout whose own has no
+``host_traffic`` (:func:`host_traffic`)."""
+
+
+def host_traffic() -> Any:  # noqa: ANN401 - a context manager yielding syncdebug.Traffic
+    """``mpifl.training.syncdebug.host_traffic(sites=SITES)``: this checkout's, or (``--counter``) that of
+    :data:`COUNTER` (:func:`counter_module`)."""
+    from mpifl.training import syncdebug
+
+    return (syncdebug if COUNTER is None else counter_module(COUNTER)).host_traffic(sites=SITES)
+
+
+@functools.cache
+def counter_module(path: Path) -> Any:  # noqa: ANN401 - a module
+    """The syncdebug.py at ``path``, loaded on its own beside this checkout's mpifl: its counter needs only torch,
+    and while it loads, a name it imports from :data:`STAND_INS` that this checkout lacks (an older one has no
+    ``ClientStart``, or no ``mpifl.training.executor`` at all) is None (the rest of that module is not used here)."""
+    import importlib.util
+    import types
+
+    saved = {}
+    for name in STAND_INS:
+        real = importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+        stand_in = types.ModuleType(name)
+        stand_in.__getattr__ = lambda attr, real=real: getattr(real, attr, None)  # type: ignore[attr-defined, method-assign, misc]
+        saved[name], sys.modules[name] = real, stand_in
+    spec = importlib.util.spec_from_file_location("counter_syncdebug", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type, union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        for name, real in saved.items():
+            if real is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = real
+    return module
+
+
+STAND_INS = ("mpifl.training.executor",)
+"""The modules whose names syncdebug.py imports for its checks, not for its counter."""
+
+
+SITES = False
+"""``--sites``: keep the bytes by caller, and print the largest."""
+
+
+@contextlib.contextmanager
+def traced(counter: Count) -> Iterator[Callable[[int | None], Counted]]:
+    """``counter``'s mode and the host traffic while active; yields what makes the block's :class:`Counted` (given
+    the kernel's clients) once it is over, with its host seconds outside the dispatched operations
+    (:func:`mode_cost` taken off for each), in :func:`user_seconds`."""
+    with host_traffic() as traffic:
+        began = user_seconds()
         with counter.mode:
-            yield
+            yield lambda kernel: Counted(counter.ops, sum(traffic.reads.values()), kernel, traffic.to_device,
+                                         traffic.to_host, counter.flops, traffic.sites, host_s)
+        host_s = user_seconds() - began - counter.inside - counter.ops["all"] * mode_cost()
+
+
+def user_seconds() -> float:
+    """This thread's CPU seconds in user mode: another job's load on the machine adds little, mpifl's results writer
+    (a thread of its own) nothing, and neither do the kernel's page faults and unmappings of large tensors, which
+    varied 3-fold from run to run here (W2's FedAvg round: 1.5 to 4.0 s of system time, 0.8 to 2.3 million minor
+    faults, its user seconds within 1%) and which a GPU's caching allocator does not have."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_utime
+
+
+@functools.cache
+def mode_cost(n: int = 20000) -> float:
+    """The user seconds :class:`Count`'s mode adds to one dispatched operation (the best of 5 passes of ``n`` small
+    additions with and without it), which :func:`traced` takes off the host's seconds."""
+    import torch
+
+    a, b = torch.ones(4), torch.ones(4)
+
+    def best(mode: Any) -> float:  # noqa: ANN401 - a mode or a null context
+        times = []
+        for _ in range(5):
+            began = user_seconds()
+            with mode:
+                for _ in range(n):
+                    torch.add(a, b)
+            times.append(user_seconds() - began)
+        return min(times)
+
+    return max(best(Count().mode) - best(contextlib.nullcontext()), 0.0) / n
 
 
 def mpifl_job(raw: dict, out: Path, gpu_path: bool, applied: list[str]) -> Counted:
@@ -199,19 +387,18 @@ def mpifl_job(raw: dict, out: Path, gpu_path: bool, applied: list[str]) -> Count
 
     from mpifl.registry import parse_config
     from mpifl.runtime.engine import Engine
-    from mpifl.training.syncdebug import host_reads
 
     torch.set_num_threads(1)
     engine = Engine(parse_config(raw), MPI.COMM_SELF, out)
     engine.prepare()
     counter = Count()
-    with counting(counter, gpu_path, applied), host_reads() as reads:
+    with counting(counter, gpu_path, applied), traced(counter) as made:
         engine.run(progress=False)
     with h5py.File(out) as f:
         ranks = f["ranks"]
         kernel = (int(np.sum(ranks["clients_trained_vectorized"][()])) if "clients_trained_vectorized" in ranks
                   else None)
-    return Counted(counter.ops, sum(reads.values()), kernel)
+    return made(kernel)
 
 
 def floor_job(raw: dict) -> Counted:
@@ -220,14 +407,13 @@ def floor_job(raw: dict) -> Counted:
     from bare_w2 import CONFIG, batched_rounds
 
     from mpifl.registry import load_config
-    from mpifl.training.syncdebug import host_reads
 
     cfg = load_config(CONFIG, [f"rounds={raw['rounds']}", f"data.num_clients={raw['data']['num_clients']}",
                                f"clients_per_round={raw['clients_per_round']}"])
     counter = Count()
-    with counter.mode, host_reads() as reads:
+    with traced(counter) as made:
         batched_rounds(cfg, torch.device("cpu"))
-    return Counted(counter.ops, sum(reads.values()))
+    return made(None)
 
 
 def gpu_chunk(cohort: int) -> int:
@@ -251,24 +437,50 @@ def w2(algorithm: str, clients: int, chunk: int, vectorize: bool) -> dict:
 
 
 def per_round(job: Callable[[dict], Counted], raw: dict) -> Counted:
-    """One round's counts of ``job``: its 3-round run less its 1-round run, halved."""
+    """One round's counts of ``job``: its 3-round run less its 1-round run, halved, after a 1-round run that pays
+    what a process does once (imports on first use) and is dropped."""
+    job({**raw, "rounds": 1})
     return job({**raw, "rounds": 3}).per_round(job({**raw, "rounds": 1}))
 
 
 def row(name: str, counted: Counted, floor: Counted | None, gpu_path: bool) -> str:
-    """A table row: the counts as made, the GPU path's (without the CPU-only losses), the reads, the ratios."""
+    """A table row: the counts as made, the GPU path's (without the CPU-only losses), the reads, the bytes each way
+    and in models, the FLOPs, the host seconds here, the predicted GPU milliseconds, the ratios and the targets."""
+    from gpu_model import FITTED, Counts
+    from scaling_model import MODEL_BYTES
+
     ops = counted.ops
-    mine = (ops["all"] - ops["cpu losses"], ops["launching"] - ops["cpu losses launching"]) if gpu_path else (
-        ops["all"], ops["launching"])
+    mine = counted.gpu_ops(gpu_path)
     ratios, met = "", ""
     if floor is not None:
         ratio = (mine[0] / floor.ops["all"], mine[1] / floor.ops["launching"])
         ratios = f"{ratio[0]:.2f}× / {ratio[1]:.2f}×"
         met = "yes" if max(ratio) <= TARGET_RATIO and counted.reads <= TARGET_READS else "no"
+    models = (counted.to_device + counted.to_host) / MODEL_BYTES
+    algorithm = name.split()[0]
+    target = ""
+    if algorithm in BY_BYTES:
+        target = f"≤ {TARGET_MODELS} models: {'yes' if models <= TARGET_MODELS else 'no'}"
+    elif algorithm in BY_READS:
+        target = f"≤ {TARGET_READS} reads: {'yes' if counted.reads <= TARGET_READS else 'no'}"
+    predicted = FITTED.seconds(Counts.of(counted.summary(gpu_path))) * 1e3
     names = Counter({k: v for k, v in ops.items() if k not in KINDS})
     top = ", ".join(f"{k} {v:.0f}" for k, v in names.most_common(3))
-    return (f"| {name} | {ops['all']:,.0f} / {ops['launching']:,.0f} | {ops['cpu losses']:,.0f} | "
-            f"{mine[0]:,.0f} / {mine[1]:,.0f} | {counted.reads:.0f} | {ratios} | {met} | {top} |")
+    line = (f"| {name} | {ops['all']:,.0f} / {ops['launching']:,.0f} | {ops['cpu losses']:,.0f} | "
+            f"{mine[0]:,.0f} / {mine[1]:,.0f} | {counted.reads:.0f} | {counted.to_device / 1e6:,.1f} / "
+            f"{counted.to_host / 1e6:,.1f} | {models:.1f} | {counted.flops / 1e9:,.0f} | {counted.host_s:.3f} | "
+            f"{predicted:,.0f} | {ratios} | {met} | {target} | {top} |")
+    if counted.sites:
+        line += "".join(f"\n    {direction} {size / 1e6:,.2f} MB {where}"
+                        for (direction, where), size in counted.sites.most_common(8))
+    return line
+
+
+HEADER = ("| setting | ATen operations / launching, as counted | of which the CPU-only per-client losses | "
+          "{path}: operations / launching | host reads | MB host→device / device→host | ÷ the model's bytes | GFLOP | "
+          "host CPU s here | predicted GPU ms (gpu_model.py) | ÷ floor (operations / launching) | "
+          f"≤ {TARGET_RATIO}× and ≤ {TARGET_READS} reads | issue 59's target | most frequent |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
 
 
 def main() -> int:
@@ -281,44 +493,53 @@ def main() -> int:
     parser.add_argument("--loop", action="store_true", help="also FedAvg through the loop (client.vectorize false)")
     parser.add_argument("--cpu-path", action="store_true",
                         help="count the CPU's own path (losses per client, deltas folded by numpy)")
+    parser.add_argument("--counter", type=Path,
+                        help="a syncdebug.py with host_traffic, for a checkout whose own has none (an old one)")
+    parser.add_argument("--sites", action="store_true", help="also the largest copies by caller")
+    parser.add_argument("--json", type=Path, help="also write each row's counts to this file (gpu_model.py --fit)")
     args = parser.parse_args()
+    global COUNTER, SITES
+    COUNTER, SITES = args.counter, args.sites
     args.chunk = args.chunk or gpu_chunk(yaml.safe_load(W2.read_text())["clients_per_round"])
     gpu_path = not args.cpu_path
     applied: list[str] = []
+    serial = itertools.count()
+    summaries: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         fedavg = w2("fedavg", args.clients, args.chunk, True)
-        floor = per_round(floor_job, fedavg)
-        rows = [row("bare batched floor (`bare_w2.py --batched`)", floor, None, gpu_path)]
+        try:
+            floor: Counted | None = per_round(floor_job, fedavg)
+            rows = [row("bare batched floor (`bare_w2.py --batched`)", floor, None, gpu_path)]
+            summaries["bare batched floor"] = floor.summary(False)
+        except ImportError:  # an old checkout: bare_w2.py without the batched floor
+            floor, rows = None, ["| bare batched floor: not in this checkout's bare_w2.py |" + " |" * 13]
         settings = [(a, True) for a in args.algorithm or ALGORITHMS] + ([("fedavg", False)] if args.loop else [])
         for algorithm, vectorize in settings:
             name = f"{algorithm}" + ("" if vectorize else " (the loop)")
             raw = w2(algorithm, args.clients, args.chunk, vectorize)
 
             def job(config: dict, name: str = name) -> Counted:
-                return mpifl_job(config, folder / f"{name}_{config['rounds']}.h5", gpu_path, applied)
+                return mpifl_job(config, folder / f"{name}_{config['rounds']}_{next(serial)}.h5", gpu_path, applied)
 
             try:
                 counted = per_round(job, raw)
             except Exception as exc:  # noqa: BLE001 - an algorithm that does not run on W2 is a row, not the end
-                rows.append(f"| {name} | does not run on W2: {type(exc).__name__}: {str(exc)[:100]} | | | | | | |")
+                rows.append(f"| {name} | does not run on W2: {type(exc).__name__}: {str(exc)[:100]} |" + " |" * 12)
                 continue
             if vectorize and counted.kernel_clients == 0:
                 name += " — does not take the kernel (clients_trained_vectorized 0): the loop's counts"
             rows.append(row(name, counted, floor, gpu_path))
-    backends = ["mpifl.comm.exactsum._accumulator.ops_for", "mpifl.comm.exactsum._wire.ops_for"]
-    wanted = ["the kernel's _losses"] + (["PlanWalker._leaving", *backends] if gpu_path else [])
-    found = ["the kernel's _losses" if name.endswith("._losses") else name for name in applied]
-    missing = [w for w in wanted if w not in found]
+            summaries[name] = counted.summary(gpu_path)
+    emulated = sorted({"the kernel's _losses" if name.endswith("._losses") else name for name in applied})
     print(f"W2 round, 1 rank, {args.clients} clients, client.vectorize_chunk {args.chunk}; "
-          + ("the GPU's path as far as the CPU can take it" if gpu_path else "the CPU's own path")
-          + (f" (not emulated, missing after a change: {', '.join(missing)})" if missing else "") + "\n")
-    print("| setting | ATen operations / launching, as counted | of which the CPU-only per-client losses | "
-          f"{'GPU path' if gpu_path else 'counted'}: operations / launching | host reads | ÷ floor (operations / "
-          f"launching) | ≤ {TARGET_RATIO}× and ≤ {TARGET_READS} reads | most frequent |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+          + (f"the GPU's path as far as the CPU can take it (emulated: {', '.join(emulated) or 'nothing'})"
+             if gpu_path else "the CPU's own path") + "\n")
+    print(HEADER.format(path="GPU path" if gpu_path else "counted"))
     for line in rows:
         print(line, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(summaries, indent=1))
     return 0
 
 
