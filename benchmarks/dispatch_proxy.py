@@ -8,10 +8,11 @@ that reaches PyTorch's dispatcher (a ``TorchDispatchMode``, below autograd and `
 would run), those of them that would launch a kernel (not views, which only make new tensor metadata), the FLOPs of
 its products and convolutions (:func:`flops`), every tensor read of :data:`mpifl.training.syncdebug.READS`, the bytes
 that would cross (``syncdebug.host_traffic``: what a read copies to the host, what mpifl's upload doors and a
-host-made tensor's move to the device copy up), and the round's host CPU seconds outside the operations. A round's
-count is (a 3-round job − a 1-round job) / 2 after a dropped 1-round job (one-time costs), so set-up and the final
-evaluation cancel; W2 with 100 clients (50 a round, 5 local steps each), 1 rank, in process, the kernel's calls as a
-GPU makes them (``client.vectorize_chunk`` as ``auto`` sets it on a GPU: :func:`gpu_chunk`)::
+host-made tensor's move to the device copy up), and a training round's host CPU seconds outside the operations (the
+median of rounds 2 and 3, user-mode: :func:`timed_rounds`, :func:`user_seconds`). A round's count is (a 3-round job
+− a 1-round job) / 2 after a dropped 1-round job (one-time costs), so set-up and the final evaluation cancel; W2
+with 100 clients (50 a round, 5 local steps each), 1 rank, in process, the kernel's calls as a GPU makes them
+(``client.vectorize_chunk`` as ``auto`` sets it on a GPU: :func:`gpu_chunk`)::
 
     python benchmarks/dispatch_proxy.py                                  # the floor, then every algorithm below
     python benchmarks/dispatch_proxy.py --algorithm fedavg --algorithm scaffold --sites
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -95,9 +97,11 @@ class Counted:
     kernel_clients: int | None = None
     to_device: float = 0.0  # bytes host→device (syncdebug.host_traffic)
     to_host: float = 0.0  # bytes device→host
-    flops: float = 0.0  # floating-point operations of the dispatched products and convolutions (FlopCounterMode)
+    flops: float = 0.0  # floating-point operations of the dispatched products and convolutions (:func:`flops`)
     sites: Counter | None = None  # (direction, caller) → bytes, with --sites
     host_s: float = 0.0  # seconds outside the dispatched operations (this machine's host work)
+    round_host_s: float | None = None  # of which a training round's, its median over rounds 2.. (mpifl's jobs)
+    grouped_flops: float = 0.0  # of :attr:`flops`, the grouped convolutions' (vmap's rows)
 
     def gpu_ops(self, gpu_path: bool = True) -> tuple[float, float]:
         """(operations, launching) on the GPU's path: without the CPU-only per-client losses (``gpu_path``)."""
@@ -110,10 +114,12 @@ class Counted:
         """The numbers the time model reads (benchmarks/gpu_model.py's ``Counts``), as JSON writes them."""
         ops, launching = self.gpu_ops(gpu_path)
         return {"operations": ops, "launching": launching, "reads": self.reads, "to_device": self.to_device,
-                "to_host": self.to_host, "flops": self.flops, "host_s": self.host_s}
+                "to_host": self.to_host, "flops": self.flops, "grouped_flops": self.grouped_flops,
+                "host_s": self.host_s}
 
     def per_round(self, one: Counted) -> Counted:
-        """(this 3-round job − ``one``, its 1-round twin) / 2: one round's counts."""
+        """(this 3-round job − ``one``, its 1-round twin) / 2: one round's counts; its host seconds this job's median
+        training round's, where its rounds were timed (:func:`timed_rounds`)."""
         ops = Counter(self.ops)
         ops.subtract(one.ops)
         sites = None
@@ -123,7 +129,9 @@ class Counted:
             sites = Counter({k: v / 2 for k, v in sites.items() if v})
         return Counted(Counter({name: count / 2 for name, count in ops.items()}), (self.reads - one.reads) / 2,
                        self.kernel_clients, (self.to_device - one.to_device) / 2, (self.to_host - one.to_host) / 2,
-                       (self.flops - one.flops) / 2, sites, (self.host_s - one.host_s) / 2)
+                       (self.flops - one.flops) / 2, sites,
+                       (self.host_s - one.host_s) / 2 if self.round_host_s is None else self.round_host_s,
+                       grouped_flops=(self.grouped_flops - one.grouped_flops) / 2)
 
 
 class Count:
@@ -146,7 +154,7 @@ class Count:
         self.mode = Mode()
         self.ops: Counter[str] = Counter()
         self.in_losses = False
-        self.flops = 0.0
+        self.flops = self.grouped_flops = 0.0
         self.inside = 0.0  # seconds inside the dispatched operations
 
     def add(self, func: Any, args: tuple = (), out: Any = None) -> None:  # noqa: ANN401 - an OpOverload, its output
@@ -154,26 +162,29 @@ class Count:
         self.ops["all"] += 1
         self.ops[str(func.overloadpacket)] += 1
         self.ops["launching"] += launching
-        self.flops += flops(str(func.overloadpacket), args, out)
+        done, grouped = flops(str(func.overloadpacket), args, out)
+        self.flops += done
+        self.grouped_flops += done * grouped
         if self.in_losses:
             self.ops["cpu losses"] += 1
             self.ops["cpu losses launching"] += launching
 
 
-def flops(name: str, args: tuple, out: Any) -> float:  # noqa: ANN401 - an operation's output
-    """The floating-point operations of a product or a convolution (2 per multiply-add), 0 for any other operation:
-    a grouped convolution (vmap's) counted per group, which ``torch.utils.flop_counter`` (torch 2.13) does not do
-    for the backward pass (it counted 3× a 5-row step of W2's model)."""
+def flops(name: str, args: tuple, out: Any) -> tuple[float, bool]:  # noqa: ANN401 - an operation's output
+    """The floating-point operations of a product or a convolution (2 per multiply-add; 0 for any other operation),
+    and whether it is a grouped convolution (vmap's batch of rows: ``groups`` > 1), counted per group, which
+    ``torch.utils.flop_counter`` (torch 2.13) does not do for the backward pass (it counted 3× a 5-row step of W2's
+    model)."""
     import math
 
     if name in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm"):
         a, b = args[-2:] if name in ("aten.addmm", "aten.baddbmm") else args[:2]
-        return 2.0 * math.prod(a.shape) * b.shape[-1]
-    if name == "aten.convolution":  # out [N, C_out, *spatial]; weight [C_out, C_in / groups, *kernel]
-        return 2.0 * out.numel() * math.prod(args[1].shape[1:])
-    if name == "aten.convolution_backward":  # (grad_output, input, weight, ..., output_mask)
-        return 2.0 * args[0].numel() * math.prod(args[2].shape[1:]) * sum(args[-1][:2])
-    return 0.0
+        return 2.0 * math.prod(a.shape) * b.shape[-1], False
+    if name == "aten.convolution":  # (input, weight, ..., groups); out [N, C_out, *spatial]; weight [C_out, C_in/g, *k]
+        return 2.0 * out.numel() * math.prod(args[1].shape[1:]), args[8] > 1
+    if name == "aten.convolution_backward":  # (grad_output, input, weight, ..., groups, output_mask)
+        return 2.0 * args[0].numel() * math.prod(args[2].shape[1:]) * sum(args[10][:2]), args[9] > 1
+    return 0.0, False
 
 
 @contextlib.contextmanager
@@ -345,7 +356,8 @@ def traced(counter: Count) -> Iterator[Callable[[int | None], Counted]]:
         began = user_seconds()
         with counter.mode:
             yield lambda kernel: Counted(counter.ops, sum(traffic.reads.values()), kernel, traffic.to_device,
-                                         traffic.to_host, counter.flops, traffic.sites, host_s)
+                                         traffic.to_host, counter.flops, traffic.sites, host_s,
+                                         grouped_flops=counter.grouped_flops)
         host_s = user_seconds() - began - counter.inside - counter.ops["all"] * mode_cost()
 
 
@@ -392,13 +404,31 @@ def mpifl_job(raw: dict, out: Path, gpu_path: bool, applied: list[str]) -> Count
     engine = Engine(parse_config(raw), MPI.COMM_SELF, out)
     engine.prepare()
     counter = Count()
+    rounds = timed_rounds(engine.rounds, counter)
     with counting(counter, gpu_path, applied), traced(counter) as made:
         engine.run(progress=False)
     with h5py.File(out) as f:
         ranks = f["ranks"]
         kernel = (int(np.sum(ranks["clients_trained_vectorized"][()])) if "clients_trained_vectorized" in ranks
                   else None)
-    return made(kernel)
+    return dataclasses.replace(made(kernel), round_host_s=float(np.median(rounds[1:])) if len(rounds) > 1 else None)
+
+
+def timed_rounds(rounds: Any, counter: Count) -> list[float]:  # noqa: ANN401 - the engine's round driver
+    """Each training round's host seconds, as :func:`traced` takes them (filled in as the rounds run): the rounds'
+    ``train_round`` timed alone, without the set-up, the evaluation or the results writes around them, which would
+    vary from job to job by more than a round's host seconds (W2's final evaluation of its 1,000 clients)."""
+    seconds: list[float] = []
+    train_round = rounds.train_round
+
+    def timed(round_: int) -> None:
+        began, inside, ops = user_seconds(), counter.inside, counter.ops["all"]
+        train_round(round_)
+        ran = user_seconds() - began - (counter.inside - inside)
+        seconds.append(ran - (counter.ops["all"] - ops) * mode_cost())
+
+    rounds.train_round = timed
+    return seconds
 
 
 def floor_job(raw: dict) -> Counted:
@@ -468,7 +498,8 @@ def row(name: str, counted: Counted, floor: Counted | None, gpu_path: bool) -> s
     top = ", ".join(f"{k} {v:.0f}" for k, v in names.most_common(3))
     line = (f"| {name} | {ops['all']:,.0f} / {ops['launching']:,.0f} | {ops['cpu losses']:,.0f} | "
             f"{mine[0]:,.0f} / {mine[1]:,.0f} | {counted.reads:.0f} | {counted.to_device / 1e6:,.1f} / "
-            f"{counted.to_host / 1e6:,.1f} | {models:.1f} | {counted.flops / 1e9:,.0f} | {counted.host_s:.3f} | "
+            f"{counted.to_host / 1e6:,.1f} | {models:.1f} | {counted.flops / 1e9:,.0f} "
+            f"({counted.grouped_flops / 1e9:,.0f}) | {counted.host_s:.3f} | "
             f"{predicted:,.0f} | {ratios} | {met} | {target} | {top} |")
     if counted.sites:
         line += "".join(f"\n    {direction} {size / 1e6:,.2f} MB {where}"
@@ -477,7 +508,8 @@ def row(name: str, counted: Counted, floor: Counted | None, gpu_path: bool) -> s
 
 
 HEADER = ("| setting | ATen operations / launching, as counted | of which the CPU-only per-client losses | "
-          "{path}: operations / launching | host reads | MB host→device / device→host | ÷ the model's bytes | GFLOP | "
+          "{path}: operations / launching | host reads | MB host→device / device→host | ÷ the model's bytes | "
+          "GFLOP (grouped) | "
           "host CPU s here | predicted GPU ms (gpu_model.py) | ÷ floor (operations / launching) | "
           f"≤ {TARGET_RATIO}× and ≤ {TARGET_READS} reads | issue 59's target | most frequent |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
