@@ -291,7 +291,9 @@ def _watch_peers(comm, path: Path, stop: StopRequest) -> Lifeline:  # noqa: ANN0
     peers = comm.allgather((platform.node(), os.getpid()))
     if comm.Get_rank() == 0:
         stop.terminal_note = lambda: _ending_note(path, peers)
-    return Lifeline.open(comm, peers, lambda dead: _died(path, peers, dead), lambda: stop.requested)
+    lifeline = Lifeline.open(comm, peers, lambda dead: _died(path, peers, dead))
+    stop.on_request = lifeline.quiet  # a stop under way: the workers that end are not dying
+    return lifeline
 
 
 def _checked_job(config_path: str | None, overrides: list[str], output: str | None, options: JobOptions) -> RunConfig:

@@ -58,6 +58,7 @@ class StopRequest:
         self.launcher_ending = False  # the stop came from Open MPI's mpirun ending the job (see the module's doc)
         # what rank 0 writes to the terminal then, worked out when it happens (set once the output is known)
         self.terminal_note: Callable[[], str] | None = None
+        self.on_request: Callable[[], None] | None = None  # told first when a stop is asked (from the handler)
 
     @property
     def requested(self) -> bool:
@@ -91,6 +92,8 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}: stopped at once")
         self.signum = signum
+        if self.on_request is not None:
+            self.on_request()
         self.launcher_ending = ("OMPI_TOOL_NAME" in os.environ and signum != signal.SIGUSR1
                                 and time.monotonic() - self.continued_at < LAUNCHER_GAP_S)
         if self.launcher_ending and self.terminal_note is not None:
