@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from benchmarks.gpu_check import kill_session
 from mpifl.cli import main
 from mpifl.registry import known_algorithms
 from mpifl.results import read_results, shard_dir
+from mpifl.results.guard import inspect_output, lock_file
 from mpifl.results.layout import rounds_completed
 from mpifl.schema import ConfigError
 from mpifl.state_io import read_client_states, read_state, write_object, write_state
@@ -185,15 +187,17 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
     part = tmp_path / "part.h5"
     cmd = mpirun_cmd(2) + [sys.executable, "-m", "mpifl", "run", str(config), "--out", str(part), "--quiet"]
     job = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + HANG_S
-    while not peek(part)[1]:
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    assert main(["report", str(part), "--json"]) == 0
-    live = json.loads(capsys.readouterr().out)
-    assert live["status"] == "running"
-    assert live["standing"].endswith(" of 100000 rounds so far: a process holds its lock")
-    kill_job(job)
+    try:  # a failed assertion leaves no job training beside the rest of the suite
+        deadline = time.monotonic() + HANG_S
+        while not peek(part)[1]:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert main(["report", str(part), "--json"]) == 0
+        live = json.loads(capsys.readouterr().out)
+        assert live["status"] == "running"
+        assert live["standing"].endswith(" of 100000 rounds so far: a process holds its lock")
+    finally:
+        kill_job(job)
     with h5py.File(part) as f:
         done, checkpoint = rounds_completed(f), int(f["checkpoint"].attrs["round"])
     standing = (f"stopped at round {done} of 100000, resumable from round {checkpoint}: mpirun -n 2 --oversubscribe "
@@ -211,10 +215,12 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
     config = write_config({"rounds": 100_000, "eval_every": 1, "model": {"name": "logistic"}}, name="never.yaml")
     job = subprocess.Popen([sys.executable, "-m", "mpifl", "run", str(config), "--out", str(never), "--quiet"],
                            env=mpi_env(), cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL)
-    while peek(never)[0] < 2:
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    kill_job(job)
+    try:
+        while peek(never)[0] < 2:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        kill_job(job)
     done = read_results(never).attrs["rounds_completed"]
     assert main(["report", str(never)]) == 0
     first, second = capsys.readouterr().out.splitlines()[:2]
@@ -228,6 +234,32 @@ def test_a_kill_9_of_a_run_that_checkpoints_by_time_resumes_and_report_says_wher
         f"round); its {done} rounds are lost: --overwrite starts it again (a smaller checkpoint_minutes or a "
         "checkpoint_every > 0 loses less next time)\n")
     assert never.read_bytes() == before
+
+
+def test_a_read_that_falls_in_a_running_jobs_write_is_tried_again_not_taken_for_a_foreign_file(write_config,
+                                                                                                  tmp_path):
+    """``report`` on a run that writes every 0.03 s once said status None (in the clean clone at cf45f6f): its
+    look at the file fell in a write, failed, and the file was taken for a foreign one. Here the file is torn (cut
+    short) while another process holds the run's lock, and mended 0.1 s later: the look tries again and sees the
+    run; with no live holder a torn file is foreign at once."""
+    out = tmp_path / "r.h5"
+    assert main(["run", str(write_config({"rounds": 2})), "--out", str(out), "--quiet"]) == 0
+    whole = out.read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock_file(out))!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.lockf(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # type: ignore[union-attr]
+        out.write_bytes(whole[:4096])
+        threading.Timer(0.1, out.write_bytes, [whole]).start()
+        state = inspect_output(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (state.kind, state.status, state.rounds_completed) == ("results", "completed", 2)
+    out.write_bytes(whole[:4096])
+    assert inspect_output(out).kind == "foreign"
 
 
 def test_state_round_trips_every_kind_a_checkpoint_holds_and_refuses_what_it_cannot(tmp_path):

@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,28 +110,39 @@ class OutputState:
 
 
 def inspect_output(path: str | Path) -> OutputState:
-    """Look at ``path`` without changing it (read-only, no HDF5 file lock: a running job may be writing it)."""
+    """Look at ``path`` without changing it (read-only, no HDF5 file lock: a running job may be writing it). A read
+    that falls in a running job's write (a torn read: h5py fails) is tried again, twice at most, as
+    ``read_results`` does: a live run's file is never taken for a foreign one."""
     path = Path(path)
     if not path.exists():
         return OutputState(path, "absent")
     if path.is_dir() or not h5py.is_hdf5(path):
         return OutputState(path, "foreign")
-    try:
-        with open_results_file(path, "r", locking=False) as f:
-            attrs = {k: plain(v) for k, v in f.attrs.items()}
-            old = attrs.get("layout") != "append"  # its checkpoints were written whole, unmarked
-            checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
-                               if name in f and f[name].attrs.get("complete", old)), None)
-            round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
-            done = rounds_completed(f)
-    except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
-        return OutputState(path, "foreign")
+    for attempt in range(3):
+        try:
+            attrs, done, round_ = _state_of(path)
+            break
+        except (OSError, KeyError, RuntimeError, ValueError):  # h5py's errors for a damaged (truncated) file
+            if attempt == 2 or not being_written(path):
+                return OutputState(path, "foreign")
+            time.sleep(0.2)
     if "config" not in attrs or "status" not in attrs:  # an HDF5 file, but not one of mpifl's results
         return OutputState(path, "foreign")
     ranks = int(attrs.get("world_size", 1))  # a file written before the launcher was recorded: mpirun -n P
     launcher = str(attrs.get("launcher", f"mpirun -n {ranks}" if ranks > 1 else ""))
     return OutputState(path, "results", str(attrs["status"]), str(attrs["config"]),
                        done, round_, launcher)
+
+
+def _state_of(path: Path) -> tuple[dict, int, int | None]:
+    """A results file's attributes, rounds completed and complete checkpoint's round (None: none)."""
+    with open_results_file(path, "r", locking=False) as f:
+        attrs = {k: plain(v) for k, v in f.attrs.items()}
+        old = attrs.get("layout") != "append"  # its checkpoints were written whole, unmarked
+        checkpoint = next((f[name] for name in ("checkpoint", CHECKPOINT_PENDING)
+                           if name in f and f[name].attrs.get("complete", old)), None)
+        round_ = int(checkpoint.attrs["round"]) if checkpoint is not None else None
+        return attrs, rounds_completed(f), round_
 
 
 def resume_command(path: str | Path, launcher: str) -> str:
