@@ -90,6 +90,8 @@ def test_the_traffic_counts_the_bytes_a_gpu_would_copy_each_way():
     assert traffic.to_device == 24 + 24 + 40 + 12 + 8 + 16
     assert traffic.reads["numpy"] == 3  # the load's copy on the host is a read of the counter's, as before
     assert sum(traffic.sites.values()) == traffic.to_device + traffic.to_host  # type: ignore[union-attr]
+    assert traffic.copies == {("to_host", 4): 2, ("to_host", 24): 3, ("to_device", 24): 2, ("to_device", 40): 1,
+                              ("to_device", 12): 1, ("to_device", 8): 1, ("to_device", 16): 1}  # each copy's size
     assert all(where.startswith("tests/test_syncs.py:") for _, where in traffic.sites)  # type: ignore[union-attr]
     assert sgd.to_device is executor.to_device and "counted" not in sgd.to_device.__code__.co_name  # the originals
     assert "to" not in vars(sgd.BatchPlan) or sgd.BatchPlan.to.__code__.co_name == "to"

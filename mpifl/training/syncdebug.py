@@ -85,10 +85,14 @@ class Traffic:
     to_device: int = 0  # bytes host→device
     to_host: int = 0  # bytes device→host
     sites: Counter[tuple[str, str]] | None = None  # (direction, "file:line function") → bytes, if asked for
+    # (direction, bytes) → how many copies of that size: how many transfers a model's size or more there were
+    copies: Counter[tuple[str, int]] = field(default_factory=Counter)
 
     def add(self, direction: str, nbytes: int) -> None:
         """``nbytes`` more ``direction`` (``to_device`` or ``to_host``), by caller where :attr:`sites` is kept."""
         setattr(self, direction, getattr(self, direction) + nbytes)
+        if nbytes:
+            self.copies[direction, nbytes] += 1
         if self.sites is not None:
             self.sites[direction, _caller()] += nbytes
 
