@@ -104,7 +104,8 @@ class RunConfig:
     state_memory_gb: float | None = field(default=None, metadata=limits(ge=0))
     state_spill_dir: str | None = None  # where state_memory_gb spills (a temporary folder in it); null: the system's
     # GPU memory a rank's client states may keep on the GPU (GB; null: a quarter of the GPU's), where an algorithm
-    # keeps them there (SCAFFOLD's control variates); beyond it the least recently used come to host memory
+    # keeps them there (SCAFFOLD's control variates, FedALS's models and variates); beyond it the least recently
+    # used come to host memory
     state_device_gb: float | None = field(default=None, metadata=limits(ge=0))
     # where each rank's clients compute: cpu; cuda (a GPU of the rank's node; an error where PyTorch sees none);
     # auto: cuda where a GPU is visible, else cpu (docs/how-to/gpus.md)

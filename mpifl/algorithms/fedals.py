@@ -36,19 +36,20 @@ from functools import partial
 from typing import Literal, cast
 
 import numpy as np
+import torch
 from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.fedavg import GlobalModel
 from mpifl.algorithms.scaffold import corrected, population_weights, sample_shares, update_control
-from mpifl.algorithms.state import ClientState, HostState
+from mpifl.algorithms.state import ClientState, StateDict
 from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models.flat import layer_groups
 from mpifl.models.norm import norm_size, norm_statistics
 from mpifl.schema import ConfigError, limits
-from mpifl.training.localstep import LocalStep, TrainedRows
-from mpifl.training.sgd import planned_samples
+from mpifl.training.localstep import LocalStep, Rows, TrainedRows, read_together
+from mpifl.training.sgd import planned_samples, to_device
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,12 @@ class FedALSProtocol(Protocol):
 
     def train_plan(self, round_: int) -> Sequence[Step]:
         down = [m for p in self.parts if (round_ - 1) % p.period == 0 for m in p.down]
-        up = [m for p in self.parts if round_ % p.period == 0 for m in (*p.up, p.spread)]
+        up = [m for p in self.uploads(round_) for m in (*p.up, p.spread)]
         return (*down, LOCAL, *up)
+
+    def uploads(self, round_: int) -> tuple[Part, ...]:
+        """The parts whose deltas come up at the end of ``round_`` (every ``period``-th round)."""
+        return tuple(p for p in self.parts if round_ % p.period == 0)
 
     def eval_prelude(self) -> Sequence[Step]:
         return tuple(m for m in (self.extractor_eval, self.norm_msg) if m is not None)
@@ -142,7 +147,8 @@ class FedALSProtocol(Protocol):
         return planned_samples(self.ctx.layout.train_sizes, self.ctx.cfg.client, self.ctx.options.tau)
 
     def client_state(self) -> dict[str, int]:
-        """What :meth:`FedALSClient.working` keeps (float32 models, int64 step counts, a float64 gradient sum)."""
+        """What a FedALS client keeps (float32 models, int64 step counts, a float64 gradient sum): the same bytes
+        on a GPU, where all but the step counts are tensors."""
         opts, numel = self.ctx.options, 4 * self.eval_msg.numel
         state = {"model": numel, "reference": numel, "steps": 8 * len(self.parts)}
         if opts.persistent_momentum and self.ctx.cfg.client.momentum > 0:
@@ -256,30 +262,54 @@ class FedALSServer(ServerAlgorithm):
 class FedALSClient(ClientToolkit):
     """Client state: ``model`` θₖ, ``reference`` (each part as last received), ``steps`` (local steps since
     each part's reference), and as configured ``momentum``, ``control`` cₖ, ``global_control`` (c as last
-    received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺)."""
+    received) and ``gradient_sum`` (float64: the local gradients since each part's reference, for cₖ⁺).
+
+    The vectors are tensors where the clients train (as SCAFFOLD keeps cᵢ): on a GPU they stay there within
+    ``state_device_gb`` (beyond it the least recently used clients' come to the host, and go up again when they
+    next train), so a round moves no client's model between host and device, only the received parts (up once
+    for all the clients) and the deltas that go up (down in one copy for the clients trained together). On the
+    CPU they are kept as arrays, the same bits. ``steps`` stays on the host, where cₖ⁺'s divisor is read."""
 
     protocol_type: type[FedALSProtocol] = FedALSProtocol
     protocol: FedALSProtocol
+    scratch: tuple[str, ...] = ("deltas",)
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        self.initial = self.workspace.numpy().copy()
+        self.initial = self.workspace.numpy().copy()  # a client's model before its first round, on the host
+        self.initial_tensor = self.workspace.params.detach().clone()  # where new states are made from, on the device
+        self.deltas: dict[tuple[str, int], np.ndarray] = {}  # (part, client) → this round's delta, on the host
         self.eval_params: np.ndarray | None = None
         self.eval_norm: np.ndarray | None = None
 
-    def working(self, client: int) -> HostState:
-        """This round's state of ``client``, created at its first participation (arrays only: FedALS keeps its
-        clients' models on the host)."""
-        st = cast(HostState, self.state.edit(client))
+    def working(self, client: int) -> dict[str, torch.Tensor]:
+        """This round's vectors of ``client`` (tensors on the training device, changed in place), created at its
+        first participation; those kept on the host (on the CPU all, on a GPU a client's beyond ``state_device_gb``)
+        become tensors of their working copies here: views on the CPU, copied up on a GPU."""
+        st = self.state.edit(client)
         if not st:
-            opts, cfg = self.ctx.options, self.ctx.cfg.client
-            st.update(model=self.initial.copy(), reference=self.initial.copy(),
-                      steps=np.zeros(len(self.protocol.parts), dtype=np.int64))
-            if opts.persistent_momentum and cfg.momentum > 0:
-                st["momentum"] = np.zeros_like(self.initial)
-            if opts.scaffold:
-                st.update(control=np.zeros_like(self.initial), global_control=np.zeros_like(self.initial),
-                          gradient_sum=np.zeros(self.initial.shape, dtype=np.float64))
+            st.update(self.new_state())
+        for name, value in list(st.items()):
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                st[name] = to_device(torch.from_numpy(value), self.device)
+        return {name: value for name, value in st.items() if isinstance(value, torch.Tensor)}
+
+    def steps(self, client: int) -> np.ndarray:
+        """``client``'s local steps since each part's reference (int64, on the host), once :meth:`working` made its
+        state."""
+        return cast(np.ndarray, self.state.edit(client)["steps"])
+
+    def new_state(self) -> StateDict:
+        """A client's state before its first round: its model and reference the initial model, the rest zero, made
+        on the training device."""
+        opts, cfg, initial = self.ctx.options, self.ctx.cfg.client, self.initial_tensor
+        st: StateDict = {"model": initial.clone(), "reference": initial.clone(),
+                         "steps": np.zeros(len(self.protocol.parts), dtype=np.int64)}
+        if opts.persistent_momentum and cfg.momentum > 0:
+            st["momentum"] = torch.zeros_like(initial)
+        if opts.scaffold:
+            st.update(control=torch.zeros_like(initial), global_control=torch.zeros_like(initial),
+                      gradient_sum=torch.zeros_like(initial, dtype=torch.float64))
         return st
 
     def handlers(self) -> Mapping[Message, Handler]:
@@ -304,14 +334,13 @@ class FedALSClient(ClientToolkit):
         self.eval_norm = row
 
     def receive_part_control(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.working(client)["global_control"][part.span] = row
+        self.working(client)["global_control"][part.span] = self.on_device(row)
 
     def receive_part(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
-        p = self.protocol
-        st = self.working(client)
-        st["model"][part.span] = row
-        st["reference"][part.span] = row
-        st["steps"][p.parts.index(part)] = 0
+        st, received = self.working(client), self.on_device(row)
+        st["model"][part.span] = received
+        st["reference"][part.span] = received
+        self.steps(client)[self.protocol.parts.index(part)] = 0
         if "gradient_sum" in st:
             st["gradient_sum"][part.span] = 0.0
 
@@ -330,19 +359,32 @@ class FedALSClient(ClientToolkit):
         return ClientStart(st["model"], values, st.get("momentum"))
 
     def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
-        """θₖ, its momentum and its gradient sum back into each client's state (read in one copy)."""
-        names = ["params", *(["momentum"] if trained.momentum is not None else []), *trained.sums]
-        rows = dict(zip(names, trained.host(*names)))
+        """θₖ and its momentum copied into each client's state and its gradient sum grown, where they were trained
+        (nothing read; copies, not views, which would keep the whole trained block alive as long as one client's
+        state holds its row); the deltas that go up this round come to the host (:meth:`host_deltas`)."""
         for k, client in enumerate(clients):
             st = self.working(client)
-            st["model"][:] = rows["params"][k]
-            if "momentum" in rows:
-                st["momentum"][:] = rows["momentum"][k]
-            st["steps"] += trained.steps[k]
-            if "gradient_sum" in rows:
-                st["gradient_sum"] += rows["gradient_sum"][k]
+            st["model"].copy_(trained.params[k])
+            if trained.momentum is not None:
+                st["momentum"].copy_(trained.momentum[k])
+            if "gradient_sum" in st:
+                st["gradient_sum"] += trained.sums["gradient_sum"][k]
+            steps = self.steps(client)
+            steps += trained.steps[k]
+        self.deltas.update(self.host_deltas(step, clients, trained))
 
-    def send_extractor(self, step: StepContext, client: int) -> np.ndarray:
+    def host_deltas(self, step: StepContext, clients: list[int], trained: TrainedRows
+                    ) -> dict[tuple[str, int], np.ndarray]:
+        """θₖ − reference of each part that goes up this round, for each of ``clients`` (just trained), in host
+        memory in one copy for all: it goes up from there, and :meth:`send_spread` sums its squares there."""
+        parts = self.protocol.uploads(step.round)
+        if not parts or not clients:
+            return {}
+        blocks = [trained.params[:, p.span] - torch.stack([self.working(c)["reference"][p.span] for c in clients])
+                  for p in parts]
+        return {(p.name, c): rows[k] for p, rows in zip(parts, read_together(blocks)) for k, c in enumerate(clients)}
+
+    def send_extractor(self, step: StepContext, client: int) -> Rows:
         return self.current_model(client)[require(self.protocol.extractor, "the extractor part").span]
 
     def send_norm_statistics(self, step: StepContext, client: int) -> np.ndarray:
@@ -351,27 +393,30 @@ class FedALSClient(ClientToolkit):
         return norm_statistics(self.workspace.module, split.x_train, self.ctx.cfg.client.batch_size)
 
     def send_part(self, part: Part, step: StepContext, client: int) -> np.ndarray:
-        st = self.working(client)
-        return st["model"][part.span] - st["reference"][part.span]
+        return self.deltas[part.name, client]
 
     def send_spread(self, part: Part, step: StepContext, client: int) -> np.ndarray:
-        """‖Δ‖² of each of the part's layer groups (float64), for the server's consensus distance."""
-        delta = self.send_part(part, step, client).astype(np.float64)
+        """‖Δ‖² of each of the part's layer groups (float64), for the server's consensus distance: numpy's sums of
+        the delta that went up, on the host whatever the device."""
+        delta = self.deltas.pop((part.name, client)).astype(np.float64)
         starts = [self.protocol.groups[g].start - part.span.start for g in part.groups]
         return np.add.reduceat(delta * delta, starts)
 
-    def send_part_control(self, part: Part, step: StepContext, client: int) -> np.ndarray:
-        """Option II: cₖ⁺ = the mean local gradient since the part's reference."""
-        st = self.working(client)
-        span = part.span
-        own = st["control"][span].copy()
-        steps = max(int(st["steps"][self.protocol.parts.index(part)]), 1)
-        st["control"][span] = (st["gradient_sum"][span] / steps).astype(np.float32)
+    def send_part_control(self, part: Part, step: StepContext, client: int) -> torch.Tensor:
+        """Option II: cₖ⁺ = the mean local gradient since the part's reference, where the state is (the Δcₖ row
+        stays there: a GPU folds it there). The divisor is a device scalar: CUDA would multiply by a host one's
+        reciprocal, not divide."""
+        st, span = self.working(client), part.span
+        own = st["control"][span].clone()
+        steps = max(int(self.steps(client)[self.protocol.parts.index(part)]), 1)
+        divisor = torch.full((), steps, dtype=torch.float64, device=self.device)
+        st["control"][span] = (st["gradient_sum"][span] / divisor).float()
         return st["control"][span] - own
 
-    def current_model(self, client: int) -> np.ndarray:
-        """θₖ as its last round left it (the initial model before its first participation)."""
-        return self.state.get(client, "model", self.initial)
+    def current_model(self, client: int) -> Rows:
+        """θₖ as its last round left it, where it is kept (a tensor on the device, or an array), or the initial
+        model before its first participation."""
+        return self.state.read(client).get("model", self.initial)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
         self.workspace.load(require(self.eval_params, "the evaluated model"))

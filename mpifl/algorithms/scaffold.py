@@ -119,15 +119,13 @@ class ScaffoldServer(FedAvgServer):
 class ScaffoldClient(FedAvgClient):
     protocol_type: type[ScaffoldProtocol] = ScaffoldProtocol
     protocol: ScaffoldProtocol
-    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas", "uploaded")
+    scratch: tuple[str, ...] = (*FedAvgClient.scratch, "global_control", "control_deltas")
     vectorized_on_cpu = False  # the loop under auto on the CPU, as before
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.global_control: dict[int, torch.Tensor] = {}
         self.control_deltas: dict[int, torch.Tensor] = {}
-        # this round's received c on the device, with the row it came from (kept, so its memory is not reused)
-        self.uploaded: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -135,10 +133,7 @@ class ScaffoldClient(FedAvgClient):
 
     def receive_control(self, step: StepContext, client: int, row: np.ndarray) -> None:
         """c, copied to the device once a round however many clients receive it (one broadcast row)."""
-        key = (row.__array_interface__["data"][0], row.shape, row.strides)
-        if key not in self.uploaded:
-            self.uploaded[key] = row, to_device(torch.from_numpy(np.array(row)), self.device)
-        self.global_control[client] = self.uploaded[key][1]
+        self.global_control[client] = self.on_device(row)
 
     def own_control(self, client: int) -> torch.Tensor:
         """cᵢ on the device: kept there by the client state within its budget (``state_device_gb``), else copied

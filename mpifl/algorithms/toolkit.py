@@ -19,7 +19,7 @@ from mpifl.models import loss_function
 from mpifl.models.norm import batch_norms, norm_statistics, normalized_with
 from mpifl.training.executor import LocalSGD
 from mpifl.training.localstep import ClientRun, ClientStart, LocalStep, Rows, TrainedRows, read_together
-from mpifl.training.sgd import client_generator, evaluate
+from mpifl.training.sgd import client_generator, evaluate, to_device
 from mpifl.training.tensors import TensorSplit
 from mpifl.training.vectorizing import auto_chunk, vectorize_wanted
 
@@ -54,6 +54,8 @@ class ClientToolkit(ClientAlgorithm):
         self.loss_fn = loss_function(ctx.layout)
         self.round_losses: dict[int, float] = {}
         self.trained_vectorized = 0  # clients trained in the vectorized path
+        # this round's received rows on the device (:meth:`on_device`), with the rows they came from
+        self.uploaded: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
         cfg = ctx.cfg
         vectorized = (self.can_vectorize()
                       and vectorize_wanted(cfg.client, cfg.model.name, self.device, self.vectorized_on_cpu))
@@ -61,6 +63,20 @@ class ClientToolkit(ClientAlgorithm):
         self.executor = LocalSGD(self.workspace, self.loss_fn, vectorized,
                                  auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk,
                                  cuda_graph=cfg.client.cuda_graph)
+
+    def on_device(self, row: np.ndarray) -> torch.Tensor:
+        """A received row on the training device, copied up once a round however many clients receive it (a broadcast
+        row: every client's is a view of one buffer, told apart by the memory it views). The row is kept until the
+        round ends, so that no other row reuses its memory meanwhile; do not change the tensor."""
+        key = (row.__array_interface__["data"][0], row.shape, row.strides)
+        if key not in self.uploaded:
+            self.uploaded[key] = row, to_device(torch.from_numpy(np.array(row)), self.device)
+        return self.uploaded[key][1]
+
+    def end_round(self) -> None:
+        """Forget this round's in-flight values and the received rows' device copies (:meth:`on_device`)."""
+        super().end_round()
+        self.uploaded.clear()
 
     def can_vectorize(self) -> bool:
         """Whether this algorithm's clients can train in the vectorized path: those whose local step is stated as

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from mpifl.algorithms.base import ClientAlgorithm, RunContext, ServerAlgorithm, Stage, StepContext
+from mpifl.algorithms.state import ClientState
 from mpifl.comm.exactsum import exact_sum
 from mpifl.comm.messages import LocalCompute
 from mpifl.data import FederatedDataset, build_federated_dataset
@@ -63,9 +64,9 @@ def run_algo(tmp_path: Path):
     return run
 
 
-def hosting_all(dataset: FederatedDataset) -> ClientStore:
-    """One process's client side hosting every client of ``dataset``."""
-    return ClientStore(dataset, np.arange(dataset.layout.num_clients), torch.device("cpu"))
+def hosting_all(dataset: FederatedDataset, device: str = "cpu") -> ClientStore:
+    """One process's client side hosting every client of ``dataset``, their data on ``device``."""
+    return ClientStore(dataset, np.arange(dataset.layout.num_clients), torch.device(device))
 
 
 def deterministic_tables(path: Path) -> dict[str, np.ndarray]:
@@ -91,13 +92,15 @@ def assert_rank_invariant(run_algo, tmp_path: Path, algorithm: str, overrides: d
                 deterministic_tables(tmp_path / f"{algorithm}_p3.h5"))
 
 
-def both_sides(config: dict) -> tuple[RunContext, ServerAlgorithm, ClientAlgorithm]:
-    """An algorithm's server and a client side hosting every client, in one process, without the engine."""
+def both_sides(config: dict, device: str = "cpu", state: ClientState | None = None
+               ) -> tuple[RunContext, ServerAlgorithm, ClientAlgorithm]:
+    """An algorithm's server and a client side hosting every client, in one process, without the engine: the
+    clients on ``device``, their state in ``state`` (a fresh unbounded one by default)."""
     cfg = parse_config(config)
     dataset = build_federated_dataset(cfg.data, cfg.seed)
-    ctx = RunContext(cfg, dataset.layout)
+    ctx = RunContext(cfg, dataset.layout, torch.device(device))
     entry = get_algorithm(cfg.algorithm)
-    return ctx, entry.server(ctx), entry.client(ctx, hosting_all(dataset))
+    return ctx, entry.server(ctx), entry.client(ctx, hosting_all(dataset, device), state)
 
 
 def walk(server: ServerAlgorithm, client: ClientAlgorithm, plan, round_: int, clients: np.ndarray,  # noqa: ANN001

@@ -1,10 +1,14 @@
 """FedALS: schedule, exact bytes (paper Table 2), reduction to FedAvg/SCAFFOLD at α = 1, rank invariance."""
 
+import math
+
 import numpy as np
 import pytest
+import torch
 
 from mpifl.algorithms.base import RunContext, StepContext
 from mpifl.algorithms.fedals import FedALSOptions, FedALSProtocol, round_lr
+from mpifl.algorithms.state import ClientState
 from mpifl.comm import Message
 from mpifl.config import RunConfig
 from mpifl.data import FederatedLayout
@@ -14,6 +18,7 @@ from mpifl.report import logical_totals
 from mpifl.schema import ConfigError
 from tests.algorithms.conftest import SHARDS, _merge, assert_rank_invariant, both_sides, walk
 from tests.algorithms.test_references import RIDGE, data
+from tests.conftest import CUDA_ONLY
 
 
 def resnet20_context(options: FedALSOptions) -> RunContext:
@@ -95,6 +100,33 @@ def test_mlp_groups_are_its_linear_layers(run_algo):
 
     model = FlatModel(build_model(ModelConfig(name="mlp", hidden=(8, 4)), resnet20_context(FedALSOptions()).layout, 0))
     assert [g.stop - g.start for g in layer_groups(model)] == [3072 * 8 + 8, 8 * 4 + 4, 4 * 10 + 10]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_ONLY)])
+def test_client_state_stays_where_the_clients_train_within_its_budget(device, monkeypatch):
+    """Each vector of a trained client's state (model, reference, momentum, SCAFFOLD's variates) is a tensor of the
+    training device after its rounds where the device budget keeps it there (``state_device_gb``; on the CPU, where
+    the host is the device, raised here as a GPU's), so no round moves a client's model between host and device, and
+    a host array with a budget of 0; the step counts are always on the host. The same bits either way: the server,
+    every upload (the evaluation's φ too) and the states. Partial participation, both parts synced."""
+    config = _merge(SHARDS, {"algorithm": "fedals", "fedals": {"alpha": 2, "scaffold": True}})
+    cohorts = [np.array(c) for c in ([0, 1, 2, 3], [2, 3, 4, 5], [0, 1, 4, 5], [0, 2, 3, 5])]
+    runs = []
+    for budget in (0.0, math.inf):
+        if device == "cpu":
+            monkeypatch.setattr(ClientState, "_device_budget", lambda self, where, budget=budget: budget)
+        _, server, client = both_sides(config, device, ClientState(device_budget_bytes=budget))
+        sent = [walk(server, client, server.protocol.train_plan(r), r, c) for r, c in enumerate(cohorts, 1)]
+        sent.append(walk(server, client, server.protocol.eval_prelude(), 4, np.arange(6), stage="eval_prelude"))
+        for c in range(6):
+            kept = client.state.read(c)
+            assert isinstance(kept["steps"], np.ndarray)
+            for name in ("model", "reference", "momentum", "control", "global_control", "gradient_sum"):
+                assert isinstance(kept[name], torch.Tensor if budget else np.ndarray), (c, name)
+                assert not budget or kept[name].device.type == device
+        runs.append([server.params, server.control, *(rows for seen in sent for rows in seen.values()),
+                     *(array for state in client.state.export_states().values() for array in state.values())])
+    assert [a.tobytes() for a in runs[0]] == [a.tobytes() for a in runs[1]]
 
 
 def test_results_do_not_depend_on_the_rank_count(run_algo, tmp_path):
