@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +15,13 @@ import torch
 from mpi4py import MPI
 
 from mpifl.algorithms.base import ClientAlgorithm
+from mpifl.algorithms.fedavg import FedAvgClient
 from mpifl.comm import Message, Placement, Transport
 from mpifl.comm.exactsum import ExactSum, _backends
 from mpifl.comm.exactsum.distributed import DistributedSum
 from mpifl.models import FlatModel
 from mpifl.registry import get_algorithm
+from mpifl.runtime.walker import PlanWalker
 from mpifl.training import executor, sgd
 from mpifl.training.config import ClientConfig
 from mpifl.training.executor import local_sgd
@@ -295,6 +298,49 @@ def test_a_batched_local_step_syncs_as_often_for_2_or_6_clients(algorithm, tmp_p
         job(clients)
         syncs[clients] = sorted(set(per_call))
     assert syncs[2] == syncs[6] and len(syncs[2]) == 1 and syncs[2][0] <= 3, syncs
+
+
+def training_walk_syncs(raw: dict, out: Path, monkeypatch) -> list[int]:  # noqa: ANN001
+    """The host syncs (reads and blocking uploads) of each training walk of ``raw``'s run on one rank: every
+    message of the round both ways, the clients' local step and the server's side."""
+    original, syncs = PlanWalker.walk, []
+
+    def counted(walker: PlanWalker, round_: int, stage: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with host_reads() as counts:
+            walk = original(walker, round_, stage, *args, **kwargs)
+        if stage == "train":
+            syncs.append(sum(counts.values()))
+        return walk
+
+    monkeypatch.setattr(PlanWalker, "walk", counted)
+    run_engine(raw, MPI.COMM_SELF, out)
+    monkeypatch.setattr(PlanWalker, "walk", original)
+    return syncs
+
+
+def device_deltas(client: FedAvgClient, step, clients: list[int], trained) -> None:  # noqa: ANN001
+    """FedAvgClient.local_end's GPU branch on any device: the deltas left as rows of the trained tensor."""
+    client.deltas.update(zip(clients, trained.params))
+
+
+@pytest.mark.parametrize("algorithm", ["fedbuff", "pefll"])
+def test_a_training_round_syncs_as_often_for_2_or_6_clients(algorithm, tmp_path, monkeypatch):
+    """Issue 59: a whole training round on one rank (``client.vectorize: true``) syncs with the device as often for
+    2 clients as for 6, and FedBuff's at most twice (the losses, the deltas). FedBuff's deltas travel as rows: left
+    on the device, as FedAvg's GPU branch leaves a summed upload's (emulated here, as
+    ``benchmarks/dispatch_proxy.py`` does), each would come to the host alone. PeFLL's φ load, descriptors and Δη_v
+    cross between host and device once a step, not once a client (its round also reads the losses, the deltas and,
+    on the server, η_v, the models, the Δv's, the update's norm and Adam's step counts, which live on the host)."""
+    raw = _merge(CONFIGS[algorithm], {"rounds": 2, "eval_every": 2, "client": {"vectorize": True}})
+    if algorithm == "fedbuff":  # equal links, as many in flight as a step takes: a round is one walk of them all
+        raw = _merge(raw, {"network": {"distribution": "fixed"}})
+        monkeypatch.setattr(FedAvgClient, "local_end", device_deltas)
+    syncs = {}
+    for clients in (2, 6):
+        more = {"fedbuff": {"buffer_size": clients}} if algorithm == "fedbuff" else {}
+        syncs[clients] = training_walk_syncs(_merge(raw, {"clients_per_round": clients, **more}),
+                                             tmp_path / f"{clients}.h5", monkeypatch)
+    assert syncs[2] == syncs[6] and (algorithm != "fedbuff" or max(syncs[2]) <= 2), syncs
 
 
 def test_the_sync_check_runs_the_model_kinds_named(capsys):

@@ -35,7 +35,7 @@ from mpifl.models.reductions import l2_norm
 from mpifl.schema import ConfigError, limits
 from mpifl.training.device import host_numpy
 from mpifl.training.localstep import LocalStep, TrainedRows
-from mpifl.training.sgd import client_generator, clip_factor
+from mpifl.training.sgd import client_generator, clip_factor, to_device
 
 HYPER_STREAM, EMBED_STREAM = 0x4859504552, 0x454D424544  # seed streams of h's and φ's initial weights
 DESCRIPTOR_PURPOSE = 1  # client_generator purpose of the descriptor batch (0: local training)
@@ -197,7 +197,8 @@ class PeFLLServer(ServerAlgorithm):
                 p.eval_descriptor_msg: self.take_eval_descriptors, p.eval_model_msg: self.evaluated_models}
 
     def embedding_net(self, step: StepContext) -> np.ndarray:
-        return self.joint.numpy()[: self.split].copy()
+        """η_v alone: on a GPU the copy to the host is φ's, not all of η's (h's heads are d times its width)."""
+        return host_numpy(self.joint.params[: self.split]).copy()
 
     def personal_models(self, step: StepContext) -> np.ndarray:
         return host_numpy(require(self.models, "the clients' models").detach())
@@ -216,12 +217,12 @@ class PeFLLServer(ServerAlgorithm):
             self.shift, self.scale = float(first.mean()), float(first.std())
             self.standardizer_frozen = True
         self.described = step.clients
-        self.descriptors = torch.tensor(rows, device=self.device, requires_grad=True)
+        self.descriptors = to_device(torch.from_numpy(np.array(rows)), self.device).requires_grad_()  # no wait
         self.models = self.hyper((self.descriptors - self.shift) / self.scale)
 
     def take_eval_descriptors(self, step: StepContext, rows: np.ndarray) -> None:
         with torch.no_grad():
-            descriptors = torch.from_numpy(rows.copy()).to(self.device)
+            descriptors = to_device(torch.from_numpy(rows.copy()), self.device)
             self.models = rowwise(self.hyper, (descriptors - self.shift) / self.scale)
         self.eval_descriptors.update(zip(step.clients.tolist(), rows.copy()))
 
@@ -231,13 +232,13 @@ class PeFLLServer(ServerAlgorithm):
         accepted, models = step.clients, require(self.models, "the round's models")
         if len(accepted) < len(require(self.described, "the described clients")):
             models = models[rows_of(require(self.described, "the described clients"), accepted)]
-        models.backward(torch.from_numpy(rows.copy()).to(self.device))  # Σ_i J_hᵀΔθ_i into η_h, Δv_i into v_i
+        models.backward(to_device(torch.from_numpy(rows.copy()), self.device))  # Σ_i J_hᵀΔθ_i into η_h, Δv_i into v_i
         self.joint.grads[self.split :] /= len(accepted)
         self.models = None
 
     def apply_embedding_gradients(self, step: StepContext, total: np.ndarray) -> None:
         grads = self.joint.grads  # mean Δη: η_h's part from the VJP above, η_v's from the clients' sum
-        grads[: self.split] = torch.from_numpy(total / len(step.clients)).to(self.device)
+        grads[: self.split] = to_device(torch.from_numpy(total / len(step.clients)), self.device)
         self.step(grads)
 
     def step(self, mean_delta: torch.Tensor) -> None:
@@ -367,57 +368,92 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
     return torch.randperm(n, generator=gen)[: min(batch, n)]
 
 
+def read_once(pending: dict[int, torch.Tensor], read: dict[int, np.ndarray], client: int) -> np.ndarray:
+    """``client``'s row of ``pending`` (rows left on the device) in host memory: the first ask reads every pending
+    client's, in one copy, so a step waits for the device once, not once a client."""
+    if client not in read:
+        clients = list(pending)
+        read.update(zip(clients, host_numpy(torch.stack([pending.pop(c) for c in clients]))))
+    return read.pop(client)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays hold the same bits (a −0 is not a +0, a NaN is itself)."""
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
 class PeFLLClient(HyperClient):
+    """PeFLL's client side. A client's descriptor and Δη_v are computed when what they need arrives and left on φ's
+    device; the step's first send reads every client's at once (:func:`read_once`): a read per client would be a
+    wait for the device per client on a GPU."""
+
     protocol_type: type[PeFLLProtocol] = PeFLLProtocol
     protocol: PeFLLProtocol
-    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "descriptor_grads")
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "described", "descriptors", "embed_grads",
+                                "embed_grad_rows")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.embed = FlatModel(self.protocol.new_embedding().to(self.device))
+        self.loaded: np.ndarray | None = None  # the φ row loaded last
         self.batches: dict[int, torch.Tensor] = {}
-        self.descriptor_grads: dict[int, np.ndarray] = {}
+        self.described: dict[int, torch.Tensor] = {}  # descriptors on φ's device, not read yet
+        self.descriptors: dict[int, np.ndarray] = {}  # read to the host, not sent yet
+        self.embed_grads: dict[int, torch.Tensor] = {}  # Δη_v on φ's device, not read yet
+        self.embed_grad_rows: dict[int, np.ndarray] = {}  # read to the host, not sent yet
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
-        return {p.embed_msg: self.receive_embedding_net, p.eval_embed_msg: self.receive_embedding_net,
+        return {p.embed_msg: self.receive_training_embedding_net, p.eval_embed_msg: self.receive_eval_embedding_net,
                 p.descriptor_msg: self.send_descriptor, p.model_msg: self.receive_start,
                 p.delta_msg: self.send_delta, p.descriptor_grad_msg: self.receive_descriptor_gradient,
                 p.embed_grad_msg: self.send_embedding_gradient,
-                p.eval_descriptor_msg: self.send_eval_descriptor, p.eval_model_msg: self.receive_eval_model}
+                p.eval_descriptor_msg: self.send_descriptor, p.eval_model_msg: self.receive_eval_model}
 
     def receive_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.embed.load(row)
+        """φ's weights, loaded for the first client a broadcast reaches and again only where they change: a load
+        per client would be a blocking upload per client on a GPU."""
+        if self.loaded is None or not same_bits(self.loaded, row):
+            self.embed.load(row)
+            self.loaded = np.array(row)
 
-    def receive_descriptor_gradient(self, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.descriptor_grads[client] = row
-
-    def send_descriptor(self, step: StepContext, client: int) -> np.ndarray:
+    def receive_training_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        """φ, then ``client``'s descriptor of this round's batch."""
+        self.receive_embedding_net(step, client, row)
         rows = descriptor_rows(self.ctx.cfg.seed, step.round, client, len(self.data[client].y_train),
                                self.ctx.options.descriptor_batch)
         self.batches[client] = rows
         with torch.no_grad():
-            return host_numpy(self.describe(client, rows))
+            self.described[client] = self.describe(client, rows)
 
-    def send_eval_descriptor(self, step: StepContext, client: int) -> np.ndarray:
-        return self.describe_all(client)
+    def receive_eval_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
+        """φ, then ``client``'s evaluation descriptor."""
+        self.receive_embedding_net(step, client, row)
+        self.described[client] = self.describe_all(client)
 
-    def send_embedding_gradient(self, step: StepContext, client: int) -> np.ndarray:
+    def send_descriptor(self, step: StepContext, client: int) -> np.ndarray:
+        return read_once(self.described, self.descriptors, client)
+
+    def receive_descriptor_gradient(self, step: StepContext, client: int, row: np.ndarray) -> None:
         """Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: the server's Δv_i backpropagated through φ on the same batch."""
         v = self.describe(client, self.batches.pop(client))
-        self.embed.compute_gradient(torch.dot(v, torch.from_numpy(self.descriptor_grads.pop(client)).to(v.device)))
-        return host_numpy(self.embed.grads)
+        self.embed.compute_gradient(torch.dot(v, to_device(torch.from_numpy(row), self.device)))
+        self.embed_grads[client] = self.embed.grads.clone()  # the next client's gradient overwrites the buffer
+
+    def send_embedding_gradient(self, step: StepContext, client: int) -> np.ndarray:
+        return read_once(self.embed_grads, self.embed_grad_rows, client)
 
     def describe(self, client: int, rows: torch.Tensor) -> torch.Tensor:
         split = self.data[client]
         return self.embed.module(split.x_train[rows], split.y_train[rows]).mean(0)
 
     @torch.no_grad()
-    def describe_all(self, client: int, chunk: int = 1024) -> np.ndarray:
+    def describe_all(self, client: int, chunk: int = 1024) -> torch.Tensor:
         """The evaluation descriptor: the mean of φ over the client's whole training split (as the code)."""
         split = self.data[client]
         total = torch.zeros(self.protocol.embed_dim, dtype=torch.float64, device=self.device)
         for start in range(0, len(split.y_train), chunk):
             x, y = split.x_train[start : start + chunk], split.y_train[start : start + chunk]
             total += self.embed.module(x, y).sum(0, dtype=torch.float64)
-        return host_numpy((total / len(split.y_train)).to(torch.float32))
+        return (total / len(split.y_train)).to(torch.float32)
