@@ -32,17 +32,18 @@ lists each row's largest copies by caller; ``--json FILE`` writes the rows' coun
 
 The GPU's path, as far as the CPU can take it (the default; ``--cpu-path`` counts the CPU's own): on the CPU the
 kernel computes each client's reported loss alone (the loop's bits; on a GPU it comes out of the vmapped call, no
-operation more), so those operations are counted apart and left out of the GPU path's columns; FedAvg's deltas are
-rows of the kernel's result as on a GPU (``FedAvgClient.local_end``'s GPU branch: no host view of them, which on a
-GPU would be a copy), so the walker screens them with one read and folds them with ``ExactSum.add_rows`` through the
-exact sum's torch backend in whole-row passes (as on a GPU; on the CPU it would fold with numpy, which no dispatcher
-sees); client state that a GPU keeps on the device within ``state_device_gb`` (SCAFFOLD's controls) stays there (on
-the CPU, where the host is the device, it would come to the host: ``ClientState._device_budget``); and at 985a042 the
-loop's delta stays on the device (``FedAvgClient.compute``'s GPU branch there). Each row's "÷ floor" is the GPU
-path's count over the floor's. Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are
-host-side draws on CPU tensors (no GPU launches), so the GPU path's count is an upper bound. The emulation patches
-private names of mpifl (:data:`KERNELS`, :data:`BACKEND_USERS`, the two branches above); the table's header names
-those it applied, and where one is missing after a change the counts are the CPU's there.
+operation more), so those operations are counted apart and left out of the GPU path's columns; FedAvg's and IFCA's
+deltas are rows of the kernel's result as on a GPU (``ClientToolkit.sent_rows``'s GPU branch, before it
+``FedAvgClient.local_end``'s: no host view of them, which on a GPU would be a copy), so the walker screens them with
+one read and folds them with ``ExactSum.add_rows`` through the exact sum's torch backend in whole-row passes (as on
+a GPU; on the CPU it would fold with numpy, which no dispatcher sees); client state that a GPU keeps on the device
+within ``state_device_gb`` (SCAFFOLD's controls) stays there (on the CPU, where the host is the device, it would
+come to the host: ``ClientState._device_budget``); and at 985a042 the loop's delta stays on the device
+(``FedAvgClient.compute``'s GPU branch there). Each row's "÷ floor" is the GPU path's count over the floor's.
+Further CPU-only operations stay in: the batch plans' ``randperm`` and ``cat`` are host-side draws on CPU tensors
+(no GPU launches), so the GPU path's count is an upper bound. The emulation patches private names of mpifl
+(:data:`KERNELS`, :data:`BACKEND_USERS`, the two branches above); the table's header names those it applied, and
+where one is missing after a change the counts are the CPU's there.
 
 An older checkout (985a042, 4e3d78e) is traced with this script copied into it and ``--counter`` naming this
 checkout's ``mpifl/training/syncdebug.py``, whose byte counter that checkout's lacks (:func:`counter_module`).
@@ -222,8 +223,8 @@ def patched(owner: object, name: str, make: Callable[[Any], Any], applied: list[
 @contextlib.contextmanager
 def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[None]:
     """The CPU-only losses marked in ``counter``; with ``gpu_path`` the GPU's path emulated (see the module's
-    docstring): FedAvg's deltas left as rows of the kernel's tensor (and, at 985a042, the loop's delta on the
-    device), folded by the exact sum's torch backend in whole-row passes, and client state kept on the device."""
+    docstring): FedAvg's and IFCA's deltas left as rows of the kernel's tensor (and, at 985a042, the loop's delta on
+    the device), folded by the exact sum's torch backend in whole-row passes, and client state kept on the device."""
     import importlib
     import math
 
@@ -251,7 +252,14 @@ def counting(counter: Count, gpu_path: bool, applied: list[str]) -> Iterator[Non
                 stack.enter_context(patched(getattr(importlib.import_module(module), name, None), "_losses", marking,
                                             applied))
         if gpu_path:
-            stack.enter_context(patched(FedAvgClient, "local_end", device_rows, applied))
+            rows_sent = len(applied)
+            with contextlib.suppress(ImportError):
+                from mpifl.algorithms.toolkit import ClientToolkit
+
+                stack.enter_context(patched(ClientToolkit, "sent_rows", lambda _: lambda _client, trained:
+                                            trained.params, applied))
+            if len(applied) == rows_sent:  # before the toolkit's sent_rows: FedAvg's own branch
+                stack.enter_context(patched(FedAvgClient, "local_end", device_rows, applied))
             stack.enter_context(patched(FedAvgClient, "compute", loop_delta_on_device, applied))
             for module, name in BACKEND_USERS:
                 with contextlib.suppress(ImportError):

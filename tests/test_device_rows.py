@@ -1,7 +1,8 @@
 """A client's summed rows may leave it as torch tensors (a GPU worker's deltas stay on its device, where the exact
 sum folds them: ``PlanWalker._leaving``): such rows are screened and folded as tensors, any other (a codec, local
 privacy) comes to the host first, and every result is bitwise FedAvg's with numpy rows, on 1 and 3 ranks. On the
-CPU a plug-in stands in for the GPU's FedAvgClient, which hands over ``params - start`` as a CUDA tensor."""
+CPU a plug-in stands in for the GPU's FedAvgClient, which hands over ``params - start`` as a CUDA tensor; another
+takes IFCA's GPU branch (``ClientToolkit.sent_rows``), whose rows go into their clusters' sums."""
 
 from __future__ import annotations
 
@@ -63,4 +64,39 @@ def test_tensor_rows_give_fedavgs_bits_on_1_and_3_ranks(tmp_path, wire, monkeypa
     expected = deterministic(run(config, tmp_path / "numpy.h5", 1, tmp_path))
     for ranks in rank_counts:
         got = run({**config, "algorithm": "tensor_rows:ALGORITHM"}, tmp_path / f"tensor{ranks}.h5", ranks, tmp_path)
+        assert_same(deterministic(got), expected)
+
+
+IFCA_ROWS = """import torch
+from mpifl.algorithms.ifca import IFCAClient, IFCAOptions, IFCAServer
+
+
+class DeviceRowsClient(IFCAClient):
+    def sent_rows(self, trained):  # the GPU's branch of ClientToolkit.sent_rows, taken on the CPU
+        return trained.params
+
+    def send_delta(self, step, client):
+        row = super().send_delta(step, client)
+        assert isinstance(row, torch.Tensor), f"IFCA sent a {type(row).__name__}, not a device row"
+        return row
+
+
+ALGORITHM = (IFCAOptions, IFCAServer, DeviceRowsClient)
+"""
+
+
+@pytest.mark.parametrize(("vectorize", "rank_counts"), [(False, (1, 3)), (True, (1,))])
+def test_ifcas_deltas_leave_as_device_rows_and_give_its_bits_on_1_and_3_ranks(tmp_path, vectorize, rank_counts,
+                                                                             monkeypatch):
+    """IFCA's clients hand over each delta as a row of the kernel's tensor where the GPU's branch is taken (as
+    FedAvg's do), each folded into its cluster's exact sum, broken uploads screened there: IFCA's bits with numpy
+    rows, in the loop and the batch, on 1 and 3 ranks."""
+    (tmp_path / "ifca_rows.py").write_text(IFCA_ROWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ifca_rows", raising=False)
+    config = {**BASE, "algorithm": "ifca", "faults": {"corrupt": 0.3},
+              "client": {**BASE["client"], "vectorize": vectorize}}
+    expected = deterministic(run(config, tmp_path / "numpy.h5", 1, tmp_path))
+    for ranks in rank_counts:
+        got = run({**config, "algorithm": "ifca_rows:ALGORITHM"}, tmp_path / f"rows{ranks}.h5", ranks, tmp_path)
         assert_same(deterministic(got), expected)

@@ -185,6 +185,6 @@ class FedAvgClient(DeltaClient):
 
     def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
         """Each client's delta: rows of one device tensor on a GPU (a summed upload is screened and folded there,
-        never copied out client by client), host views on the CPU."""
-        rows = trained.params if trained.params.device.type != "cpu" else trained.host("params")[0]
+        never copied out client by client), host views on the CPU (:meth:`sent_rows`)."""
+        rows = self.sent_rows(trained)
         self.deltas.update((client, rows[k]) for k, client in enumerate(clients))

@@ -22,7 +22,7 @@ from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
-from mpifl.training.localstep import LocalStep, TrainedRows
+from mpifl.training.localstep import LocalStep, Rows, TrainedRows
 from mpifl.training.sgd import to_device
 
 
@@ -99,6 +99,11 @@ class IFCAServer(ServerAlgorithm):
 
 
 class IFCAClient(ClientToolkit):
+    """Each sampled client picks its cluster (:meth:`best_clusters`), trains from that model and sends its delta
+    into its cluster's exact sum. On a GPU the k cluster models go up once a broadcast (:meth:`device_models`: the
+    pick, the starts and evaluation read them there) and the deltas stay rows of the kernel's device tensor, folded
+    there as FedAvg's are (:meth:`ClientToolkit.sent_rows`): no model crosses per client."""
+
     protocol_type: type[IFCAProtocol] = IFCAProtocol
     protocol: IFCAProtocol
     scratch: tuple[str, ...] = ("chosen", "deltas")
@@ -106,8 +111,9 @@ class IFCAClient(ClientToolkit):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
+        self.uploaded: torch.Tensor | None = None  # the same on this rank's device, once asked for (device_models)
         self.chosen: dict[int, int] = {}  # this round: client -> its cluster
-        self.deltas: dict[int, np.ndarray] = {}
+        self.deltas: dict[int, Rows] = {}  # device rows on a GPU (sent_rows)
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -116,42 +122,48 @@ class IFCAClient(ClientToolkit):
 
     def receive_models(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.received = row.reshape(self.protocol.k, -1)
+        self.uploaded = None  # a new broadcast (perhaps into the same buffer): uploaded afresh when first used
 
     @property
     def models(self) -> np.ndarray:
         return require(self.received, "the cluster models")
+
+    def device_models(self) -> torch.Tensor:
+        """The k cluster models on this rank's device (k × numel), copied up once a broadcast in one asynchronous
+        copy, however many clients pick from them, start from them or are evaluated with them; on the CPU a copy
+        of the received buffer, which the transport may reuse."""
+        if self.uploaded is None:
+            self.uploaded = to_device(torch.from_numpy(np.array(self.models)), self.device)
+        return self.uploaded
 
     @torch.no_grad()
     def best_clusters(self, clients: list[int]) -> np.ndarray:
         """For each client, the cluster whose model has the lowest loss on its training split (ties: lowest
         index): each cluster model loaded once, every loss read in one copy."""
         losses = []
-        models = to_device(torch.from_numpy(np.array(self.models)), self.device)  # one asynchronous upload
+        models = self.device_models()
         for model in models:
             self.workspace.load(model)
             losses += [self.loss_fn(self.workspace.module(self.data[c].x_train), self.data[c].y_train) for c in clients]
-        return np.argmin(host_floats(losses).reshape(len(self.models), len(clients)), axis=0)
+        return np.argmin(host_floats(losses).reshape(len(models), len(clients)), axis=0)
 
     def local_step(self, step: StepContext) -> LocalStep | None:
-        return LocalStep()
+        return LocalStep(delta=True)  # final − start where the rows are: the bits of numpy's, on the device
 
     def local_starts(self, step: StepContext, clients: list[int]) -> tuple[list[ClientStart], np.ndarray]:
-        """Each client starts from the cluster model that fits it best (the pick counts as its compute, an equal
-        share of the whole pick's seconds)."""
+        """Each client starts from the cluster model that fits it best, a row of :meth:`device_models` (the
+        executor stacks each distinct row once, on the device); the pick counts as its compute, an equal share of
+        the whole pick's seconds."""
         began = time.perf_counter()
         picks = self.best_clusters(clients)
         self.chosen.update((client, int(j)) for client, j in zip(clients, picks))
-        starts = [ClientStart(self.models[j]) for j in picks]
+        models = self.device_models()
+        starts = [ClientStart(models[int(j)]) for j in picks]
         return starts, np.full(len(clients), (time.perf_counter() - began) / max(len(clients), 1))
 
     def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
-        for client, row in zip(clients, trained.host("params")[0]):
-            self.report(client, self.chosen[client], row)
-
-    def report(self, client: int, j: int, trained: np.ndarray) -> None:
-        """Keep ``client``'s cluster and its delta from that cluster's model to ``trained``, to send."""
-        self.chosen[client] = j
-        self.deltas[client] = trained - self.models[j]
+        """Each client's delta from its cluster's model, to send into that cluster's sum (:meth:`sent_rows`)."""
+        self.deltas.update(zip(clients, self.sent_rows(trained)))
 
     def send_cluster(self, step: StepContext, client: int) -> np.ndarray:
         return np.array([self.chosen[client]], dtype=np.int32)
@@ -159,9 +171,9 @@ class IFCAClient(ClientToolkit):
     def sum_group(self, msg: Message, client: int) -> int:
         return self.chosen[client]
 
-    def send_delta(self, step: StepContext, client: int) -> np.ndarray:
+    def send_delta(self, step: StepContext, client: int) -> Rows:
         return self.deltas.pop(client)
 
     def eval_model(self, step: StepContext, client: int, kind: str) -> nn.Module:
-        self.workspace.load(self.models[self.best_clusters([client])[0]])
+        self.workspace.load(self.device_models()[int(self.best_clusters([client])[0])])
         return self.workspace.module

@@ -126,6 +126,13 @@ class ClientToolkit(ClientAlgorithm):
         """What ``clients``' trained rows become (to send, to keep in their state)."""
         raise NotImplementedError
 
+    def sent_rows(self, trained: TrainedRows) -> Rows:
+        """``trained``'s parameter rows (deltas, with :attr:`LocalStep.delta`) as clients hand them over for a summed
+        message: on a GPU the rows of the kernel's device tensor, which the walker screens with one read and folds
+        on the device (``ExactSum.add_rows``), so no row is copied out client by client; on the CPU host views of
+        the same memory (numpy's fold, the faster there). FedAvg's client and IFCA's send these."""
+        return trained.params if trained.params.device.type != "cpu" else trained.host("params")[0]
+
     def compute(self, step: StepContext, client: int) -> None:
         """One client's local step: the stated local SGD through the executor (an algorithm with another kind of
         local step overrides this; so may a plug-in that records or alters a client's training, calling
