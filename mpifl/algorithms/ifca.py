@@ -111,7 +111,7 @@ class IFCAClient(ClientToolkit):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
-        self.uploaded: torch.Tensor | None = None  # the same on this rank's device, once asked for (device_models)
+        self.models_on_device: torch.Tensor | None = None  # the same on the device (device_models)
         self.chosen: dict[int, int] = {}  # this round: client -> its cluster
         self.deltas: dict[int, Rows] = {}  # device rows on a GPU (sent_rows)
 
@@ -122,7 +122,7 @@ class IFCAClient(ClientToolkit):
 
     def receive_models(self, step: StepContext, client: int, row: np.ndarray) -> None:
         self.received = row.reshape(self.protocol.k, -1)
-        self.uploaded = None  # a new broadcast (perhaps into the same buffer): uploaded afresh when first used
+        self.models_on_device = None  # a new broadcast (perhaps into the same buffer): uploaded afresh when first used
 
     @property
     def models(self) -> np.ndarray:
@@ -132,9 +132,9 @@ class IFCAClient(ClientToolkit):
         """The k cluster models on this rank's device (k × numel), copied up once a broadcast in one asynchronous
         copy, however many clients pick from them, start from them or are evaluated with them; on the CPU a copy
         of the received buffer, which the transport may reuse."""
-        if self.uploaded is None:
-            self.uploaded = to_device(torch.from_numpy(np.array(self.models)), self.device)
-        return self.uploaded
+        if self.models_on_device is None:
+            self.models_on_device = to_device(torch.from_numpy(np.array(self.models)), self.device)
+        return self.models_on_device
 
     @torch.no_grad()
     def best_clusters(self, clients: list[int]) -> np.ndarray:
