@@ -15,6 +15,7 @@ new launch.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -57,6 +58,7 @@ def run_everywhere(job: dict) -> int:
     comm = MPI.COMM_WORLD
     with output_to(Path(f"{job['log']}.{comm.rank}.out"), Path(f"{job['log']}.{comm.rank}.err")):
         code = run(job["argv"], job.get("env", {}), job.get("cwd"))
+    gc.collect()  # an engine's reference cycles hold its data and models until a full collection: not into the next job
     return comm.allreduce(code, op=MPI.MAX)
 
 
