@@ -122,15 +122,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"mpifl: error: {exc}\n")
         return 2
-    except OSError as exc:  # a plot, export or summary the file system could not take: one line, not a traceback
-        from mpifl.results.space import NAMED_TARGET_ERRNOS, STORAGE_EXIT, StorageFull, storage_errno, storage_full
+    except OSError as exc:  # a plot, export, summary or prepared file the file system could not take: one line
+        from mpifl.results.space import (
+            NAMED_TARGET_ERRNOS,
+            STORAGE_EXIT,
+            StorageFull,
+            storage_errno,
+            storage_exit,
+            storage_full,
+        )
 
         if storage_errno(exc) not in NAMED_TARGET_ERRNOS:
             raise
         what = f"the write of {exc.filename}" if exc.filename else "a write"
         full = exc if isinstance(exc, StorageFull) else storage_full(exc, exc.filename or ".", what)
         sys.stderr.write(f"mpifl: error: {full.strerror}\n")
-        return STORAGE_EXIT
+        return storage_exit(STORAGE_EXIT)  # (a prepared data file's HDF5 write: no crash at exit)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -250,6 +250,20 @@ def test_a_plot_or_an_export_that_does_not_fit_leaves_no_part(small_fs, write_co
     assert all(path.read_text().endswith("\n") for path in (folder / "csv").glob("*.csv"))
 
 
+def test_prepare_on_a_full_file_system_ends_in_one_line_and_leaves_no_part(small_fs, write_config):
+    """``mpifl prepare`` wrote its HDF5 file with nothing catching a full disk: h5py's tracebacks, then HDF5's
+    clean-up at exit. Now the command's one line (exit 75), no temporary file, no crash (in a process of its own:
+    the process that met an HDF5 write failing ends at once)."""
+    folder = small_fs(200)
+    done = subprocess.run([sys.executable, "-m", "mpifl", "prepare", str(write_config({})), "--out",
+                           str(folder / "p.h5")], capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
+    assert done.returncode == STORAGE_EXIT, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"mpifl: error: the file system at {folder} could not take the prepared data "
+                                  "file p.h5: No space left on device"), done.stderr
+    assert not list(folder.iterdir())
+
+
 class FaultyFs:
     """A real file system on a loop device in a file of the test's folder, that a test makes fail in the middle of
     a run the way a cluster's do: btrfs with a quota (``EDQUOT``: ``statvfs`` shows the disk's free space, not the
@@ -397,3 +411,85 @@ def test_a_quota_a_read_only_or_a_failing_file_system_mid_run_ends_as_a_full_one
         assert not leftovers()
     finally:
         fs.unmount()
+
+
+CHECKPOINT_FILE_FAILING = """
+import fcntl, os, struct, sys
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.results.space import StorageFull, storage_exit
+from mpifl.state_io import _write_synced
+
+folder = Path(sys.argv[1])
+held = []  # the datasets a failed write leaves referenced (a traceback's frames did so in CI's crash)
+
+
+def fill(f):
+    group = f.create_group("state")
+    for i in range(20):
+        held.append(group.create_dataset(f"a{{i}}", data=np.arange(1000.0 + i)))
+    point = os.open(folder, os.O_RDONLY)
+    fcntl.ioctl(point, {shutdown}, struct.pack("I", 0))  # the disk fails before HDF5 flushes the file
+    os.close(point)
+
+
+try:
+    _write_synced(folder / "round10-server.h5", fill)
+except StorageFull as exc:
+    sys.stderr.write(f"mpifl: error: {{exc.strerror}}\\n")
+    sys.exit(storage_exit(75))
+"""
+
+
+def test_a_checkpoint_file_whose_disk_fails_before_hdf5_flushes_it_ends_in_one_line_not_a_crash(tmp_path):
+    """CI's crash at 47ccc7a (the EIO case above): the server's checkpoint file failed while HDF5 wrote it, h5py
+    printed its datasets' failed frees as tracebacks, and HDF5's own clean-up at exit crashed closing them (exit
+    -11). The write's HDF5 errors are now collected into one line, and the process that met one ends without
+    HDF5's clean-up (``storage_exit``), whichever code caught the error."""
+    fs = FaultyFs("EIO", tmp_path)
+    try:
+        script = tmp_path / "fails.py"
+        script.write_text(CHECKPOINT_FILE_FAILING.format(shutdown=EXT4_IOC_SHUTDOWN))
+        done = subprocess.run([sys.executable, str(script), str(fs.folder)], capture_output=True, text=True,
+                              timeout=HANG_S, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == STORAGE_EXIT, done.stderr
+        assert "Traceback" not in done.stderr and "Segmentation" not in done.stderr, done.stderr
+        assert errors(done) == [f"mpifl: error: the file system at {fs.folder} could not take the checkpoint file "
+                                "round10-server.h5: Input/output error"], done.stderr
+    finally:
+        fs.unmount()
+
+
+def test_two_threads_writing_at_once_leave_no_stale_collector(monkeypatch):
+    """A checkpoint file (main thread) and a results file (the writer's) may be written at once: once both writes
+    ended, a storage error reported in either thread goes to Python's hook again, not into a write's list long gone
+    (each write saving and restoring the hooks left the first one's collector installed)."""
+    import threading
+    import types
+
+    from mpifl.results.space import storage_failures
+
+    reported: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: reported.append(args.exc_value))
+    first_in, second_in, first_out, second_out = (threading.Event() for _ in range(4))
+    error = OSError(28, "No space left on device")
+
+    def first() -> None:  # the writer's thread: in, out, then an error reported as h5py frees an object
+        with storage_failures("x.h5", "the results"):
+            first_in.set()
+            second_in.wait(HANG_S)
+        first_out.set()
+        second_out.wait(HANG_S)
+        sys.unraisablehook(types.SimpleNamespace(exc_value=error))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(HANG_S)
+    with storage_failures("c.h5", "the checkpoint"):
+        second_in.set()
+        first_out.wait(HANG_S)
+    second_out.set()
+    thread.join(HANG_S)
+    assert reported == [error]

@@ -28,6 +28,7 @@ from numpy.lib import format as npy
 
 from mpifl.data.base import ClientSplit, FederatedDataset, FederatedLayout, empty_rows
 from mpifl.data.config import DataConfig
+from mpifl.results.space import storage_failures, written_whole
 from mpifl.schema import ConfigError, to_dict
 
 FORMAT = "mpifl-federated-1"
@@ -68,27 +69,24 @@ def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | P
     path = Path(path)
     layout = dataset.layout
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(path)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(format=FORMAT, fingerprint=fingerprint(cfg, seed), task=layout.task)
-            if layout.task == "classification":
-                f.attrs["num_classes"] = layout.num_classes
-            f.create_dataset("unseen", data=layout.unseen)
-            offsets = {split: [0] for split in SPLITS}
-            for start in range(0, layout.num_clients, _BATCH_CLIENTS):
-                clients = dataset.load_clients(range(start, min(start + _BATCH_CLIENTS, layout.num_clients)))
-                for split in SPLITS:
-                    for kind in ("x", "y"):
-                        _append(f, f"{kind}_{split}", np.concatenate([getattr(clients[c], f"{kind}_{split}")
-                                                                     for c in sorted(clients)]))
-                    sizes = [len(getattr(clients[c], f"y_{split}")) for c in sorted(clients)]
-                    offsets[split] += list(offsets[split][-1] + np.cumsum(sizes))
+    what = "the prepared data file"
+    with (written_whole(path, what, temporary_name(path)) as tmp,
+          storage_failures(path, f"{what} {path.name}"), h5py.File(tmp, "w") as f):  # full: one line, no part
+        f.attrs.update(format=FORMAT, fingerprint=fingerprint(cfg, seed), task=layout.task)
+        if layout.task == "classification":
+            f.attrs["num_classes"] = layout.num_classes
+        f.create_dataset("unseen", data=layout.unseen)
+        offsets = {split: [0] for split in SPLITS}
+        for start in range(0, layout.num_clients, _BATCH_CLIENTS):
+            clients = dataset.load_clients(range(start, min(start + _BATCH_CLIENTS, layout.num_clients)))
             for split in SPLITS:
-                f.create_dataset(f"offsets_{split}", data=np.array(offsets[split], dtype=np.int64))
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+                for kind in ("x", "y"):
+                    _append(f, f"{kind}_{split}", np.concatenate([getattr(clients[c], f"{kind}_{split}")
+                                                                 for c in sorted(clients)]))
+                sizes = [len(getattr(clients[c], f"y_{split}")) for c in sorted(clients)]
+                offsets[split] += list(offsets[split][-1] + np.cumsum(sizes))
+        for split in SPLITS:
+            f.create_dataset(f"offsets_{split}", data=np.array(offsets[split], dtype=np.int64))
 
 
 def _append(f: h5py.File, name: str, rows: np.ndarray) -> None:

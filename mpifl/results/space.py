@@ -38,7 +38,6 @@ the chunks a column grows by)."""
 class StorageFull(OSError):
     """A write the file system could not take, or would not have room for: one line for the user."""
 
-    hdf5_unsafe = False  # an HDF5 file's write failed half-way: end the process without freeing it (see _unsafe)
     kept: tuple[int, int | None] | None = None  # (rounds, checkpoint round) the file held at its last commit, if known
 
 
@@ -148,49 +147,84 @@ def written_whole(path: str | Path, what: str, temporary: Path | None = None,
         raise
 
 
+WRITING: dict[int, list[BaseException]] = {}
+"""For each thread inside :func:`storage_failures` (a checkpoint file in the main thread, the results file in the
+writer's), the storage errors HDF5 reported there as h5py freed its objects; a thread whose write failed keeps its
+entry, since HDF5 goes on reporting as the file's objects go, until the process ends."""
+
+
+def _collector(error: BaseException | None) -> list[BaseException] | None:
+    """Where a storage error reported in this thread goes, if the thread is writing (else nowhere: printed)."""
+    failed = WRITING.get(threading.get_ident())
+    return failed if failed is not None and error is not None and storage_errno(error) is not None else None
+
+
+def _collect_reports() -> None:
+    """Python's hooks for errors it cannot raise (``sys.unraisablehook``, and ``sys.excepthook``, through which
+    Cython prints a freed object's error in full first) routed through :data:`WRITING`, once: a hook pair saved
+    and put back by each write would, for two threads' writes that overlap, put back the other's."""
+    previous, printed = sys.unraisablehook, sys.excepthook
+    if getattr(previous, "collects_storage_errors", False):
+        return
+
+    def collect(unraisable: sys.UnraisableHookArgs) -> None:
+        failed = _collector(unraisable.exc_value)
+        if failed is None:
+            previous(unraisable)
+        else:
+            failed.append(unraisable.exc_value)  # type: ignore[arg-type]
+
+    def quiet(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        if _collector(value) is None:
+            printed(kind, value, trace)
+
+    collect.collects_storage_errors = True  # type: ignore[attr-defined]
+    sys.unraisablehook, sys.excepthook = collect, quiet
+
+
 @contextlib.contextmanager
 def storage_failures(path: str | Path, what: str) -> Iterator[list[BaseException]]:
     """Around a write into an HDF5 file kept open: the storage errors HDF5 reports in this thread while h5py frees
     its objects ("Exception ignored in ObjectID.__dealloc__", dozens of tracebacks on a full disk) are collected
     instead of printed, beside any the block appends to the list it is given; if there were any, whatever the block
     raises, or its end, raises :class:`StorageFull` for them, marked unsafe (:func:`_unsafe`). Other errors pass as
-    they are. Other threads' reports go to the hooks as before."""
-    failed: list[BaseException] = []
-    writer = threading.get_ident()
-    previous, printed = sys.unraisablehook, sys.excepthook
-
-    def ours(error: BaseException | None) -> bool:
-        return threading.get_ident() == writer and error is not None and storage_errno(error) is not None
-
-    def collect(unraisable: sys.UnraisableHookArgs) -> None:
-        if ours(unraisable.exc_value):
-            failed.append(unraisable.exc_value)  # type: ignore[arg-type]
-        else:
-            previous(unraisable)
-
-    def quiet(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
-        # Cython prints a freed object's error in full (PyErr_PrintEx, through sys.excepthook) before the hook above
-        if not ours(value):
-            printed(kind, value, trace)
-
-    sys.unraisablehook, sys.excepthook = collect, quiet
+    they are. Other threads' reports go where they went."""
+    _collect_reports()
+    thread, failed = threading.get_ident(), list[BaseException]()
+    WRITING[thread] = failed
     try:
         yield failed
     except Exception as exc:  # after HDF5 has failed, h5py may raise anything (an invalid identifier: KeyError...)
         storage = [error for error in (exc, *failed) if storage_errno(error) is not None]
         if not storage:
-            sys.unraisablehook, sys.excepthook = previous, printed
+            del WRITING[thread]
             raise
         raise _unsafe(storage_full(storage[0], path, what)) from None
     storage = [error for error in failed if storage_errno(error) is not None]
     if storage:
         raise _unsafe(storage_full(storage[0], path, what))
-    # (after a failure both stay: HDF5 reports more as the file's objects go, until the process ends)
-    sys.unraisablehook, sys.excepthook = previous, printed
+    del WRITING[thread]
+
+
+FAILED_HDF5: list[object] = []
+"""What this process holds of HDF5 writes that failed half-way (an open results file, a checkpoint file's error with
+the frames that hold its datasets): never freed, since HDF5 crashes freeing them, even in its own clean-up at exit."""
 
 
 def _unsafe(error: StorageFull) -> StorageFull:
-    """``error``, marked as leaving an HDF5 file that must not be touched again, not even by the interpreter's
-    garbage collection at exit (:attr:`StorageFull.hdf5_unsafe`: the process ends at once after reporting it)."""
-    error.hdf5_unsafe = True
+    """``error``, kept with the HDF5 objects its traceback holds (:data:`FAILED_HDF5`), so that the process ends
+    through :func:`storage_exit`."""
+    FAILED_HDF5.append(error)
     return error
+
+
+def storage_exit(code: int) -> int:
+    """``code``, the exit code of a command a failure ended; where an HDF5 write failed in this process (whatever
+    caught it: a worker's checkpoint file on rank 0's process too), the process ends here at once, its output
+    flushed, without the interpreter's and HDF5's clean-up: HDF5 crashes (a segmentation fault) closing a file whose
+    write failed."""
+    if FAILED_HDF5:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -27,6 +27,7 @@ from mpifl.results.layout import (
     shard_dir,
 )
 from mpifl.results.space import (
+    FAILED_HDF5,
     StorageFull,
     arrays_bytes,
     ensure_room,
@@ -36,8 +37,6 @@ from mpifl.results.space import (
 )
 from mpifl.schema import ConfigError
 
-BROKEN_FILES: list[h5py.File] = []
-"""Results files whose write failed in HDF5, kept referenced until the process ends (freeing one crashes)."""
 LEDGER_CHUNK, CHUNK = 16384, 1024  # rows of a chunk of an appended column: the ledger's, every other table's
 
 
@@ -165,7 +164,7 @@ class AppendOnlyFile:
                     raise
                 finally:
                     if self.broken:  # never freed: the interpreter's exit would close it, and HDF5 crash
-                        BROKEN_FILES.append(self.file)
+                        FAILED_HDF5.append(self.file)
         except StorageFull as exc:  # what the file holds on disk, known here without reading it
             exc.kept = self.kept
             raise

@@ -31,8 +31,8 @@ from mpifl.comm.transport import arrive_together
 from mpifl.config import RunConfig, apply_overrides
 from mpifl.registry import load_config, parse_config
 from mpifl.results.guard import inspect_output, results_names, resume_command
-from mpifl.results.space import STORAGE_EXIT, StorageFull, cure
-from mpifl.results.writing import BROKEN_FILES, check_names
+from mpifl.results.space import STORAGE_EXIT, StorageFull, cure, storage_exit
+from mpifl.results.writing import check_names
 from mpifl.runtime.faults import selection_size
 from mpifl.runtime.launcher import launcher_prefix
 from mpifl.runtime.lifeline import Lifeline
@@ -213,13 +213,9 @@ def _failed(exc: BaseException, engine, comm, path: Path,  # noqa: ANN001 - an E
     engine.release_output()  # before an abort ends this process: no lock left behind
     if size > 1:
         comm.Abort(code)
-    # HDF5 would crash freeing the file at exit: this failure's write, or the results write in flight beside it
-    # (the writer thread's, failed in HDF5 while a checkpoint file failed here: settled above)
-    if (isinstance(exc, StorageFull) and exc.hdf5_unsafe) or BROKEN_FILES:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    # HDF5 would crash at exit where a write failed in it: this failure's, or the results write in flight beside it
+    # (the writer thread's, failed while a checkpoint file failed here: settled above)
+    return storage_exit(code)
 
 
 def load_mpi():  # noqa: ANN201 - mpi4py's MPI module
