@@ -84,6 +84,11 @@ def _plugin_entry(name: str, value: Any, no_options: type) -> AlgorithmEntry:
     if not fits:
         raise ConfigError(f"algorithm: plug-in {name!r} must be a tuple (options dataclass or None, "
                           f"ServerAlgorithm subclass, ClientAlgorithm subclass), got {value!r}")
+    from mpifl.algorithms.base import stale_overrides  # (loaded with the plug-in, as its bases above are)
+
+    stale = [*stale_overrides(server), *stale_overrides(client)]
+    if stale:  # an override mpifl would not call: refused, never silently ignored
+        raise ConfigError(f"algorithm: plug-in {name!r}: {stale[0]}")
     return AlgorithmEntry(name, options or no_options, server, client)
 
 

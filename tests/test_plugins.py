@@ -238,3 +238,53 @@ def test_an_override_of_compute_on_a_stated_local_step_is_honoured(on_path, writ
     once = write_config({**base, "rounds": 1, "algorithm": "recording_fedavg:FREEZE"}, "once.yaml")
     run_config(once, tmp_path / "once.h5")  # every update zero: after 1 round the model is where 2 leave it
     assert np.array_equal(frozen, deterministic(tmp_path / "once.h5")["model/global_model"])
+
+
+STALE_MODULE = '''from mpifl.algorithms.ifca import IFCAClient, IFCAServer
+from mpifl.algorithms.pefll import PeFLLClient, PeFLLServer
+
+
+class Recording:
+    def report(self, client, j, trained):  # IFCA's, until issue 59: nothing calls it now
+        raise AssertionError("never called")
+
+
+class RecordingIFCA(Recording, IFCAClient):
+    pass
+
+
+class NoisyPeFLL(PeFLLClient):
+    def send_eval_descriptor(self, step, client):
+        raise AssertionError("never called")
+
+
+IFCA = (None, IFCAServer, RecordingIFCA)
+PEFLL = (None, PeFLLServer, NoisyPeFLL)
+'''
+
+
+@pytest.mark.parametrize("plugin, line", [
+    ("IFCA", "Recording.report overrides IFCAClient.report, which mpifl no longer calls; override local_end (it keeps "
+             "each client's cluster and delta) instead (docs/tutorials/own-algorithm.md)"),
+    ("PEFLL", "NoisyPeFLL.send_eval_descriptor overrides PeFLLClient.send_eval_descriptor, which mpifl no longer "
+              "calls; override send_descriptor (it sends the evaluation's descriptors too) instead "
+              "(docs/tutorials/own-algorithm.md)"),
+])
+def test_an_override_of_a_method_mpifl_no_longer_calls_is_refused_in_one_line(on_path, tmp_path, plugin, line):
+    """A plug-in written for an older mpifl that overrides a method since retired (IFCA's ``report``, PeFLL's
+    ``send_eval_descriptor``, gone with issue 59) would run and change nothing: refused at load instead, naming
+    what to override (exit 2, before anything is trained)."""
+    (on_path / "stale_plugin.py").write_text(STALE_MODULE)
+    config = write(tmp_path / "cfg.yaml", {**ENTRY_POINTS, "algorithm": f"stale_plugin:{plugin}"})
+    code, err = call(["validate", str(config)])
+    assert (code, err) == (2, f"mpifl: error: algorithm: plug-in 'stale_plugin:{plugin}': {line}\n")
+
+
+def test_no_built_in_algorithm_defines_a_method_it_retired():
+    """The refusal above names a method mpifl no longer calls: no built-in side may define one (nor be refused)."""
+    from mpifl.algorithms.base import stale_overrides
+    from mpifl.registry import get_algorithm
+
+    sides = [side for name in known_algorithms() for side in (get_algorithm(name).server, get_algorithm(name).client)]
+    assert [line for side in sides for line in stale_overrides(side)] == []
+    assert sum(bool(vars(klass).get("retired")) for side in sides for klass in side.__mro__) > 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -27,7 +27,8 @@ CLIENTS_PER_UPLOAD = 16
 """The clients a worker computes and uploads at a time by default (:meth:`ClientAlgorithm.clients_per_upload`)."""
 
 __all__ = ["AsynchronousProtocol", "ClientAlgorithm", "EvalLayout", "EventDrivenServer", "Protocol", "RunContext",
-           "ServerAlgorithm", "Stage", "StepContext", "check_handlers"]  # the interface, with what it is told
+           "ServerAlgorithm", "Stage", "StepContext", "check_handlers",
+           "stale_overrides"]  # the interface, with what it is told
 
 
 class Protocol:
@@ -109,6 +110,10 @@ class _Handles:
 
     protocol: Protocol
     side = "side"
+    retired: ClassVar[Mapping[str, str]] = {}
+    """Methods this class once had that mpifl no longer calls, each with what to override instead: a subclass that
+    still defines one (a plug-in written for an older mpifl) would change nothing, so it is refused
+    (:func:`stale_overrides`)."""
 
     def handlers(self) -> Mapping[Message, Handler]:
         return {}
@@ -138,6 +143,15 @@ def check_handlers(*sides: _Handles | None) -> None:
         if side is not None and missing:
             raise ConfigError(f"algorithm {type(side).__name__}: no {side.side} handler for message(s) "
                               f"{', '.join(missing)} (declare them in its handlers())")
+
+
+def stale_overrides(cls: type) -> list[str]:
+    """Why ``cls`` (a plug-in's side) would be silently wrong: each method it defines under a name that an ancestor
+    retired (``retired``), as the cause of one line. An override is honoured or refused, never ignored."""
+    return [f"{next(k for k in cls.__mro__ if name in vars(k)).__name__}.{name} overrides {klass.__name__}.{name}, "
+            f"which mpifl no longer calls; override {instead} instead (docs/tutorials/own-algorithm.md)"
+            for klass in cls.__mro__ for name, instead in vars(klass).get("retired", {}).items()
+            if any(name in vars(k) for k in cls.__mro__)]
 
 
 class ServerAlgorithm(_Handles):

@@ -176,6 +176,9 @@ class FedAvgClient(DeltaClient):
     (:meth:`local_end`)."""
 
     vectorized_on_cpu = True
+    retired = {"grad_hook": "local_step (its LocalStep's transform changes each gradient)",
+               "after_training": "local_end (it is handed the call's clients and their trained rows)",
+               "make_vectorizer": "local_step (client.vectorize chooses how its step runs)"}
 
     def local_step(self, step: StepContext) -> LocalStep | None:
         return LocalStep(delta=True)

@@ -107,6 +107,8 @@ class IFCAClient(ClientToolkit):
     protocol_type: type[IFCAProtocol] = IFCAProtocol
     protocol: IFCAProtocol
     scratch: tuple[str, ...] = ("chosen", "deltas")
+    retired = {"report": "local_end (it keeps each client's cluster and delta)",
+               "best_cluster": "best_clusters (a call's clients at once)"}
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)

@@ -27,7 +27,7 @@ from torch import nn
 
 from mpifl.algorithms.base import Handler, Protocol, RunContext, ServerAlgorithm, StepContext
 from mpifl.algorithms.state import ClientState
-from mpifl.algorithms.toolkit import ClientStart, ClientToolkit
+from mpifl.algorithms.toolkit import STATED_STEP, ClientStart, ClientToolkit
 from mpifl.comm.messages import LOCAL, Message, Step, require
 from mpifl.models import FlatModel
 from mpifl.models.hyper import ConvEmbedding, HyperNetwork, LabelEmbedding, default_embed_dim, seeded
@@ -323,6 +323,7 @@ class HyperClient(ClientToolkit):
     Δθ = θ^new − θ; evaluates the model the eval plan sent it (label-masked if configured)."""
 
     scratch: tuple[str, ...] = ("start", "deltas", "eval_models")
+    retired = {"train_from": STATED_STEP}
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
@@ -389,6 +390,7 @@ class PeFLLClient(HyperClient):
     wait for the device per client on a GPU."""
 
     protocol_type: type[PeFLLProtocol] = PeFLLProtocol
+    retired = {"send_eval_descriptor": "send_descriptor (it sends the evaluation's descriptors too)"}
     protocol: PeFLLProtocol
     scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "described", "descriptors", "embed_grads",
                                 "embed_grad_rows")

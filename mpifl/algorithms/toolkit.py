@@ -33,6 +33,10 @@ def send_from(outbox: dict[int, np.ndarray]) -> Handler:
     return lambda step, client: outbox.pop(client)
 
 
+STATED_STEP = "local_step, local_start and local_end (the step the runtime trains, batched or one client at a time)"
+"""What a client's training overrides now (see :class:`ClientToolkit`)."""
+
+
 class ClientToolkit(ClientAlgorithm):
     """A client side that trains and evaluates its clients on one shared workspace model.
 
@@ -47,6 +51,8 @@ class ClientToolkit(ClientAlgorithm):
     vectorized_on_cpu = False
     """Under ``client.vectorize: auto`` on the CPU, dense models train in the vectorized path (FedAvg's untransformed
     step, measured faster there; see ``vectorize_wanted``); otherwise the loop, as before."""
+    retired = {"takes_batch": "can_vectorize",
+               **dict.fromkeys(("train_together", "train_workspace", "vectorizer_if"), STATED_STEP)}
 
     def __init__(self, ctx: RunContext, data: Mapping[int, TensorSplit], state: ClientState | None = None):
         super().__init__(ctx, data, state)
