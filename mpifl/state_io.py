@@ -239,7 +239,8 @@ def _write_synced(path: Path, fill: Any) -> int:
     is complete. Returns its size."""
     # the temporary name prune_checkpoints knows; a full, read-only or failing file system leaves no half file
     what = f"the checkpoint file {path.name}"
-    with written_whole(path, "the checkpoint file", path.with_name(f".{path.name}.tmp"), STORAGE_ERRNOS) as tmp:
+    with written_whole(path, "the checkpoint file", path.with_name(f".{path.name}.tmp"), STORAGE_ERRNOS,
+                       durable=True) as tmp:
         with storage_failures(path, what), h5py.File(tmp, "w") as f:  # HDF5's failed write: one line, no crash
             fill(f)
         with open(tmp, "rb") as written:

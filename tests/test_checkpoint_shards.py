@@ -85,3 +85,47 @@ def test_a_missing_shard_is_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpifl")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "round2-rank2.h5, a checkpoint shard of" in lines[0] and "is missing" in lines[0]
+
+
+def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_goes(tmp_path, monkeypatch):
+    """A node that loses power keeps what was fsynced, not what was in its page cache: before a commit's older
+    checkpoint files are removed, the results file naming the new checkpoint is synced, and so is every file the
+    new one is made of, with the folder that names them (a file's own fsync does not cover its rename); the
+    results file's folder once it is created, and the results file when the run completes."""
+    import os
+
+    import mpifl.results.writing as writing
+    import mpifl.runtime.engine as engine
+
+    events: list[tuple[str, str]] = []
+    fsync, prune = os.fsync, writing.prune_checkpoints
+
+    def recorded_fsync(handle: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{handle}")))
+        fsync(handle)
+
+    def recorded_prune(path, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        events.append(("prune", str(shard_dir(path))))
+        prune(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    for module in (writing, engine):
+        monkeypatch.setattr(module, "prune_checkpoints", recorded_prune)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(_merge(TINY, {"algorithm": "feddeper", "rounds": 3, "checkpoint_every": 1,
+                                                   "checkpoint_keep": 1})))
+    out = tmp_path / "r.h5"
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    folder = shard_dir(out)
+    prunes = [k for k, event in enumerate(events) if event[0] == "prune"]
+    assert len(prunes) == 4  # each round's commit, and the run's end
+    assert ("fsync", str(tmp_path)) in events[:prunes[1]]  # the results file's name, once created (the first
+    previous = 0                                            # commit goes in under its temporary name)
+    for end, round_ in zip(prunes, (1, 2, 3, 3)):
+        synced = [Path(target) for kind, target in events[previous:end] if kind == "fsync"]
+        assert synced[-1] == out or synced[-1].name.startswith(f".{out.name}.tmp-"), synced  # the commit, last
+        if end != prunes[-1]:  # the files of this round's checkpoint (before their rename), then their folder
+            names = [folder / f".round{round_}-server.h5.tmp", folder / f".round{round_}-rank0.h5.tmp"]
+            last_folder_sync = len(synced) - 1 - synced[::-1].index(folder)
+            assert max(synced.index(name) for name in names) < last_folder_sync, synced
+        previous = end

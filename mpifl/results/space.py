@@ -127,18 +127,31 @@ def cure(code: int | None) -> str:
     return CURES.get(code or errno.ENOSPC, CURES[errno.ENOSPC])
 
 
+def sync_folder(folder: Path) -> None:
+    """The names in ``folder`` (a rename, a new file), on the disk: a file's own fsync does not cover its name, so
+    a node that loses power could keep a results file naming a checkpoint file whose rename was lost."""
+    handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
 @contextlib.contextmanager
 def written_whole(path: str | Path, what: str, temporary: Path | None = None,
-                  storage: set[int] = NAMED_TARGET_ERRNOS) -> Iterator[Path]:
+                  storage: set[int] = NAMED_TARGET_ERRNOS, durable: bool = False) -> Iterator[Path]:
     """A temporary name beside ``path`` (``temporary``, else ``.NAME.tmp-PID``) to write a file under; renamed to
     ``path`` once written, removed if the write fails, so ``path`` is the old file or the whole new one, never a
     part (a plot, a summary, a CSV export, a checkpoint file on a file system that fills). An error of ``storage``
-    becomes :class:`StorageFull`."""
+    becomes :class:`StorageFull`. ``durable``: the rename is on the disk too (:func:`sync_folder`; the block syncs
+    the file's own bytes)."""
     path = Path(path)
     tmp = temporary or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
+        if durable:
+            sync_folder(path.parent)
     except BaseException as exc:
         with contextlib.suppress(OSError):  # (a read-only or failing file system keeps it: nothing removes it)
             tmp.unlink(missing_ok=True)

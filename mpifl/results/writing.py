@@ -34,6 +34,7 @@ from mpifl.results.space import (
     storage_errno,
     storage_failures,
     storage_full,
+    sync_folder,
 )
 from mpifl.schema import ConfigError
 
@@ -202,7 +203,7 @@ class AppendOnlyFile:
         if completed:
             f.attrs["status"] = "completed"
             self._ok()
-            f.flush()
+            self._sync()
         if checkpoint is not None:  # after the rows it resumes from are committed
             self._checkpoint(*checkpoint)
             self._ok()
@@ -210,6 +211,7 @@ class AppendOnlyFile:
         if self.creating is not None:
             f.close()
             os.replace(self.creating, self.path)
+            sync_folder(self.path.parent)
             self.file, self.creating = h5py.File(self.path, "r+", locking=False), None
         self.kept = (self.rows.get("rounds", 0), checkpoint[0] if checkpoint is not None else
                      self.kept[1] if self.kept is not None else None)
@@ -271,9 +273,16 @@ class AppendOnlyFile:
         if "checkpoint" in f:
             del f["checkpoint"]
         f.move(CHECKPOINT_PENDING, "checkpoint")
-        if SHARDS in blobs:  # committed: the files of checkpoints no longer kept (and unfinished ones) can go, not
-            f.flush()       # those of later rounds (a resumed run's redone rounds write them again)
+        if SHARDS in blobs:  # committed, on the disk: the files of checkpoints no longer kept (and unfinished ones)
+            self._sync()    # can go, not those of later rounds (a resumed run's redone rounds write them again)
             prune_checkpoints(self.path, blobs, round_)
+
+    def _sync(self) -> None:
+        """What the file holds, on the disk and not only in the page cache: before a commit's older checkpoint
+        files go, and once the run completes, so that a node that loses power keeps a checkpoint it can resume
+        from (the checkpoint files are synced as they are written). Once per checkpoint, not per round."""
+        self.file.flush()
+        os.fsync(self.file.id.get_vfd_handle())
 
     def close(self) -> None:
         if not self.broken:  # a file whose write failed is left to the process's end (see write)
