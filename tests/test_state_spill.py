@@ -133,6 +133,28 @@ def test_a_tensor_entry_on_the_cpu_is_kept_as_its_array():
     assert state.export_states()[3]["control"].tobytes() == row.numpy().tobytes()
 
 
+
+def test_a_row_of_a_batch_is_kept_in_memory_of_its_own():
+    """SCAFFOLD's cᵢ⁺ are rows of the call's batch of mean gradients: kept as views, each client's row held its
+    whole batch (50 rows here) until the client trained again, several times the bytes the state counts and
+    budgets. Now each is copied out, the same bits; an array or tensor of its own is kept as it is."""
+    import torch
+
+    state = ClientState()
+    batch = torch.randn(50, 64, generator=torch.Generator().manual_seed(0))
+    host_batch = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
+    whole = torch.randn(64)
+    for c in range(50):
+        state.edit(c).update(control=batch[c], moment=host_batch[c])
+    state.edit(50)["control"] = whole
+    state.commit(range(51))
+    for c in range(50):
+        kept = state.read(c)
+        assert not np.shares_memory(kept["control"], batch.numpy()) and not np.shares_memory(kept["moment"], host_batch)
+        assert np.array_equal(kept["control"], batch[c].numpy()) and np.array_equal(kept["moment"], host_batch[c])
+    assert np.shares_memory(state.read(50)["control"], whole.numpy())  # its own memory already: no copy
+    assert state.memory_bytes == 50 * 2 * 64 * 4 + 64 * 4
+
 @needs_cuda
 def test_tensor_entries_stay_on_the_gpu_within_the_budget_and_come_to_the_host_beyond_it():
     import torch

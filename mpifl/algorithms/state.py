@@ -257,7 +257,24 @@ def unpack_states(blob: np.ndarray) -> dict[int, HostState]:
 def _frozen(name: str, value: Entry) -> Entry:
     if not isinstance(value, np.ndarray | torch.Tensor):
         raise TypeError(f"client state {name!r} must be a numpy array or a tensor, got {type(value).__name__}")
-    return _read_only(value)
+    return _read_only(_owned(value))
+
+
+def _owned(value: Entry) -> Entry:
+    """``value`` in memory of its own: a row of a larger block (a view: SCAFFOLD's cᵢ⁺ are rows of the call's
+    batch of mean gradients) is copied out, on its device, so that the state holds the bytes it counts. Kept as a
+    view, each row would keep its whole block alive, on the GPU too, for as long as its client is not sampled
+    again: under partial participation several times the state's counted bytes, beyond its budgets."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.untyped_storage().nbytes() > value.numel() * value.element_size() else value
+    root = value
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.base is None:  # numpy's own memory
+        whole = root.nbytes == value.nbytes
+    else:  # a CPU tensor's (Tensor.numpy()), or another owner's: kept only where it holds no more than the array
+        whole = isinstance(root.base, torch.Tensor) and root.base.untyped_storage().nbytes() == value.nbytes
+    return value if whole else value.copy()
 
 
 def _host_read_only(value: Entry) -> np.ndarray:
