@@ -1,5 +1,5 @@
 """A client's summed rows may leave it as torch tensors (a GPU worker's deltas stay on its device, where the exact
-sum folds them: ``PlanWalker._leaving``): such rows are screened and folded as tensors, any other (a codec, local
+sum folds them: ``PlanWalker._client_rows``): such rows are screened and folded as tensors, any other (a codec, local
 privacy) comes to the host first, and every result is bitwise FedAvg's with numpy rows, on 1 and 3 ranks. On the
 CPU a plug-in stands in for the GPU's FedAvgClient, which hands over ``params - start`` as a CUDA tensor; another
 takes IFCA's GPU branch (``ClientToolkit.sent_rows``), whose rows go into their clusters' sums."""

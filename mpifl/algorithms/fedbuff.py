@@ -34,14 +34,12 @@ from mpifl.algorithms.base import (
     EventDrivenServer,
     Handler,
     RunContext,
-    StepContext,
 )
 from mpifl.algorithms.context import AsynchronousOptions
 from mpifl.algorithms.fedavg import FedAvgClient, FedAvgProtocol, FedAvgServer
 from mpifl.comm.exactsum import exact_sum
 from mpifl.comm.messages import Message
 from mpifl.schema import limits
-from mpifl.training.localstep import TrainedRows
 
 
 @dataclass(frozen=True)
@@ -112,9 +110,3 @@ class FedBuffClient(FedAvgClient):
     """FedAvg's client: local SGD from the downloaded model, the delta uploaded."""
 
     protocol_type = FedBuffProtocol
-
-    def local_end(self, step: StepContext, clients: list[int], trained: TrainedRows) -> None:
-        """Each client's delta on the host, all of them read in one copy: they travel as rows (the server weighs
-        each by its staleness), not as a sum a GPU would fold where they were trained, so left on the device they
-        would be copied out one by one, a wait for the device per client."""
-        self.deltas.update(zip(clients, trained.host("params")[0]))

@@ -369,15 +369,6 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
     return torch.randperm(n, generator=gen)[: min(batch, n)]
 
 
-def read_once(pending: dict[int, torch.Tensor], read: dict[int, np.ndarray], client: int) -> np.ndarray:
-    """``client``'s row of ``pending`` (rows left on the device) in host memory: the first ask reads every pending
-    client's, in one copy, so a step waits for the device once, not once a client."""
-    if client not in read:
-        clients = list(pending)
-        read.update(zip(clients, host_numpy(torch.stack([pending.pop(c) for c in clients]))))
-    return read.pop(client)
-
-
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays hold the same bits (a −0 is not a +0, a NaN is itself)."""
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
@@ -385,25 +376,22 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 class PeFLLClient(HyperClient):
-    """PeFLL's client side. A client's descriptor and Δη_v are computed when what they need arrives and left on φ's
-    device; the step's first send reads every client's at once (:func:`read_once`): a read per client would be a
-    wait for the device per client on a GPU."""
+    """PeFLL's client side. A client's descriptor and Δη_v are computed when what they need arrives and sent as
+    they are, on φ's device: the runtime reads a step's clients' rows to the host together (one wait for the
+    device a step, not one a client)."""
 
     protocol_type: type[PeFLLProtocol] = PeFLLProtocol
     retired = {"send_eval_descriptor": "send_descriptor (it sends the evaluation's descriptors too)"}
     protocol: PeFLLProtocol
-    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "described", "descriptors", "embed_grads",
-                                "embed_grad_rows")
+    scratch: tuple[str, ...] = (*HyperClient.scratch, "batches", "described", "embed_grads")
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.embed = FlatModel(self.protocol.new_embedding().to(self.device))
         self.loaded: np.ndarray | None = None  # the φ row loaded last
         self.batches: dict[int, torch.Tensor] = {}
-        self.described: dict[int, torch.Tensor] = {}  # descriptors on φ's device, not read yet
-        self.descriptors: dict[int, np.ndarray] = {}  # read to the host, not sent yet
-        self.embed_grads: dict[int, torch.Tensor] = {}  # Δη_v on φ's device, not read yet
-        self.embed_grad_rows: dict[int, np.ndarray] = {}  # read to the host, not sent yet
+        self.described: dict[int, torch.Tensor] = {}  # descriptors on φ's device, not sent yet
+        self.embed_grads: dict[int, torch.Tensor] = {}  # Δη_v on φ's device, not sent yet
 
     def handlers(self) -> Mapping[Message, Handler]:
         p = self.protocol
@@ -434,8 +422,8 @@ class PeFLLClient(HyperClient):
         self.receive_embedding_net(step, client, row)
         self.described[client] = self.describe_all(client)
 
-    def send_descriptor(self, step: StepContext, client: int) -> np.ndarray:
-        return read_once(self.described, self.descriptors, client)
+    def send_descriptor(self, step: StepContext, client: int) -> torch.Tensor:
+        return self.described.pop(client)
 
     def receive_descriptor_gradient(self, step: StepContext, client: int, row: np.ndarray) -> None:
         """Δη_v^(i) = (∂v_i/∂η_v)ᵀ Δv_i: the server's Δv_i backpropagated through φ on the same batch."""
@@ -443,8 +431,8 @@ class PeFLLClient(HyperClient):
         self.embed.compute_gradient(torch.dot(v, to_device(torch.from_numpy(row), self.device)))
         self.embed_grads[client] = self.embed.grads.clone()  # the next client's gradient overwrites the buffer
 
-    def send_embedding_gradient(self, step: StepContext, client: int) -> np.ndarray:
-        return read_once(self.embed_grads, self.embed_grad_rows, client)
+    def send_embedding_gradient(self, step: StepContext, client: int) -> torch.Tensor:
+        return self.embed_grads.pop(client)
 
     def describe(self, client: int, rows: torch.Tensor) -> torch.Tensor:
         split = self.data[client]

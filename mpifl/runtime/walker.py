@@ -67,19 +67,26 @@ class _Progress:
         self.rejected += int((~accepted).sum())
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """A client's row still on its device, to be read to the host with the other clients' of its step."""
+
+    tensor: torch.Tensor
+
+
 @dataclass
 class _Outbox:
     """One update's outgoing side on this rank, filled client by client."""
 
     rows: list[np.ndarray | None]  # a raw rows message: its local clients' rows
-    blobs: list[list[np.ndarray]]  # an encoded rows message: each local client's encoding
+    blobs: list[list[np.ndarray | None]]  # an encoded rows message: each local client's encoding, by local index
     sums: list[DistributedSum | None]  # a summed message: this rank's part of it
     finite: np.ndarray  # local clients × messages: the row came through finite (or was not screened)
 
     @classmethod
     def of(cls, group: list[Message], n_local: int, transport: Transport) -> _Outbox:
         return cls(rows=[np.empty((n_local, m.numel), dtype=m.dtype) if m.summed is None else None for m in group],
-                   blobs=[[] for _ in group],
+                   blobs=[[None] * n_local for _ in group],
                    sums=[DistributedSum(m, transport) if m.summed else None for m in group],
                    finite=np.ones((n_local, len(group)), dtype=bool))
 
@@ -201,14 +208,16 @@ class PlanWalker:
                 start = time.perf_counter()
                 now.seconds[first : first + len(hosted)] += client.compute_clients(step.with_clients(hosted), hosted)
                 self._charge_compute(start)
-            waiting: dict[int, list[Any]] = {}  # clients with device rows: screened and folded as one batch
+            waiting: dict[int, list[Any]] = {}  # clients with device rows: read, screened and folded as one batch
             for i in range(first, first + len(hosted)):
                 seen = self._client_rows(round_, stage, group, step, now, i, outbox)
-                if any(isinstance(row, torch.Tensor) for row in seen):  # a host row may be a reused buffer: copied
-                    waiting[i] = [row if isinstance(row, torch.Tensor) else np.array(row) for row in seen]
+                if any(isinstance(row, torch.Tensor | _Unread) for row in seen):  # a host row may be a reused
+                    waiting[i] = [row if isinstance(row, torch.Tensor | _Unread) else np.array(row)  # buffer:
+                                  for row in seen]  # copied
                 elif outbox.finite[i].all():
                     self._fold(group, now.local, {i: seen}, weights, outbox)
             if waiting:
+                self._read_together(round_, stage, group, now, waiting, outbox)
                 self._screen_on_devices(stage, waiting, outbox)
                 self._fold(group, now.local, {i: rows for i, rows in waiting.items() if outbox.finite[i].all()},
                            weights, outbox)
@@ -216,53 +225,75 @@ class PlanWalker:
 
     def _client_rows(self, round_: int, stage: Stage, group: list[Message], step: StepContext, now: _Progress,
                      i: int, outbox: _Outbox) -> list[Any]:
-        """The ``i``-th local client's rows of ``group`` as the server will read them (decoded), kept in
-        ``outbox`` as they travel (a summed message's only until it is folded), and whether each is finite."""
+        """The ``i``-th local client's rows of ``group`` as they leave it: a summed row that the wire leaves as it
+        is stays a tensor on its device (a GPU worker folds it there and moves one total per round); another
+        device row waits, :class:`_Unread`, to come to the host with the other clients' (:meth:`_read_together`:
+        one wait for the device a step, not one a client); a host row arrives at once (:meth:`_arrive`)."""
         client, c = require(self.client, "the client side"), int(now.local[i])
         seen: list[Any] = []
         for j, msg in enumerate(group):
             start = time.perf_counter()
-            row = self._leaving(msg, round_, c, client.send(msg, step, c))
+            sent = client.send(msg, step, c)
             now.seconds[i] += self._charge_compute(start)
-            floating = row.is_floating_point() if isinstance(row, torch.Tensor) else row.dtype.kind == "f"
-            if now.corrupt[i] and floating:
-                row = np.full(msg.numel, np.nan, dtype=msg.dtype)  # faults.corrupt: this upload arrives broken
-            read = row.reshape(msg.numel)
-            if isinstance(read, torch.Tensor):  # a summed row on its device: screened and folded there, by chunk
-                seen.append(read)
-                continue
-            if self.wire.codec(msg) is not None:
-                start = time.perf_counter()
-                blob = self._encode_upload(msg, round_, c, read)
-                if stage == "train" or msg.summed:
-                    read = self.wire.decode(msg, blob)
-                if msg.summed is None:
-                    outbox.blobs[j].append(blob)
-                self.times.serialization += time.perf_counter() - start
-            elif msg.summed is None:
-                require(outbox.rows[j], "the rows block")[i] = read
-            screened = stage == "train" and read.dtype.kind == "f"
-            outbox.finite[i, j] = not screened or bool(np.isfinite(read).all())
-            seen.append(read)
+            if not isinstance(sent, torch.Tensor):
+                seen.append(self._arrive(round_, stage, msg, j, now, i, outbox, sent))
+            elif (msg.summed is not None and self.wire.codec(msg) is None and not self.wire.changes_uploads(msg)
+                  and not (now.corrupt[i] and sent.is_floating_point())):
+                seen.append(sent.detach().reshape(msg.numel))
+            else:
+                seen.append(_Unread(sent.detach()))
         return seen
 
-    def _leaving(self, msg: Message, round_: int, client: int, sent: np.ndarray | torch.Tensor
-                 ) -> np.ndarray | torch.Tensor:
-        """A client's row as it leaves the client. A summed row that the wire leaves as it is (no codec, no local
-        privacy) stays a tensor on its device, so a GPU worker folds it there and moves one total per round;
-        any other row comes to the host."""
-        if isinstance(sent, torch.Tensor):
-            if msg.summed is not None and self.wire.codec(msg) is None and not self.wire.changes_uploads(msg):
-                return sent.detach()
-            sent = host_numpy(sent.detach())
-        return np.asarray(self.wire.client_upload(msg, round_, client, sent), dtype=msg.dtype)
+    def _read_together(self, round_: int, stage: Stage, group: list[Message], now: _Progress,
+                       waiting: dict[int, list[Any]], outbox: _Outbox) -> None:
+        """The :class:`_Unread` rows of ``waiting`` clients (local index -> rows), each message's in one copy to
+        the host (by dtype and device), then each arrives (:meth:`_arrive`); the copy's seconds are shared among
+        the clients it read."""
+        for j, msg in enumerate(group):
+            unread: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+            for i, rows in waiting.items():
+                if isinstance(rows[j], _Unread):
+                    unread.setdefault((rows[j].tensor.dtype, rows[j].tensor.device), []).append(i)
+            for where in unread.values():
+                start = time.perf_counter()
+                host = host_numpy(torch.stack([waiting[i][j].tensor.reshape(-1) for i in where]))
+                share = self._charge_compute(start) / len(where)
+                for i, row in zip(where, host):
+                    now.seconds[i] += share
+                    waiting[i][j] = self._arrive(round_, stage, msg, j, now, i, outbox, row)
+
+    def _arrive(self, round_: int, stage: Stage, msg: Message, j: int, now: _Progress, i: int, outbox: _Outbox,
+                sent: np.ndarray) -> np.ndarray:
+        """The ``i``-th local client's host row of ``msg`` (the ``j``-th of its update) as the server will read it:
+        through the wire (clipped, noised, encoded and decoded), kept in ``outbox`` as it travels (a summed
+        message's only until it is folded), and screened (``outbox.finite``)."""
+        c = int(now.local[i])
+        start = time.perf_counter()
+        row = np.asarray(self.wire.client_upload(msg, round_, c, sent), dtype=msg.dtype)
+        now.seconds[i] += self._charge_compute(start)
+        if now.corrupt[i] and row.dtype.kind == "f":
+            row = np.full(msg.numel, np.nan, dtype=msg.dtype)  # faults.corrupt: this upload arrives broken
+        read = row.reshape(msg.numel)
+        if self.wire.codec(msg) is not None:
+            start = time.perf_counter()
+            blob = self._encode_upload(msg, round_, c, read)
+            if stage == "train" or msg.summed:
+                read = self.wire.decode(msg, blob)
+            if msg.summed is None:
+                outbox.blobs[j][i] = blob
+            self.times.serialization += time.perf_counter() - start
+        elif msg.summed is None:
+            require(outbox.rows[j], "the rows block")[i] = read
+        screened = stage == "train" and read.dtype.kind == "f"
+        outbox.finite[i, j] = not screened or bool(np.isfinite(read).all())
+        return read
 
     def _screen_on_devices(self, stage: Stage, waiting: dict[int, list[Any]], outbox: _Outbox) -> None:
         """Screen the device rows of ``waiting`` clients (local index -> rows) for training, all of them with one
         read from the device (host rows were screened as they left)."""
-        if stage != "train":
-            return
         where = [(i, j) for i, rows in waiting.items() for j, row in enumerate(rows) if isinstance(row, torch.Tensor)]
+        if stage != "train" or not where:
+            return
         flags = torch.stack([torch.isfinite(waiting[i][j]).all() for i, j in where])
         for (i, j), finite in zip(where, host_numpy(flags).tolist()):
             outbox.finite[i, j] = finite
@@ -316,8 +347,8 @@ class PlanWalker:
         each encoded one as every client's encoding, decoded there. ``None`` for a summed message (its rows were
         folded into its :class:`DistributedSum`) and everywhere on a worker."""
         rows = [j for j, msg in enumerate(group) if msg.summed is None]
-        outgoing = [outbox.blobs[j] if self.wire.codec(group[j]) is not None else require(outbox.rows[j], "the rows")
-                    for j in rows]
+        outgoing = [[require(blob, "an encoding") for blob in outbox.blobs[j]] if self.wire.codec(group[j]) is not None
+                    else require(outbox.rows[j], "the rows") for j in rows]
         arrived = self.transport.upload(round_, [group[j] for j in rows], outgoing, clients)
         out: list[np.ndarray | None] = [None] * len(group)
         for j, moved in zip(rows, arrived):

@@ -122,6 +122,8 @@ class ExactSum:
         if self._ops is None and len(rows):
             self._checked(rows[0])  # chooses the backend (by the rows' device unless named)
         if not isinstance(self._ops, TorchOps):
+            if self._ops is not None and _backends.is_tensor(rows):  # a CPU tensor's rows: its memory, shared
+                rows = self._ops.row(rows)  # once, not a read a row
             for row, weight in zip(rows, weights):
                 self.add(row, weight)
             return

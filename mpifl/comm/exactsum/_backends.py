@@ -80,8 +80,8 @@ class NumpyOps:
         return np.empty(size, dtype=dtype)
 
     def row(self, row: Any) -> Array:
-        """``row`` as a contiguous host array, float16 widened (exactly) to float32. A CPU tensor is shared, not
-        copied; a tensor on another device is copied to the host."""
+        """``row`` (or a block of rows) as a contiguous host array, float16 widened (exactly) to float32. A CPU
+        tensor is shared, not copied; a tensor on another device is copied to the host."""
         if is_tensor(row):
             row = row.detach().cpu().numpy()
         row = np.ascontiguousarray(row)
