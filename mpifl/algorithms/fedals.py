@@ -334,10 +334,10 @@ class FedALSClient(ClientToolkit):
         self.eval_norm = row
 
     def receive_part_control(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.working(client)["global_control"][part.span] = self.on_device(row)
+        self.working(client)["global_control"][part.span] = self.on_device(step, row)
 
     def receive_part(self, part: Part, step: StepContext, client: int, row: np.ndarray) -> None:
-        st, received = self.working(client), self.on_device(row)
+        st, received = self.working(client), self.on_device(step, row)
         st["model"][part.span] = received
         st["reference"][part.span] = received
         self.steps(client)[self.protocol.parts.index(part)] = 0

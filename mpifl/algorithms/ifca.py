@@ -23,7 +23,6 @@ from mpifl.models import FlatModel, build_model
 from mpifl.schema import INT32_MAX, limits
 from mpifl.training.device import host_floats
 from mpifl.training.localstep import LocalStep, Rows, TrainedRows
-from mpifl.training.sgd import to_device
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class IFCAServer(ServerAlgorithm):
 
 class IFCAClient(ClientToolkit):
     """Each sampled client picks its cluster (:meth:`best_clusters`), trains from that model and sends its delta
-    into its cluster's exact sum. On a GPU the k cluster models go up once a broadcast (:meth:`device_models`: the
+    into its cluster's exact sum. On a GPU the k cluster models go up once a broadcast (:meth:`receive_models`: the
     pick, the starts and evaluation read them there) and the deltas stay rows of the kernel's device tensor, folded
     there as FedAvg's are (:meth:`ClientToolkit.sent_rows`): no model crosses per client."""
 
@@ -112,8 +111,7 @@ class IFCAClient(ClientToolkit):
 
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
-        self.received: np.ndarray | None = None  # the k cluster models, as last broadcast
-        self.models_on_device: torch.Tensor | None = None  # the same on the device (device_models)
+        self.models_on_device: torch.Tensor | None = None  # the k cluster models, as last broadcast
         self.chosen: dict[int, int] = {}  # this round: client -> its cluster
         self.deltas: dict[int, Rows] = {}  # device rows on a GPU (sent_rows)
 
@@ -123,20 +121,13 @@ class IFCAClient(ClientToolkit):
                 p.cluster_msg: self.send_cluster, p.delta_msg: self.send_delta}
 
     def receive_models(self, step: StepContext, client: int, row: np.ndarray) -> None:
-        self.received = row.reshape(self.protocol.k, -1)
-        self.models_on_device = None  # a new broadcast (perhaps into the same buffer): uploaded afresh when first used
-
-    @property
-    def models(self) -> np.ndarray:
-        return require(self.received, "the cluster models")
+        """The k cluster models (k × numel) on this rank's device, copied up once a broadcast however many clients
+        receive them (:meth:`ClientToolkit.on_device`; on the CPU a copy of the received buffer, which the transport
+        may reuse): the pick, the starts and evaluation read them there."""
+        self.models_on_device = self.on_device(step, row).reshape(self.protocol.k, -1)
 
     def device_models(self) -> torch.Tensor:
-        """The k cluster models on this rank's device (k × numel), copied up once a broadcast in one asynchronous
-        copy, however many clients pick from them, start from them or are evaluated with them; on the CPU a copy
-        of the received buffer, which the transport may reuse."""
-        if self.models_on_device is None:
-            self.models_on_device = to_device(torch.from_numpy(np.array(self.models)), self.device)
-        return self.models_on_device
+        return require(self.models_on_device, "the cluster models")
 
     @torch.no_grad()
     def best_clusters(self, clients: list[int]) -> np.ndarray:

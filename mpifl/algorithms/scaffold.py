@@ -133,7 +133,7 @@ class ScaffoldClient(FedAvgClient):
 
     def receive_control(self, step: StepContext, client: int, row: np.ndarray) -> None:
         """c, copied to the device once a round however many clients receive it (one broadcast row)."""
-        self.global_control[client] = self.on_device(row)
+        self.global_control[client] = self.on_device(step, row)
 
     def own_control(self, client: int) -> torch.Tensor:
         """cᵢ on the device: kept there by the client state within its budget (``state_device_gb``), else copied

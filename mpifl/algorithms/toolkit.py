@@ -70,11 +70,13 @@ class ClientToolkit(ClientAlgorithm):
                                  auto_chunk(cfg.clients_per_round, self.device) if chunk == "auto" else chunk,
                                  cuda_graph=cfg.client.cuda_graph)
 
-    def on_device(self, row: np.ndarray) -> torch.Tensor:
-        """A received row on the training device, copied up once a round however many clients receive it (a broadcast
-        row: every client's is a view of one buffer, told apart by the memory it views). The row is kept until the
-        round ends, so that no other row reuses its memory meanwhile; do not change the tensor."""
-        key = (row.__array_interface__["data"][0], row.shape, row.strides)
+    def on_device(self, step: StepContext, row: np.ndarray) -> torch.Tensor:
+        """A row received in ``step`` on the training device, copied up once however many clients receive it (a
+        broadcast row: every client's is a view of one buffer, told apart by the memory it views). A later step
+        copies its rows afresh, even into the same memory (on one rank the server's own array arrives, which it may
+        change between the round's training and its evaluation). The row is kept until the round ends, so that no
+        other row reuses its memory meanwhile; do not change the tensor."""
+        key = (step.round, step.stage, row.__array_interface__["data"][0], row.shape, row.strides)
         if key not in self.uploaded:
             self.uploaded[key] = row, to_device(torch.from_numpy(np.array(row)), self.device)
         return self.uploaded[key][1]

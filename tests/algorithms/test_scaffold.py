@@ -52,3 +52,19 @@ def test_uniform_weighting_averages_the_model_over_the_cohort_and_c_over_the_pop
     own = [client.own_control(i).numpy().astype(np.float64) for i in range(4)]
     assert not own[1].any()
     np.testing.assert_allclose(server.control, (own[0] + own[1] + own[2] + own[3]) / 4, **TOL)
+
+
+def test_a_received_row_goes_to_the_device_once_a_step_and_afresh_in_the_next():
+    """``ClientToolkit.on_device``: every client's view of one broadcast row shares one device copy; the next step's
+    row is copied afresh even where it arrives in the same memory with new values (on one rank the server's own
+    array arrives, and IFCA's server changes its models between a round's training and its evaluation)."""
+    from mpifl.algorithms.context import StepContext
+
+    _, _, client = both_sides(config("scaffold"))
+    sent = np.arange(4, dtype=np.float32)
+    train, evaluate = StepContext(1, "train", np.arange(3)), StepContext(1, "eval", np.arange(3))
+    first = client.on_device(train, sent[:])
+    assert client.on_device(train, sent[:]) is first  # another client's view of the same broadcast
+    sent += 10  # the server changes its array in place
+    again = client.on_device(evaluate, sent[:])
+    assert again is not first and np.array_equal(again.numpy(), sent) and np.array_equal(first.numpy(), sent - 10)
