@@ -132,8 +132,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             storage_full,
         )
 
-        if storage_errno(exc) not in NAMED_TARGET_ERRNOS:
-            raise
+        if not isinstance(exc, StorageFull) and storage_errno(exc) not in NAMED_TARGET_ERRNOS:
+            raise  # (a StorageFull is a fault met mid-write, read-only ones too: one line whatever its errno)
         what = f"the write of {exc.filename}" if exc.filename else "a write"
         full = exc if isinstance(exc, StorageFull) else storage_full(exc, exc.filename or ".", what)
         sys.stderr.write(f"mpifl: error: {full.strerror}\n")

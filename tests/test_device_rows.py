@@ -100,3 +100,29 @@ def test_ifcas_deltas_leave_as_device_rows_and_give_its_bits_on_1_and_3_ranks(tm
     for ranks in rank_counts:
         got = run({**config, "algorithm": "ifca_rows:ALGORITHM"}, tmp_path / f"rows{ranks}.h5", ranks, tmp_path)
         assert_same(deterministic(got), expected)
+
+
+def test_a_client_that_reuses_its_tensor_for_each_clients_row_sends_each_clients_row(tmp_path, monkeypatch):
+    """The walker reads a step's device rows together after every client of the step has sent: a row handed
+    over as a tensor the client then reuses for the next client (a plug-in's workspace buffer) is copied where it
+    is as it is sent, so each client's row arrives, bitwise the run that hands over fresh rows."""
+    import numpy as np
+    import torch
+
+    from mpifl.algorithms.fedbuff import FedBuffClient
+    from tests.conftest import _merge, run_config
+    from tests.test_checkpoint import CONFIGS
+
+    config = tmp_path / "fedbuff.yaml"
+    config.write_text(yaml.safe_dump(_merge(CONFIGS["fedbuff"], {"rounds": 3})))
+    run_config(config, tmp_path / "fresh.h5")
+    sent = FedBuffClient.send_delta
+
+    def reused(client, step, c):  # noqa: ANN001, ANN202
+        row = torch.as_tensor(np.asarray(sent(client, step, c)))
+        buffer = client.__dict__.setdefault("buffer", torch.empty_like(row))
+        return buffer.copy_(row)
+
+    monkeypatch.setattr(FedBuffClient, "send_delta", reused)
+    run_config(config, tmp_path / "reused.h5")
+    assert_same(deterministic(tmp_path / "fresh.h5"), deterministic(tmp_path / "reused.h5"))

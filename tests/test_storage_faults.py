@@ -493,3 +493,15 @@ def test_two_threads_writing_at_once_leave_no_stale_collector(monkeypatch):
     second_out.set()
     thread.join(HANG_S)
     assert reported == [error]
+
+
+def test_an_error_that_ends_the_writing_thread_is_still_printed(tmp_path):
+    """The hooks that keep h5py's reports of freed objects quiet after a failed write keep only those: an error
+    that reaches the top of the thread is printed as always (it was dropped: exit 1, nothing said)."""
+    script = tmp_path / "ends.py"
+    script.write_text("import errno\nfrom mpifl.results.space import storage_failures\n\n"
+                      "with storage_failures('x.h5', 'the file x.h5'):\n"
+                      "    raise OSError(errno.EROFS, 'Read-only file system')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1 and "StorageFull" in done.stderr and "Read-only file system" in done.stderr, done

@@ -16,6 +16,7 @@ import errno
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -133,6 +134,9 @@ def sync_folder(folder: Path) -> None:
     handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(handle)
+    except OSError as exc:  # a file system that does not sync folders (some FUSE and network ones): its names are
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # as durable as it makes them
+            raise
     finally:
         os.close(handle)
 
@@ -172,6 +176,13 @@ def _collector(error: BaseException | None) -> list[BaseException] | None:
     return failed if failed is not None and error is not None and storage_errno(error) is not None else None
 
 
+def _inside_h5py(trace: TracebackType | None) -> bool:
+    """Whether every frame of ``trace`` is h5py's own (its compiled modules': a freed object's report), so none is
+    a caller's: an exception that reached the top of a thread has the thread's frames."""
+    frames = list(traceback.walk_tb(trace))
+    return bool(frames) and all("h5py" in Path(frame.f_code.co_filename).parts for frame, _ in frames)
+
+
 def _collect_reports() -> None:
     """Python's hooks for errors it cannot raise (``sys.unraisablehook``, and ``sys.excepthook``, through which
     Cython prints a freed object's error in full first) routed through :data:`WRITING`, once: a hook pair saved
@@ -188,7 +199,8 @@ def _collect_reports() -> None:
             failed.append(unraisable.exc_value)  # type: ignore[arg-type]
 
     def quiet(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
-        if _collector(value) is None:
+        # only what h5py prints of a freed object's error: an error that ends the thread is printed as always
+        if _collector(value) is None or not _inside_h5py(trace):
             printed(kind, value, trace)
 
     collect.collects_storage_errors = True  # type: ignore[attr-defined]
@@ -213,6 +225,9 @@ def storage_failures(path: str | Path, what: str) -> Iterator[list[BaseException
             del WRITING[thread]
             raise
         raise _unsafe(storage_full(storage[0], path, what)) from None
+    except BaseException:  # (KeyboardInterrupt, a stop): no write of this thread's is collected any more
+        del WRITING[thread]
+        raise
     storage = [error for error in failed if storage_errno(error) is not None]
     if storage:
         raise _unsafe(storage_full(storage[0], path, what))

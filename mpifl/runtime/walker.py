@@ -29,6 +29,9 @@ from mpifl.training.device import host_numpy
 LEDGER_STAGES: dict[Stage, str] = {"setup": "setup", "train": "train", "newcomer": "eval", "eval_prelude": "eval",
                                    "eval": "eval"}
 """The ledger's stage of each plan: what the protocol costs (train), once (setup), and to evaluate (eval)."""
+READ_BYTES = 1 << 28
+"""The most bytes of device rows read to the host in one copy (:meth:`PlanWalker._read_together`): the copy is
+stacked on the device and lands in pinned host memory, both its size, so 1,000 clients' rows come in a few."""
 
 
 @dataclass(frozen=True)
@@ -240,27 +243,30 @@ class PlanWalker:
             elif (msg.summed is not None and self.wire.codec(msg) is None and not self.wire.changes_uploads(msg)
                   and not (now.corrupt[i] and sent.is_floating_point())):
                 seen.append(sent.detach().reshape(msg.numel))
-            else:
-                seen.append(_Unread(sent.detach()))
+            else:  # copied where it is (no wait): a client may reuse its tensor for the next client's row
+                seen.append(_Unread(sent.detach().clone()))
         return seen
 
     def _read_together(self, round_: int, stage: Stage, group: list[Message], now: _Progress,
                        waiting: dict[int, list[Any]], outbox: _Outbox) -> None:
         """The :class:`_Unread` rows of ``waiting`` clients (local index -> rows), each message's in one copy to
-        the host (by dtype and device), then each arrives (:meth:`_arrive`); the copy's seconds are shared among
-        the clients it read."""
+        the host (by dtype and device; of :data:`READ_BYTES` at most), then each arrives (:meth:`_arrive`); the
+        copy's seconds are shared among the clients it read."""
         for j, msg in enumerate(group):
             unread: dict[tuple[torch.dtype, torch.device], list[int]] = {}
             for i, rows in waiting.items():
                 if isinstance(rows[j], _Unread):
                     unread.setdefault((rows[j].tensor.dtype, rows[j].tensor.device), []).append(i)
-            for where in unread.values():
-                start = time.perf_counter()
-                host = host_numpy(torch.stack([waiting[i][j].tensor.reshape(-1) for i in where]))
-                share = self._charge_compute(start) / len(where)
-                for i, row in zip(where, host):
-                    now.seconds[i] += share
-                    waiting[i][j] = self._arrive(round_, stage, msg, j, now, i, outbox, row)
+            for same in unread.values():
+                at_once = max(READ_BYTES // max(msg.numel * waiting[same[0]][j].tensor.element_size(), 1), 1)
+                for first in range(0, len(same), at_once):  # a bounded copy: a cohort's rows may be many
+                    where = same[first : first + at_once]
+                    start = time.perf_counter()
+                    host = host_numpy(torch.stack([waiting[i][j].tensor.reshape(-1) for i in where]))
+                    share = self._charge_compute(start) / len(where)
+                    for i, row in zip(where, host):
+                        now.seconds[i] += share
+                        waiting[i][j] = self._arrive(round_, stage, msg, j, now, i, outbox, row)
 
     def _arrive(self, round_: int, stage: Stage, msg: Message, j: int, now: _Progress, i: int, outbox: _Outbox,
                 sent: np.ndarray) -> np.ndarray:
