@@ -20,7 +20,6 @@ import importlib
 import inspect
 import io
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from torch import nn
 from mpifl.algorithms.state import ClientState
 from mpifl.comm.messages import Message
 from mpifl.results import KEPT, SHARDS, shard_dir
-from mpifl.results.space import STORAGE_ERRNOS, storage_failures, written_whole
+from mpifl.results.space import STORAGE_ERRNOS, written_hdf5
 from mpifl.schema import ConfigError
 
 SKIPPED_ATTRIBUTES = frozenset({"ctx", "protocol", "handler_table"})
@@ -236,15 +235,11 @@ def load_state_blob(blob: np.ndarray, obj: Any) -> None:
 
 def _write_synced(path: Path, fill: Any) -> int:
     """An HDF5 file written by ``fill(file)`` under a temporary name, synced and renamed, so a file that exists
-    is complete. Returns its size."""
+    is complete and on the disk. Returns its size."""
     # the temporary name prune_checkpoints knows; a full, read-only or failing file system leaves no half file
-    what = f"the checkpoint file {path.name}"
-    with written_whole(path, "the checkpoint file", path.with_name(f".{path.name}.tmp"), STORAGE_ERRNOS,
-                       durable=True) as tmp:
-        with storage_failures(path, what), h5py.File(tmp, "w") as f:  # HDF5's failed write: one line, no crash
-            fill(f)
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
+    with written_hdf5(path, "the checkpoint file", path.with_name(f".{path.name}.tmp"), STORAGE_ERRNOS,
+                      durable=True) as f:
+        fill(f)
     return path.stat().st_size
 
 

@@ -369,12 +369,6 @@ def descriptor_rows(seed: int, round_: int, client: int, n: int, batch: int) -> 
     return torch.randperm(n, generator=gen)[: min(batch, n)]
 
 
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays hold the same bits (a −0 is not a +0, a NaN is itself)."""
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
-
-
 class PeFLLClient(HyperClient):
     """PeFLL's client side. A client's descriptor and Δη_v are computed when what they need arrives and sent as
     they are, on φ's device: the runtime reads a step's clients' rows to the host together (one wait for the
@@ -388,7 +382,7 @@ class PeFLLClient(HyperClient):
     def __init__(self, ctx: RunContext, data, state: ClientState | None = None):  # noqa: ANN001
         super().__init__(ctx, data, state)
         self.embed = FlatModel(self.protocol.new_embedding().to(self.device))
-        self.loaded: np.ndarray | None = None  # the φ row loaded last
+        self.loaded: torch.Tensor | None = None  # the device copy of the φ row loaded last (on_device's)
         self.batches: dict[int, torch.Tensor] = {}
         self.described: dict[int, torch.Tensor] = {}  # descriptors on φ's device, not sent yet
         self.embed_grads: dict[int, torch.Tensor] = {}  # Δη_v on φ's device, not sent yet
@@ -402,11 +396,12 @@ class PeFLLClient(HyperClient):
                 p.eval_descriptor_msg: self.send_descriptor, p.eval_model_msg: self.receive_eval_model}
 
     def receive_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
-        """φ's weights, loaded for the first client a broadcast reaches and again only where they change: a load
-        per client would be a blocking upload per client on a GPU."""
-        if self.loaded is None or not same_bits(self.loaded, row):
-            self.embed.load(row)
-            self.loaded = np.array(row)
+        """φ's weights, copied up once a broadcast (:meth:`ClientToolkit.on_device`) and loaded for the first client
+        it reaches: a load per client would be a blocking upload per client on a GPU."""
+        received = self.on_device(step, row)
+        if received is not self.loaded:
+            self.embed.load(received)
+            self.loaded = received
 
     def receive_training_embedding_net(self, step: StepContext, client: int, row: np.ndarray) -> None:
         """φ, then ``client``'s descriptor of this round's batch."""

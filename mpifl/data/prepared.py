@@ -28,7 +28,7 @@ from numpy.lib import format as npy
 
 from mpifl.data.base import ClientSplit, FederatedDataset, FederatedLayout, empty_rows
 from mpifl.data.config import DataConfig
-from mpifl.results.space import storage_failures, written_whole
+from mpifl.results.space import written_hdf5
 from mpifl.schema import ConfigError, to_dict
 
 FORMAT = "mpifl-federated-1"
@@ -69,9 +69,7 @@ def prepare(dataset: FederatedDataset, cfg: DataConfig, seed: int, path: str | P
     path = Path(path)
     layout = dataset.layout
     path.parent.mkdir(parents=True, exist_ok=True)
-    what = "the prepared data file"
-    with (written_whole(path, what, temporary_name(path)) as tmp,
-          storage_failures(path, f"{what} {path.name}"), h5py.File(tmp, "w") as f):  # full: one line, no part
+    with written_hdf5(path, "the prepared data file", temporary_name(path)) as f:  # full: one line, no part
         f.attrs.update(format=FORMAT, fingerprint=fingerprint(cfg, seed), task=layout.task)
         if layout.task == "classification":
             f.attrs["num_classes"] = layout.num_classes

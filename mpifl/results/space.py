@@ -20,8 +20,12 @@ import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import h5py
 
 STORAGE_EXIT = 75
 """The exit code of a command the file system stopped (sysexits.h's EX_TEMPFAIL: free space, or mend the file
@@ -147,12 +151,15 @@ def written_whole(path: str | Path, what: str, temporary: Path | None = None,
     """A temporary name beside ``path`` (``temporary``, else ``.NAME.tmp-PID``) to write a file under; renamed to
     ``path`` once written, removed if the write fails, so ``path`` is the old file or the whole new one, never a
     part (a plot, a summary, a CSV export, a checkpoint file on a file system that fills). An error of ``storage``
-    becomes :class:`StorageFull`. ``durable``: the rename is on the disk too (:func:`sync_folder`; the block syncs
-    the file's own bytes)."""
+    becomes :class:`StorageFull`. ``durable``: the file's bytes are on the disk before its name, and its name once
+    it has it (:func:`sync_folder`)."""
     path = Path(path)
     tmp = temporary or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        if durable:
+            with open(tmp, "rb") as written:
+                os.fsync(written.fileno())
         os.replace(tmp, path)
         if durable:
             sync_folder(path.parent)
@@ -162,6 +169,19 @@ def written_whole(path: str | Path, what: str, temporary: Path | None = None,
         if storage_errno(exc) in storage:
             raise storage_full(exc, path, f"{what} {path.name}") from None
         raise
+
+
+@contextlib.contextmanager
+def written_hdf5(path: str | Path, what: str, temporary: Path | None = None, storage: set[int] = NAMED_TARGET_ERRNOS,
+                 durable: bool = False) -> Iterator[h5py.File]:
+    """A new HDF5 file at ``path``, open to write, written whole (:func:`written_whole`: a temporary name, renamed
+    once closed) and with what HDF5 reports of a failed write collected into one :class:`StorageFull`
+    (:func:`storage_failures`): one line, no part left, no crash."""
+    import h5py  # noqa: F811 - loaded by the commands that write HDF5, not by every reader of this module
+
+    with (written_whole(path, what, temporary, storage, durable) as tmp,
+          storage_failures(path, f"{what} {Path(path).name}"), h5py.File(tmp, "w") as file):
+        yield file
 
 
 WRITING: dict[int, list[BaseException]] = {}

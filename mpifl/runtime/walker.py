@@ -77,6 +77,20 @@ class _Unread:
     tensor: torch.Tensor
 
 
+def _copies(unread: list[int], waiting: dict[int, list[Any]], j: int) -> list[list[int]]:
+    """The clients of ``unread`` whose ``j``-th rows (:class:`_Unread`) come to the host in one copy: those on one
+    device with one dtype, :data:`READ_BYTES` at most (a cohort's rows may be many)."""
+    alike: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i in unread:
+        alike.setdefault((waiting[i][j].tensor.dtype, waiting[i][j].tensor.device), []).append(i)
+    pieces = []
+    for same in alike.values():
+        row_bytes = waiting[same[0]][j].tensor.numel() * waiting[same[0]][j].tensor.element_size()
+        at_once = max(READ_BYTES // max(row_bytes, 1), 1)
+        pieces += [same[first : first + at_once] for first in range(0, len(same), at_once)]
+    return pieces
+
+
 @dataclass
 class _Outbox:
     """One update's outgoing side on this rank, filled client by client."""
@@ -250,23 +264,16 @@ class PlanWalker:
     def _read_together(self, round_: int, stage: Stage, group: list[Message], now: _Progress,
                        waiting: dict[int, list[Any]], outbox: _Outbox) -> None:
         """The :class:`_Unread` rows of ``waiting`` clients (local index -> rows), each message's in one copy to
-        the host (by dtype and device; of :data:`READ_BYTES` at most), then each arrives (:meth:`_arrive`); the
-        copy's seconds are shared among the clients it read."""
+        the host (:func:`_copies`), then each arrives (:meth:`_arrive`); a copy's seconds are shared among the
+        clients it read."""
         for j, msg in enumerate(group):
-            unread: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-            for i, rows in waiting.items():
-                if isinstance(rows[j], _Unread):
-                    unread.setdefault((rows[j].tensor.dtype, rows[j].tensor.device), []).append(i)
-            for same in unread.values():
-                at_once = max(READ_BYTES // max(msg.numel * waiting[same[0]][j].tensor.element_size(), 1), 1)
-                for first in range(0, len(same), at_once):  # a bounded copy: a cohort's rows may be many
-                    where = same[first : first + at_once]
-                    start = time.perf_counter()
-                    host = host_numpy(torch.stack([waiting[i][j].tensor.reshape(-1) for i in where]))
-                    share = self._charge_compute(start) / len(where)
-                    for i, row in zip(where, host):
-                        now.seconds[i] += share
-                        waiting[i][j] = self._arrive(round_, stage, msg, j, now, i, outbox, row)
+            for where in _copies([i for i, rows in waiting.items() if isinstance(rows[j], _Unread)], waiting, j):
+                start = time.perf_counter()
+                host = host_numpy(torch.stack([waiting[i][j].tensor.reshape(-1) for i in where]))
+                share = self._charge_compute(start) / len(where)
+                for i, row in zip(where, host):
+                    now.seconds[i] += share
+                    waiting[i][j] = self._arrive(round_, stage, msg, j, now, i, outbox, row)
 
     def _arrive(self, round_: int, stage: Stage, msg: Message, j: int, now: _Progress, i: int, outbox: _Outbox,
                 sent: np.ndarray) -> np.ndarray:
